@@ -1,0 +1,27 @@
+"""memsave: train PyTorch models that do not fit.
+
+ZeRO-1/2/3 sharding, offload, activation recomputation, mixed precision and memory reports, composed on
+``torch.distributed``. See README.md for the quickstart and ``memsave.wrap`` for the entry point.
+"""
+
+from memsave.api import wrap
+from memsave.config import Profile, list_presets, load_profile
+from memsave.dist import Mesh, init
+from memsave.phases import MemoryCategory, Phase
+from memsave.wrapped import MemsaveModule, MemsaveOptimizer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MemoryCategory",
+    "MemsaveModule",
+    "MemsaveOptimizer",
+    "Mesh",
+    "Phase",
+    "Profile",
+    "__version__",
+    "init",
+    "list_presets",
+    "load_profile",
+    "wrap",
+]

@@ -1,0 +1,121 @@
+"""``memsave.wrap``: apply a profile to a user's model and optimizer.
+
+Transforms apply in one documented order (torchtitan's): tensor parallel, then recompute, then ZeRO / data
+parallel, then the pipeline schedule. Today the data-parallel engines (stage 0: DDP-style; stages 1-3: ZeRO)
+are built; the other transforms raise ``NotImplementedError`` until they land, rather than being ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from memsave import dist as mdist
+from memsave.config import Profile, load_profile
+from memsave.dist import Mesh
+from memsave.engines.dp import DataParallelEngine, DataParallelOptimizer
+from memsave.wrapped import MemsaveOptimizer, swap_class
+
+__all__ = ["default_mesh", "wrap"]
+
+
+def default_mesh() -> Mesh:
+    """dp over the whole default process group, whoever initialized it (a world of one if nobody did)."""
+    return mdist.init()
+
+
+def _check_supported(profile: Profile) -> None:
+    """No silent fallback: a profile asking for a technique that is not built yet is refused."""
+    p = profile
+    if p.precision.compute != "fp32" or p.precision.loss_scale != "none" or p.precision.reduce not in ("fp32", "compute"):
+        raise NotImplementedError(
+            f"profile {p.name!r}: [precision] compute={p.precision.compute!r}, reduce={p.precision.reduce!r}, "
+            f"loss_scale={p.precision.loss_scale!r} is not implemented yet; only fp32 training is available"
+        )
+    if (p.offload.optimizer, p.offload.params, p.offload.activations) != ("none", "none", "none"):
+        raise NotImplementedError(f"profile {p.name!r}: [offload] is not implemented yet; set its tiers to \"none\"")
+    if p.recompute.policy != "none":
+        raise NotImplementedError(
+            f"profile {p.name!r}: [recompute] policy={p.recompute.policy!r} is not implemented yet; use \"none\""
+        )
+
+
+@torch.no_grad()
+def sync_module_states(model: nn.Module, mesh: Mesh) -> None:
+    """Broadcast parameters and buffers from dp rank 0 so every replica starts identical (as DDP does)."""
+    seen: set[int] = set()
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            mdist.broadcast(t.data, 0, mesh.dp_group)
+
+
+def _prepare_model(model: nn.Module, mesh: Mesh) -> None:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.device.type == "meta":
+            raise ValueError(
+                f"model tensor {name!r} is on the meta device; materialize the model (model.to_empty(...) and "
+                "initialize) before memsave.wrap"
+            )
+    model.to(mesh.device)
+
+
+def _check_optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every parameter the optimizer updates must belong to the model (else it would never be synchronized)."""
+    names = {p: n for n, p in model.named_parameters(remove_duplicate=False)}
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if p not in names:
+                raise ValueError(
+                    f"optimizer param_groups[{gi}] holds a tensor of shape {tuple(p.shape)} that is not a parameter "
+                    "of the model; build the optimizer over model.parameters()"
+                )
+
+
+def wrap(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    profile: str | Path | Profile = "ddp",
+    *,
+    mesh: Mesh | None = None,
+    units: Sequence[nn.Module] | None = None,
+) -> tuple[nn.Module, MemsaveOptimizer]:
+    """Wrap ``model`` and its ``optimizer`` for training under ``profile``.
+
+    Args:
+        model: any ``nn.Module``. It is modified in place (moved to the mesh's device, hooks installed, its
+            class swapped for a subclass that adds ``no_sync()``) and returned.
+        optimizer: the user's optimizer instance over ``model``'s parameters (any ``torch.optim.Optimizer``,
+            any param groups).
+        profile: a preset name (``"ddp"``, ``"zero3"``, ...), a path to a TOML file, or a :class:`Profile`.
+        mesh: the layout from :func:`memsave.init`; ``None`` means dp over the whole default process group.
+        units: the modules that communicate (and later recompute / offload) together; default: the blocks of
+            the model's largest ``nn.ModuleList`` plus the root.
+
+    Returns:
+        ``(model, optimizer)``: the same model object and a :class:`~memsave.wrapped.MemsaveOptimizer` with
+        ``backward``, ``clip_grad_norm``, ``step``, ``zero_grad``, ``state_dict`` and ``load_state_dict``.
+    """
+    profile = load_profile(profile)
+    _check_supported(profile)
+    mesh = mesh if mesh is not None else default_mesh()
+    _prepare_model(model, mesh)
+    _check_optimizer_params(model, optimizer)
+    sync_module_states(model, mesh)
+    if profile.zero.stage == 0:
+        if units is not None:
+            raise NotImplementedError(
+                "units= has no effect with zero.stage = 0 (plain data parallel buckets by size); "
+                "drop it or choose a ZeRO stage"
+            )
+        engine = DataParallelEngine(model, mesh, bucket_mb=profile.zero.bucket_mb)
+        swap_class(model, engine)
+        return model, DataParallelOptimizer(optimizer, engine)
+    from memsave.zero import shard  # layer 3; imported here so stage 0 users never load it
+
+    return shard(model, optimizer, stage=profile.zero.stage, mesh=mesh, units=units, config=profile.zero)

@@ -1,0 +1,37 @@
+"""Layer 1: the only place that calls ``torch.distributed``."""
+
+from memsave.dist.collectives import (
+    COMM_STATS,
+    CommStats,
+    Handle,
+    ProcessGroup,
+    all_gather_into,
+    all_reduce,
+    barrier,
+    broadcast,
+    group_rank,
+    group_size,
+    reduce_scatter_into,
+)
+from memsave.dist.init import default_device, init, launch_env
+from memsave.dist.mesh import AXES, Mesh, validate_degrees
+
+__all__ = [
+    "AXES",
+    "COMM_STATS",
+    "CommStats",
+    "Handle",
+    "Mesh",
+    "ProcessGroup",
+    "all_gather_into",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "default_device",
+    "group_rank",
+    "group_size",
+    "init",
+    "launch_env",
+    "reduce_scatter_into",
+    "validate_degrees",
+]

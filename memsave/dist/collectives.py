@@ -1,0 +1,178 @@
+"""Every collective memsave issues, in one place: typed wrappers with async handles, a size-1 fast path, a
+profiler label per call and a counter of the logical bytes each moves.
+
+[Note: logical bytes] The counter follows the ZeRO paper's accounting, per rank and independent of the
+algorithm the backend picks: an all-gather moves the bytes of its *output*, a reduce-scatter the bytes of its
+*input*, and an all-reduce twice its size (a reduce-scatter followed by an all-gather). So DDP moves 2 bytes per
+gradient byte, and ZeRO-3 moves 3 (two all-gathers and one reduce-scatter per parameter). Gloo emulates
+reduce-scatter with other primitives; the logical figure is what CPU tests check. A group of one moves nothing
+and counts nothing.
+
+torch 2.13 renames ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to ``all_gather_single`` /
+``reduce_scatter_single`` and deprecates the old names; 2.11 has only the old ones. This module picks whichever
+exists so the rest of memsave never sees the difference.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch.autograd.profiler import record_function
+
+__all__ = [
+    "COMM_STATS",
+    "CommStats",
+    "Handle",
+    "ProcessGroup",
+    "all_gather_into",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "group_rank",
+    "group_size",
+    "reduce_scatter_into",
+]
+
+ProcessGroup = dist.ProcessGroup
+ReduceOp = dist.ReduceOp
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Handle(Protocol):
+    def wait(self) -> Any: ...
+
+
+class _Done:
+    """The handle of a collective that completed synchronously (or needed no communication)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+_DONE = _Done()
+
+
+@dataclasses.dataclass
+class CommStats:
+    """Calls and logical bytes per collective kind, for this process (see [Note: logical bytes])."""
+
+    calls: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    bytes: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.calls[kind] += 1
+        self.bytes[kind] += nbytes
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        return {"calls": dict(self.calls), "bytes": dict(self.bytes)}
+
+    @contextmanager
+    def measure(self) -> Iterator[CommStats]:
+        """Counts of the collectives issued inside the ``with`` block only."""
+        before_calls, before_bytes = collections.Counter(self.calls), collections.Counter(self.bytes)
+        window = CommStats()
+        try:
+            yield window
+        finally:
+            window.calls = self.calls - before_calls
+            window.bytes = self.bytes - before_bytes
+
+
+COMM_STATS = CommStats()
+
+
+def group_size(group: ProcessGroup | None) -> int:
+    if not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup | None) -> int:
+    if not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_reduce(
+    tensor: torch.Tensor, group: ProcessGroup | None, *, op: Any = ReduceOp.SUM, async_op: bool = False
+) -> Handle:
+    """In-place all-reduce of ``tensor`` over ``group``."""
+    if group_size(group) == 1:
+        return _DONE
+    COMM_STATS.add("all_reduce", 2 * _nbytes(tensor))
+    with record_function("memsave::all_reduce"):
+        work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return work if async_op else _DONE
+
+
+def all_gather_into(
+    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, *, async_op: bool = False
+) -> Handle:
+    """Gather every rank's ``input`` into the flat ``output`` (rank order), ``output.numel() == size * input.numel()``."""
+    size = group_size(group)
+    if output.numel() != size * input.numel():
+        raise AssertionError(f"all_gather_into: output {output.numel()} != {size} x input {input.numel()}")
+    if size == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return _DONE
+    COMM_STATS.add("all_gather", _nbytes(output))
+    with record_function("memsave::all_gather"):
+        work = _all_gather_single(output, input, group=group, async_op=async_op)
+    return work if async_op else _DONE
+
+
+def reduce_scatter_into(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: ProcessGroup | None,
+    *,
+    op: Any = ReduceOp.SUM,
+    async_op: bool = False,
+) -> Handle:
+    """Reduce the flat ``input`` over ``group`` and keep this rank's slice in ``output``."""
+    size = group_size(group)
+    if input.numel() != size * output.numel():
+        raise AssertionError(f"reduce_scatter_into: input {input.numel()} != {size} x output {output.numel()}")
+    if size == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return _DONE
+    COMM_STATS.add("reduce_scatter", _nbytes(input))
+    with record_function("memsave::reduce_scatter"):
+        work = _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+    return work if async_op else _DONE
+
+
+def broadcast(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup | None) -> None:
+    """Broadcast ``tensor`` in place from the rank whose rank *within group* is ``src_group_rank``."""
+    if group_size(group) == 1:
+        return
+    COMM_STATS.add("broadcast", _nbytes(tensor))
+    with record_function("memsave::broadcast"):
+        src = dist.get_global_rank(group, src_group_rank) if group is not None else src_group_rank
+        dist.broadcast(tensor, src=src, group=group)
+
+
+def barrier(group: ProcessGroup | None = None) -> None:
+    if group_size(group) > 1:
+        dist.barrier(group=group)

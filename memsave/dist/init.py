@@ -1,0 +1,97 @@
+"""``memsave.init()``: join the process group that the launcher describes, or run as one process.
+
+``torchrun`` and ``accelerate launch --multi_gpu`` both export ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR`` and ``MASTER_PORT``; from these we rendezvous through the ``env://`` method. With none of them
+set we start a world of one on an in-memory store (no port, no rendezvous), so the same script runs unchanged
+as ``python train.py``. If the default process group already exists (the user or accelerate created it), it is
+used as it is.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from memsave._logging import get_logger
+from memsave.dist.mesh import Mesh, validate_degrees
+
+__all__ = ["default_device", "init", "launch_env"]
+
+_LAUNCH_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launch_env() -> dict[str, str] | None:
+    """The launcher's variables, or None when no launcher set them. Partial settings are an error."""
+    present = {k: os.environ[k] for k in _LAUNCH_KEYS if k in os.environ}
+    if not present or set(present) == {"LOCAL_RANK"}:
+        return None
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in present]
+    if missing:
+        raise ValueError(
+            f"launcher environment is incomplete: {', '.join(missing)} missing (have {', '.join(sorted(present))}); "
+            "launch with torchrun / accelerate launch, or unset them all to run as one process"
+        )
+    for key in ("RANK", "WORLD_SIZE"):
+        if not present[key].isdigit():
+            raise ValueError(f"environment variable {key}={present[key]!r} is not allowed; expected an integer")
+    if int(present["RANK"]) >= int(present["WORLD_SIZE"]):
+        raise ValueError(f"environment RANK={present['RANK']} is not below WORLD_SIZE={present['WORLD_SIZE']}")
+    present.setdefault("LOCAL_RANK", present["RANK"])
+    return present
+
+
+def default_device(local_rank: int) -> torch.device:
+    """``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init(
+    *,
+    dp: int | None = None,
+    tp: int = 1,
+    pp: int = 1,
+    backend: str | None = None,
+    device: str | torch.device | None = None,
+    timeout_s: float | None = None,
+) -> Mesh:
+    """Initialize ``torch.distributed`` (if needed) and return the ``pp x dp x tp`` :class:`Mesh`.
+
+    Args:
+        dp, tp, pp: mesh degrees. ``dp`` defaults to ``world_size / (tp * pp)``; degrees that do not multiply to
+            the world size raise ``ValueError``.
+        backend: ``"nccl"`` or ``"gloo"``; by default nccl for CUDA devices, gloo otherwise.
+        device: the compute device; by default ``cuda:LOCAL_RANK`` when CUDA is there, else CPU.
+        timeout_s: collective timeout (default: ``MEMSAVE_TIMEOUT_S`` or 600 s).
+    """
+    env = launch_env()
+    local_rank = int(env["LOCAL_RANK"]) if env else int(os.environ.get("LOCAL_RANK", 0))
+    dev = torch.device(device) if device is not None else default_device(local_rank)
+    if backend is None:
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend={backend!r} is not allowed; expected 'nccl' or 'gloo'")
+    if backend == "nccl" and dev.type != "cuda":
+        raise ValueError(f"backend='nccl' needs a CUDA device, got device={dev}; use backend='gloo' on CPU")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    timeout = datetime.timedelta(seconds=timeout_s or float(os.environ.get("MEMSAVE_TIMEOUT_S", 600)))
+
+    if not dist.is_initialized():
+        world_size = int(env["WORLD_SIZE"]) if env else 1
+        validate_degrees(world_size, dp=dp, tp=tp, pp=pp)  # fail before any rendezvous
+        if env is None:
+            # One process, no launcher: an in-memory store needs no free port and no peers.
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            kwargs = {"device_id": dev} if dev.type == "cuda" else {}
+            dist.init_process_group(backend, init_method="env://", timeout=timeout, **kwargs)  # type: ignore[arg-type]
+    elif dist.get_backend() != backend:
+        get_logger().info("using the existing %s process group (asked for %s)", dist.get_backend(), backend)
+    mesh = Mesh.build(device=dev, dp=dp, tp=tp, pp=pp, local_rank=local_rank)
+    get_logger().info("initialized %r", mesh)
+    return mesh

@@ -1,0 +1,114 @@
+"""The parallel layout: one explicit object with validated degrees and named axes, passed around.
+
+The mesh is ``pp x dp x tp`` (tp innermost, so tensor-parallel ranks are neighbours, as torchtitan lays it
+out), built on torch's :class:`~torch.distributed.device_mesh.DeviceMesh` with axis names ``"pp"``, ``"dp"``,
+``"tp"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["AXES", "Mesh", "validate_degrees"]
+
+AXES = ("pp", "dp", "tp")
+
+
+def validate_degrees(world_size: int, *, dp: int | None, tp: int, pp: int) -> tuple[int, int, int]:
+    """Return ``(pp, dp, tp)`` after checking that they multiply to the world size."""
+    for name, value in (("tp", tp), ("pp", pp), ("dp", dp)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"mesh degree {name}={value!r} is not allowed; expected a positive integer")
+    if world_size % (tp * pp) != 0:
+        raise ValueError(
+            f"mesh degrees tp={tp} x pp={pp} do not divide the world size {world_size}; "
+            f"choose degrees whose product divides {world_size}"
+        )
+    if dp is None:
+        dp = world_size // (tp * pp)
+    if dp * tp * pp != world_size:
+        raise ValueError(
+            f"mesh degrees dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} do not match the world size {world_size}; "
+            f"leave dp unset to use dp = world_size / (tp * pp) = {world_size // (tp * pp)}"
+        )
+    return pp, dp, tp
+
+
+@dataclasses.dataclass(eq=False)
+class Mesh:
+    """The ``pp x dp x tp`` layout of the processes and the device of this one.
+
+    Attributes:
+        device_mesh: torch's DeviceMesh with dim names ``("pp", "dp", "tp")``.
+        device: this process's compute device.
+        backend: the process-group backend (``"nccl"`` or ``"gloo"``).
+        local_rank: rank on this host (selects the GPU).
+    """
+
+    device_mesh: DeviceMesh
+    device: torch.device
+    backend: str
+    local_rank: int = 0
+
+    @classmethod
+    def build(
+        cls, *, device: torch.device, dp: int | None = None, tp: int = 1, pp: int = 1, local_rank: int = 0
+    ) -> Mesh:
+        """A mesh over the initialized default process group."""
+        if not dist.is_initialized():
+            raise RuntimeError("Mesh.build needs torch.distributed initialized; call memsave.init() first")
+        shape = validate_degrees(dist.get_world_size(), dp=dp, tp=tp, pp=pp)
+        device_type = "cuda" if device.type == "cuda" else "cpu"
+        device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
+        return cls(device_mesh=device_mesh, device=device, backend=dist.get_backend(), local_rank=local_rank)
+
+    def degree(self, axis: str) -> int:
+        """Configured size of ``axis`` (``"dp"``, ``"tp"`` or ``"pp"``)."""
+        self._check_axis(axis)
+        return self.device_mesh.size(AXES.index(axis))
+
+    def axis_rank(self, axis: str) -> int:
+        """This process's coordinate along ``axis``."""
+        self._check_axis(axis)
+        return self.device_mesh.get_local_rank(axis)
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        """The process group of the ranks that differ from this one only along ``axis``."""
+        self._check_axis(axis)
+        return self.device_mesh.get_group(axis)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size()
+
+    @property
+    def dp_size(self) -> int:
+        return self.degree("dp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.axis_rank("dp")
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.group("dp")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def _check_axis(self, axis: str) -> None:
+        if axis not in AXES:
+            raise ValueError(f"mesh axis {axis!r} is not allowed; expected one of {', '.join(AXES)}")
+
+    def __repr__(self) -> str:
+        shape = " x ".join(f"{a}={self.degree(a)}" for a in AXES)
+        return f"Mesh({shape}, rank={self.rank}, device={self.device}, backend={self.backend})"

@@ -1,0 +1,203 @@
+"""Plain data parallelism (``[zero] stage = 0``): every rank holds everything, gradients are averaged.
+
+The engine follows torch DDP's reducer (Li et al., 2020, "PyTorch Distributed"): trainable parameters are
+laid out, in reverse registration order (roughly the order backward produces their gradients), in flat
+*buckets* of about ``bucket_mb``. A post-accumulate-grad hook moves each gradient into its bucket (the gradient
+then *is* a view of the bucket, so the all-reduce result needs no copy back); when a bucket is complete its
+all-reduce is launched asynchronously while backward goes on. One end-of-backward callback launches what is
+left and waits for everything, so when ``loss.backward()`` returns the gradients are averaged.
+
+[Note: bucket order] Buckets are launched strictly in index order, on every rank alike, so the collectives
+match across ranks even when gradients become ready in different orders or some are never produced.
+
+[Note: unused parameters] A parameter that got no gradient on this rank contributes zeros. A flag per
+parameter is all-reduced with the last bucket so every rank agrees which parameters were used anywhere:
+those used on some rank get the average as their gradient on every rank (so replicas stay identical); those
+used on none keep ``grad = None`` (so the optimizer skips them, as it does under DDP).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from memsave import dist as mdist
+from memsave.dist import Mesh
+from memsave.wrapped import MemsaveOptimizer
+
+__all__ = ["DataParallelEngine", "DataParallelOptimizer", "trainable_parameters"]
+
+
+def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Named parameters that require grad, each shared (tied) parameter once, in registration order."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+@dataclasses.dataclass(eq=False)
+class _Bucket:
+    index: int
+    buffer: torch.Tensor  # (numel,) flat gradients of the parameters below
+    params: list[nn.Parameter]
+    offsets: list[int]
+    pending: int = 0
+    handle: mdist.Handle | None = None
+
+    def view(self, i: int) -> torch.Tensor:
+        p = self.params[i]
+        return self.buffer[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
+
+
+class DataParallelEngine:
+    """Bucketed, overlapped gradient averaging over the mesh's ``dp`` axis (see module docstring)."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, *, bucket_mb: float) -> None:
+        self.model = model
+        self.mesh = mesh
+        self.group = mesh.dp_group
+        self.dp_size = mesh.dp_size
+        self.require_grad_sync = True
+        named = trainable_parameters(model)
+        self.param_names = {p: n for n, p in named}
+        self.buckets = self._make_buckets([p for _, p in reversed(named)], int(bucket_mb * 2**20))
+        self._slot = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        # One byte per parameter: was its gradient produced on this rank? Reduced with the last bucket.
+        self._used = torch.zeros(len(self._slot), dtype=torch.int32, device=mesh.device)
+        self._used_handle: mdist.Handle | None = None
+        self._order = {p: k for k, p in enumerate(self._slot)}
+        self._next_launch = 0
+        self._callback_queued = False
+        self.num_syncs = 0  # completed gradient synchronizations (one per synchronizing backward)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._slot]
+
+    @staticmethod
+    def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
+        groups: list[list[nn.Parameter]] = [[]]
+        size = 0
+        for p in params:
+            key = (p.dtype, p.device)
+            nbytes = p.numel() * p.element_size()
+            current = groups[-1]
+            if current and (size + nbytes > cap_bytes or (current[0].dtype, current[0].device) != key):
+                groups.append([])
+                size = 0
+            groups[-1].append(p)
+            size += nbytes
+        buckets = []
+        for index, group in enumerate(g for g in groups if g):
+            offsets, total = [], 0
+            for p in group:
+                offsets.append(total)
+                total += p.numel()
+            buffer = torch.zeros(total, dtype=group[0].dtype, device=group[0].device)
+            buckets.append(_Bucket(index, buffer, group, offsets, pending=len(group)))
+        return buckets
+
+    # -- hooks -----------------------------------------------------------------------------------------------
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self.require_grad_sync:
+            return
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
+        bucket, i = self._slot[param]  # type: ignore[index]
+        self._adopt(bucket, i)
+        bucket.pending -= 1
+        self._launch_ready()
+
+    def _adopt(self, bucket: _Bucket, i: int) -> None:
+        """Make the parameter's gradient a view of its bucket (copying it there once), and mark it used."""
+        p = bucket.params[i]
+        view = bucket.view(i)
+        if p.grad is None:
+            view.zero_()
+            return
+        if p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+            p.grad = view
+        self._used[self._order[p]] = 1
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
+            self._launch(self.buckets[self._next_launch])
+
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.buffer.div_(self.dp_size)  # pre-divide, as DDP does: the sum is then the average
+        bucket.handle = mdist.all_reduce(bucket.buffer, self.group, async_op=True)
+        self._next_launch += 1
+        if self._next_launch == len(self.buckets):
+            self._used_handle = mdist.all_reduce(self._used, self.group, async_op=True)
+
+    def _finalize_backward(self) -> None:
+        """End of backward: launch what the hooks did not (unused parameters), wait, settle unused grads."""
+        self._callback_queued = False
+        for bucket in self.buckets[self._next_launch :]:
+            for i in range(len(bucket.params)):
+                self._adopt(bucket, i)  # idempotent for those whose hook already ran
+            bucket.pending = 0
+        self._launch_ready()
+        for bucket in self.buckets:
+            assert bucket.handle is not None
+            bucket.handle.wait()
+            bucket.handle = None
+            bucket.pending = len(bucket.params)
+        assert self._used_handle is not None
+        self._used_handle.wait()
+        used = self._used.tolist()
+        for p, k in self._order.items():
+            if used[k]:
+                if p.grad is None:  # used elsewhere only: the average is its gradient here too
+                    bucket, i = self._slot[p]
+                    p.grad = bucket.view(i)
+            else:
+                p.grad = None
+        self._used.zero_()
+        self._next_launch = 0
+        self.num_syncs += 1
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        for p in self._slot:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+class DataParallelOptimizer(MemsaveOptimizer):
+    """The user's optimizer, unchanged, stepping replicated parameters whose gradients the engine averaged."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: DataParallelEngine) -> None:
+        super().__init__(optimizer)
+        self.engine = engine
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        before = self.engine.num_syncs
+        loss.backward(**kwargs)
+        if self.engine.require_grad_sync and self.engine.num_syncs == before:
+            # No gradient reached this rank's parameters, so no hook queued the sync; the peers still need it.
+            self.engine._finalize_backward()
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        # Gradients are replicated after the all-reduce, so the local norm is the global one.
+        params = [p for p in self.engine.param_names if p.grad is not None]  # registration order
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=True)
+
+    def _step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad(set_to_none)
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)

@@ -1,0 +1,154 @@
+"""The public types ``memsave.wrap`` returns, shared by every engine (plain data parallel and ZeRO 1-3).
+
+The model is *not* put inside a container: like FSDP2's ``fully_shard``, memsave swaps the instance's class
+for a subclass that also derives from :class:`MemsaveModule`, so attribute access, ``isinstance`` checks,
+``state_dict`` keys and the ``forward`` signature are exactly those of the user's model.
+
+The optimizer is a :class:`MemsaveOptimizer` around the user's own optimizer instance; it is a
+``torch.optim.Optimizer`` (LR schedulers accept it) whose ``param_groups`` *are* the inner optimizer's, so a
+scheduler built on either object changes the learning rate that is used.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["MemsaveModule", "MemsaveOptimizer", "swap_class", "unswap_class"]
+
+_CLASS_CACHE: dict[type, type] = {}
+
+
+class MemsaveModule:
+    """Mixed into a wrapped model's class. ``memsave_engine`` is the engine that owns its hooks."""
+
+    memsave_engine: Any
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, without communication, for the backwards run inside the block.
+
+        Same contract as DDP's ``no_sync``: the first backward *after* the block synchronizes everything
+        accumulated so far. Use it for all micro-batches but the last of a gradient-accumulation step.
+        """
+        engine = self.memsave_engine
+        previous = engine.require_grad_sync
+        engine.require_grad_sync = False
+        try:
+            yield
+        finally:
+            engine.require_grad_sync = previous
+
+
+def swap_class(module: nn.Module, engine: Any) -> nn.Module:
+    """Make ``module`` an instance of ``Memsave<Class>(Class, MemsaveModule)`` in place and attach ``engine``."""
+    cls = type(module)
+    if isinstance(module, MemsaveModule):
+        raise ValueError(f"module of class {cls.__name__} is already wrapped by memsave; wrap it once")
+    if cls not in _CLASS_CACHE:
+        _CLASS_CACHE[cls] = type(f"Memsave{cls.__name__}", (cls, MemsaveModule), {"__module__": cls.__module__})
+    module.__class__ = _CLASS_CACHE[cls]
+    module.memsave_engine = engine
+    return module
+
+
+def unswap_class(module: nn.Module) -> nn.Module:
+    """Undo :func:`swap_class` (used when an engine is removed)."""
+    if isinstance(module, MemsaveModule):
+        module.__class__ = module.__class__.__bases__[0]
+        del module.memsave_engine
+    return module
+
+
+class MemsaveOptimizer(torch.optim.Optimizer, abc.ABC):
+    """The optimizer half of ``memsave.wrap``'s result: the training-loop API every engine provides.
+
+    ``backward(loss)``, ``clip_grad_norm(max_norm)``, ``step()``, ``zero_grad()``, ``state_dict()`` and
+    ``load_state_dict()``. Subclasses implement the engine-specific parts.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        # Deliberately not calling Optimizer.__init__: the state lives in the wrapped optimizer.
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(
+                f"optimizer must be a torch.optim.Optimizer instance, got {type(optimizer).__name__}; "
+                "build it over model.parameters() before calling memsave.wrap"
+            )
+        if isinstance(optimizer, MemsaveOptimizer):
+            raise ValueError("optimizer is already wrapped by memsave; pass the original optimizer")
+        self.optimizer = optimizer
+        self._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks
+        self._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
+
+    # -- what LR schedulers and user code read -------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.optimizer!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(f"{type(self).__name__} cannot be pickled; use memsave.save / state_dict()")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError(
+            "add_param_group after memsave.wrap is not supported: the engine has laid out its buffers for the "
+            "parameters it was given; add the group to the optimizer before wrapping"
+        )
+
+    # -- the training-loop API -----------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()`` plus whatever the engine needs around it (loss scaling, gradient sync)."""
+        loss.backward(**kwargs)
+
+    @abc.abstractmethod
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients in place by their global norm over every rank; returns that norm (before clipping)."""
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        if closure is not None:
+            raise NotImplementedError(
+                "step(closure) is not supported by memsave engines: a closure would re-run forward and backward "
+                "outside the engine's communication schedule; call backward and step yourself"
+            )
+        self._step()
+        return None
+
+    @abc.abstractmethod
+    def _step(self) -> None: ...
+
+    @abc.abstractmethod
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, Any]: ...  # type: ignore[override]
+
+    @abc.abstractmethod
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...

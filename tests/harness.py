@@ -1,0 +1,88 @@
+"""Run a function in N spawned processes with gloo, the way torchrun would, and fail fast on a hang.
+
+``run_ranks(fn, world_size, *args)`` sets the launcher environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT`` on a free port) in each child, limits it to one thread, calls
+``fn(*args)`` there and returns the per-rank results in rank order. A rank's exception is raised in the parent
+with the child's traceback; if any rank is still running after ``timeout`` seconds every child is killed and
+``TimeoutError`` is raised. ``fn`` must be a module-level function (it is pickled by reference). Run many
+sub-cases inside one ``fn`` to pay the spawn cost once.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+__all__ = ["free_port", "run_ranks"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any, env: dict) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", **env,
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        result = fn(*args)
+        queue.put((rank, True, result))
+    except BaseException as exc:  # surfaced in the parent
+        queue.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, env: dict[str, str] | None = None
+) -> list[Any]:
+    """``fn(*args)`` on ``world_size`` spawned ranks; their return values in rank order."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue, env or {}), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world_size:
+            if not queue.empty():
+                rank, ok, value = queue.get()
+                if not ok:
+                    raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
+                results[rank] = value
+                continue
+            dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results and p.exitcode != 0]
+            if dead and queue.empty():
+                time.sleep(0.2)  # a result may still be in flight
+                if queue.empty():
+                    raise RuntimeError(f"ranks {dead} died with exit codes {[procs[r].exitcode for r in dead]}")
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(results))
+                raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s (hang?)")
+            time.sleep(0.01)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [results[r] for r in range(world_size)]

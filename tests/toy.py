@@ -1,0 +1,68 @@
+"""Small models for engine tests: what real user models do that a reference GPT does not."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+@dataclasses.dataclass
+class ToyOutput:
+    loss: torch.Tensor
+    logits: torch.Tensor
+
+
+class ToyBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class ToyLM(nn.Module):
+    """Keyword-argument forward, dataclass output, tied embedding / head, a frozen part, a non-persistent
+    buffer, and an optional branch that is skipped on some calls (``use_extra=False``)."""
+
+    def __init__(self, vocab: int = 32, d: int = 16, n_blocks: int = 3, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(vocab, d)
+        self.frozen_proj = nn.Linear(d, d)
+        self.frozen_proj.requires_grad_(False)
+        self.blocks = nn.ModuleList(ToyBlock(d) for _ in range(n_blocks))
+        self.extra = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.register_buffer("scale", torch.tensor(0.5), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, *, labels: torch.Tensor, use_extra: bool = True) -> ToyOutput:
+        x = self.embed(input_ids)  # (B, T, d)
+        x = x + self.scale * self.frozen_proj(x)
+        for block in self.blocks:
+            x = block(x)
+        if use_extra:
+            x = x + self.extra(x)
+        logits = self.head(x)  # (B, T, vocab)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return ToyOutput(loss=loss, logits=logits)
+
+
+def toy_batch(step: int, rows: int, seq: int = 8, vocab: int = 32, seed: int = 1234) -> dict[str, torch.Tensor]:
+    """A deterministic global batch for ``step``."""
+    g = torch.Generator().manual_seed(seed + step)
+    ids = torch.randint(0, vocab, (rows, seq + 1), generator=g)
+    return {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+
+
+def param_groups(model: nn.Module) -> list[dict]:
+    """Two groups with different hyperparameters: matrices with weight decay, the rest without."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 2e-3}]
