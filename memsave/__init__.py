@@ -7,6 +7,7 @@ ZeRO-1/2/3 sharding, offload, activation recomputation, mixed precision and memo
 from memsave.api import wrap
 from memsave.config import Profile, list_presets, load_profile
 from memsave.dist import Mesh, init
+from memsave.memory import MemoryReport, report
 from memsave.phases import MemoryCategory, Phase
 from memsave.wrapped import MemsaveModule, MemsaveOptimizer
 
@@ -14,6 +15,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MemoryCategory",
+    "MemoryReport",
     "MemsaveModule",
     "MemsaveOptimizer",
     "Mesh",
@@ -23,5 +25,6 @@ __all__ = [
     "init",
     "list_presets",
     "load_profile",
+    "report",
     "wrap",
 ]

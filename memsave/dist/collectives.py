@@ -31,6 +31,7 @@ __all__ = [
     "Handle",
     "ProcessGroup",
     "all_gather_into",
+    "all_gather_object",
     "all_reduce",
     "barrier",
     "broadcast",
@@ -171,6 +172,16 @@ def broadcast(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup | N
     with record_function("memsave::broadcast"):
         src = dist.get_global_rank(group, src_group_rank) if group is not None else src_group_rank
         dist.broadcast(tensor, src=src, group=group)
+
+
+def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
+    """Every rank's picklable ``obj``, in group rank order (small control data only; not counted)."""
+    size = group_size(group)
+    if size == 1:
+        return [obj]
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def barrier(group: ProcessGroup | None = None) -> None:

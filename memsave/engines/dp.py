@@ -19,6 +19,7 @@ used on none keep ``grad = None`` (so the optimizer skips them, as it does under
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from torch import nn
 
 from memsave import dist as mdist
 from memsave.dist import Mesh
+from memsave.phases import MemoryCategory
 from memsave.wrapped import MemsaveOptimizer
 
 __all__ = ["DataParallelEngine", "DataParallelOptimizer", "trainable_parameters"]
@@ -164,6 +166,16 @@ class DataParallelEngine:
             elif p.grad is not None:
                 p.grad.zero_()
 
+    def memory_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:
+        for p in self.model.parameters():
+            yield MemoryCategory.PARAMS, p
+            if p.grad is not None:
+                yield MemoryCategory.GRADS, p.grad
+        for b in self.buckets:
+            yield MemoryCategory.GRADS, b.buffer
+        for buf in self.model.buffers():
+            yield MemoryCategory.BUFFERS, buf
+
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
@@ -195,6 +207,13 @@ class DataParallelOptimizer(MemsaveOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad(set_to_none)
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def memory_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:
+        yield from self.engine.memory_tensors()
+        for state in self.optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    yield MemoryCategory.OPTIMIZER_STATE, v
 
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
