@@ -10,6 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import memsave
 from memsave.dist import COMM_STATS
+from tests.compare import assert_same
 from tests.harness import run_ranks
 from tests.toy import ToyLM, param_groups, toy_batch
 
@@ -19,22 +20,6 @@ ROWS = 2  # rows per rank per micro-batch
 def _local(batch: dict, rank: int, world: int) -> dict:
     rows = batch["input_ids"].shape[0] // world
     return {k: v[rank * rows : (rank + 1) * rows] for k, v in batch.items()}
-
-
-def _assert_same(a: torch.Tensor | None, b: torch.Tensor | None, what: str, world: int, rtol: float = 1e-6) -> None:
-    """Bitwise equal up to 2 ranks (a sum of two is commutative). With 4, gloo's ring reduces each chunk of the
-    flat buffer starting at a different rank, so an element's summation order depends on the bucket layout,
-    which differs from DDP's: ulp-level differences, which AdamW's g / sqrt(v) then magnifies for the tiniest
-    gradients. So with 4 ranks each tensor must agree in norm: ||a - b|| <= rtol * ||b|| (1e-6 for first-step
-    gradients and losses, 1e-5 for anything after an optimizer step)."""
-    if a is None or b is None:
-        assert a is None and b is None, f"{what}: one is None ({a is None}, {b is None})"
-        return
-    if world <= 2:
-        assert torch.equal(a, b), f"{what}: not bitwise equal, max diff {(a - b).abs().max().item():.3g}"
-    else:
-        err, scale = (a - b).norm().item(), b.norm().item()
-        assert err <= rtol * scale + 1e-12, f"{what}: relative error {err / max(scale, 1e-30):.3g} > {rtol}"
 
 
 def case_matches_ddp(rank: int, world: int, mesh: memsave.Mesh) -> None:
@@ -54,14 +39,14 @@ def case_matches_ddp(rank: int, world: int, mesh: memsave.Mesh) -> None:
         use_extra = not ((step == 3 and rank == 1) or step == 4)
         out = model(**batch, use_extra=use_extra)
         ref_out = ddp(**batch, use_extra=use_extra)
-        _assert_same(out.loss, ref_out.loss, f"loss step {step}", world, rtol=1e-6 if step == 0 else 1e-5)
+        assert_same(out.loss, ref_out.loss, f"loss step {step}", world, rtol=1e-6 if step == 0 else 1e-5)
         opt.backward(out.loss)
         ref_out.loss.backward()
         for (name, p), q in zip(model.named_parameters(), ddp.module.parameters()):
-            _assert_same(p.grad, q.grad, f"grad {name} step {step}", world, rtol=1e-6 if step == 0 else 1e-5)
+            assert_same(p.grad, q.grad, f"grad {name} step {step}", world, rtol=1e-6 if step == 0 else 1e-5)
         norm = opt.clip_grad_norm(0.5)
         ref_norm = torch.nn.utils.clip_grad_norm_([p for p in ddp.parameters() if p.grad is not None], 0.5)
-        _assert_same(norm, ref_norm, f"grad norm step {step}", world, rtol=1e-6 if step == 0 else 1e-5)
+        assert_same(norm, ref_norm, f"grad norm step {step}", world, rtol=1e-6 if step == 0 else 1e-5)
         opt.step()
         ddp_opt.step()
         sched.step()
@@ -69,7 +54,7 @@ def case_matches_ddp(rank: int, world: int, mesh: memsave.Mesh) -> None:
         opt.zero_grad()
         ddp_opt.zero_grad()
         for (name, p), q in zip(model.named_parameters(), ddp.module.parameters()):
-            _assert_same(p, q, f"param {name} after step {step}", world, rtol=1e-5)
+            assert_same(p, q, f"param {name} after step {step}", world, rtol=1e-5)
     assert opt.param_groups[0]["lr"] == ddp_opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5**3)
     assert model.head.weight is model.embed.weight
 
@@ -123,14 +108,14 @@ def case_set_to_none_false_and_two_forwards(rank: int, world: int, mesh: memsave
         opt.zero_grad(set_to_none=False)
         ddp_opt.zero_grad(set_to_none=False)
         for (name, p), q in zip(model.named_parameters(), ddp.module.parameters()):
-            _assert_same(p, q, f"param {name} after step {step}", world, rtol=1e-5)
+            assert_same(p, q, f"param {name} after step {step}", world, rtol=1e-5)
             if p.requires_grad:
                 assert p.grad is not None and not p.grad.any()
     sd = opt.state_dict()
     plain = torch.optim.Adam(ddp.module.parameters(), lr=1e-2)
     plain.load_state_dict(sd)
     for k, v in plain.state_dict()["state"].items():
-        _assert_same(v["exp_avg"], ddp_opt.state_dict()["state"][k]["exp_avg"], f"exp_avg {k}", world, rtol=1e-5)
+        assert_same(v["exp_avg"], ddp_opt.state_dict()["state"][k]["exp_avg"], f"exp_avg {k}", world, rtol=1e-5)
     opt.load_state_dict(plain.state_dict())
     assert model.state_dict().keys() == ref.state_dict().keys()
 

@@ -28,7 +28,8 @@ class ToyBlock(nn.Module):
 
 class ToyLM(nn.Module):
     """Keyword-argument forward, dataclass output, tied embedding / head, a frozen part, a non-persistent
-    buffer, and an optional branch that is skipped on some calls (``use_extra=False``)."""
+    buffer, an optional branch skipped on some calls (``use_extra=False``) and a block that can be skipped
+    (``skip_block=i``)."""
 
     def __init__(self, vocab: int = 32, d: int = 16, n_blocks: int = 3, seed: int = 0) -> None:
         super().__init__()
@@ -42,11 +43,14 @@ class ToyLM(nn.Module):
         self.head.weight = self.embed.weight  # tied
         self.register_buffer("scale", torch.tensor(0.5), persistent=False)
 
-    def forward(self, input_ids: torch.Tensor, *, labels: torch.Tensor, use_extra: bool = True) -> ToyOutput:
+    def forward(
+        self, input_ids: torch.Tensor, *, labels: torch.Tensor, use_extra: bool = True, skip_block: int = -1
+    ) -> ToyOutput:
         x = self.embed(input_ids)  # (B, T, d)
         x = x + self.scale * self.frozen_proj(x)
-        for block in self.blocks:
-            x = block(x)
+        for i, block in enumerate(self.blocks):
+            if i != skip_block:
+                x = block(x)
         if use_extra:
             x = x + self.extra(x)
         logits = self.head(x)  # (B, T, vocab)

@@ -1,0 +1,40 @@
+"""Layer 3: ZeRO stages 1-3 (Rajbhandari et al., 2020). ``memsave.zero.shard`` is the hand-composed entry."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from memsave.config import ZeroConfig
+from memsave.dist import Mesh
+from memsave.wrapped import swap_class
+from memsave.zero.engine import ZeroEngine, default_units
+from memsave.zero.layout import ShardLayout
+from memsave.zero.optimizer import ZeroOptimizer
+
+__all__ = ["ShardLayout", "ZeroEngine", "ZeroOptimizer", "default_units", "shard"]
+
+
+def shard(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    stage: int,
+    mesh: Mesh,
+    units: Sequence[nn.Module] | None = None,
+    config: ZeroConfig | None = None,
+) -> tuple[nn.Module, ZeroOptimizer]:
+    """Shard ``model`` and ``optimizer`` with ZeRO ``stage`` over ``mesh``'s dp axis, in place.
+
+    The model must already be on ``mesh.device`` with identical values on every dp rank (``memsave.wrap``
+    sees to both). ``units`` default to the blocks of the largest ``nn.ModuleList``; the root unit holds the
+    rest. Returns the model (class swapped, see :func:`memsave.wrapped.swap_class`) and a ZeroOptimizer.
+    """
+    cfg = config if config is not None else ZeroConfig(stage=stage)
+    if cfg.stage != stage:
+        raise ValueError(f"shard(stage={stage}) contradicts config.stage={cfg.stage}; pass one of them")
+    engine = ZeroEngine(model, mesh, cfg, units)
+    swap_class(model, engine)
+    return model, ZeroOptimizer(optimizer, engine)

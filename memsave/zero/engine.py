@@ -1,0 +1,320 @@
+"""The ZeRO engine: units, the hooks that drive them, and the end-of-backward settlement (Rajbhandari et al.,
+2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models").
+
+Units are ``[root, *blocks]`` in *forward order*; gradients are reduced in the reverse (*backward order*).
+
+[Note: collective order] Collectives match across ranks by issue order, so every rank issues them in the
+static unit order whatever its data does: reduce-scatters strictly in backward order (a unit whose gradients
+are complete waits for the earlier ones), and, at stage 3, gathers strictly in forward order during forward
+and backward order during backward. A unit that some rank skips is still gathered there (and freed at once),
+and its gradients are reduced as zeros at the end of backward, so a skipped unit costs a collective, not a hang.
+
+[Note: root unit] The root holds what no block owns (embeddings, final norm, head; and any parameter shared
+between units, e.g. tied embeddings). At stage 3 it is gathered when the model's forward starts and kept until
+its gradients are reduced at the very end of backward: its parameters are used at both ends of forward and at
+the start of backward, so freeing it in between would only cost an extra gather. Its reduce-scatter is last.
+
+[Note: unused parameters] As in the DP engine, one flag per trainable parameter is all-reduced at the end of
+backward; a parameter that got no gradient on any rank keeps ``grad = None`` so the optimizer skips it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.profiler import record_function
+
+from memsave import dist as mdist
+from memsave.config import ZeroConfig
+from memsave.dist import Mesh
+from memsave.phases import MemoryCategory, ShardedState
+from memsave.zero.unit import Unit
+
+__all__ = ["ZeroEngine", "default_units"]
+
+_REDUCES_IN_FLIGHT = 2
+
+
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """The blocks of the model's largest ``nn.ModuleList`` (by parameter count); none if it has no list."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        return []
+    biggest = max(lists, key=lambda ml: sum(p.numel() for p in ml.parameters()))
+    return list(biggest)
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Tensors inside a forward output: tensors, tuples/lists/dicts, dataclasses and ModelOutput-like objects."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, list | tuple):
+        for x in obj:
+            yield from _tensors(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors(x)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for name in obj.__dataclass_fields__:
+            yield from _tensors(getattr(obj, name, None))
+
+
+class ZeroEngine:
+    """Shards a model's parameters into units and runs ZeRO stage 1, 2 or 3 over the mesh's dp axis."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, config: ZeroConfig, units: Sequence[nn.Module] | None) -> None:
+        if config.stage not in (1, 2, 3):
+            raise ValueError(f"zero.stage={config.stage} is not a ZeRO stage; expected 1, 2 or 3")
+        self.model, self.mesh, self.config, self.stage = model, mesh, config, config.stage
+        self.group, self.dp_size = mesh.dp_group, mesh.dp_size
+        self.require_grad_sync = True
+        self.units = self._build_units(list(units) if units is not None else default_units(model))
+        self.shard_of: dict[nn.Parameter, nn.Parameter] = {}
+        self.name_of: dict[nn.Parameter, str] = {}
+        for u in self.units:
+            for n, p, s in zip(u.names, u.params, u.shards):
+                self.shard_of[p], self.name_of[s] = s, n
+        self._unit_of = {p: u for u in self.units for p in u.params}
+        self._trainable = [p for u in self.units for i, p in enumerate(u.params) if i in u.trainable]
+        self._used = torch.zeros(len(self._trainable), dtype=torch.int32, device=mesh.device)
+        self._used_index = {p: k for k, p in enumerate(self._trainable)}
+        self._backward_order = list(reversed(self.units))  # root last
+        self._ready: set[int] = set()
+        self._next_reduce = 0
+        self._inflight: list[Unit] = []  # launched reduce-scatters not yet waited on, oldest first
+        self._callback_queued = False
+        self.num_syncs = 0
+        self._fwd_issued = 0  # stage 3: units whose gather was issued in this forward (forward order)
+        self._fwd_ran: set[int] = set()
+        self._bwd_issued = len(self.units)  # stage 3: gathers issued in this backward, counting down
+        self._bwd_ran: set[int] = set()
+        self._hooks: list[Any] = []
+        self._register_hooks()
+
+    # -- construction --------------------------------------------------------------------------------------
+    def _build_units(self, modules: list[nn.Module]) -> list[Unit]:
+        root = self.model
+        for m in modules:
+            if m is root:
+                raise ValueError("units= must not contain the model itself: the root unit is always added")
+            if not any(m is sub for sub in root.modules()):
+                raise ValueError(f"units= holds a {type(m).__name__} that is not a submodule of the model")
+        module_names = {id(m): n for n, m in root.named_modules()}
+        owners: dict[nn.Parameter, set[int]] = {}
+        for k, m in enumerate(modules):
+            for p in m.parameters():
+                owners.setdefault(p, set()).add(k)
+        groups: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(modules) + 1)]
+        for name, p in root.named_parameters():  # each shared parameter once, under its first name
+            ks = owners.get(p, set())
+            groups[next(iter(ks)) + 1 if len(ks) == 1 else 0].append((name, p))  # shared or unowned -> root
+        kw = dict(stage=self.stage, group=self.group, dp_rank=self.mesh.dp_rank, dp_size=self.dp_size)
+        units = [Unit("<root>", root, groups[0], is_root=True, **kw)]  # possibly empty-handed
+        for k, m in enumerate(modules):
+            if groups[k + 1]:
+                units.append(Unit(module_names[id(m)], m, groups[k + 1], is_root=False, **kw))
+        for index, u in enumerate(units):
+            u.index = index  # type: ignore[attr-defined]
+        return units
+
+    def _register_hooks(self) -> None:
+        for p in self._trainable:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        if self.stage == 3:
+            self._hooks.append(self.model.register_forward_pre_hook(self._root_pre_forward, prepend=True))
+            self._hooks.append(self.model.register_forward_hook(self._root_post_forward))
+            for u in self.units:
+                if not u.is_root:
+                    self._hooks.append(u.module.register_forward_pre_hook(self._make_pre_forward(u)))
+                    self._hooks.append(u.module.register_forward_hook(self._make_post_forward(u)))
+            self._hooks.append(self.model.register_state_dict_pre_hook(self._pre_state_dict))
+            self._hooks.append(self.model._register_state_dict_hook(self._post_state_dict))
+            self._hooks.append(self.model._register_load_state_dict_pre_hook(self._pre_load_state_dict))
+            self._hooks.append(self.model.register_load_state_dict_post_hook(self._post_load_state_dict))
+
+    # -- stage 3 forward -----------------------------------------------------------------------------------
+    def _issue_forward_through(self, k: int) -> None:
+        """Issue gathers, in forward order, for every unit up to index ``k`` (see [Note: collective order])."""
+        while self._fwd_issued <= min(k, len(self.units) - 1):
+            self.units[self._fwd_issued].unshard_async()
+            self._fwd_issued += 1
+
+    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        self._fwd_issued, self._fwd_ran = 0, set()
+        root = self.units[0]
+        with record_function("memsave::zero3::pre_forward"):
+            self._issue_forward_through(self.config.prefetch)
+            root.unshard_wait()
+            self._fwd_ran.add(0)
+
+    def _make_pre_forward(self, unit: Unit) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            k = unit.index  # type: ignore[attr-defined]
+            with record_function("memsave::zero3::pre_forward"):
+                self._issue_forward_through(k + self.config.prefetch)
+                for j in range(1, k):  # gathered in order but skipped by this forward: free them
+                    if j not in self._fwd_ran and not self._is_needed_later(j):
+                        self.units[j].reshard()
+                unit.unshard_wait()
+                self._fwd_ran.add(k)
+        return hook
+
+    def _is_needed_later(self, j: int) -> bool:
+        return self.units[j].state is ShardedState.UNSHARDED and not self.config.reshard_after_forward
+
+    def _make_post_forward(self, unit: Unit) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if not torch.is_grad_enabled() or self.config.reshard_after_forward:
+                unit.reshard()
+            if torch.is_grad_enabled():
+                for t in _tensors(output):
+                    if t.requires_grad:
+                        t.register_hook(self._make_pre_backward(unit))
+        return hook
+
+    def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        # Units no rank-local forward reached are still gathered, in order, and freed ([Note: collective order]).
+        self._issue_forward_through(len(self.units) - 1)
+        for j in range(1, len(self.units)):
+            if j not in self._fwd_ran:
+                self.units[j].reshard()
+        if not torch.is_grad_enabled():
+            for u in self.units:
+                u.reshard()
+        self._bwd_issued, self._bwd_ran = len(self.units), set()
+
+    # -- stage 3 backward ----------------------------------------------------------------------------------
+    def _issue_backward_through(self, k: int) -> None:
+        """Issue gathers, in backward order, for every non-root unit down to index ``k``."""
+        while self._bwd_issued - 1 >= max(k, 1):
+            self._bwd_issued -= 1
+            self.units[self._bwd_issued].unshard_async()
+
+    def _make_pre_backward(self, unit: Unit) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            k = unit.index  # type: ignore[attr-defined]
+            if k in self._bwd_ran:
+                return
+            self._queue_callback()
+            with record_function("memsave::zero3::pre_backward"):
+                self._bwd_ran.add(k)
+                self._issue_backward_through(k - self.config.prefetch)
+                for j in range(k + 1, len(self.units)):  # gathered in order, but not in this backward's graph
+                    if j not in self._bwd_ran:
+                        self.units[j].reshard()
+                unit.unshard_wait()
+        return hook
+
+    # -- gradients -----------------------------------------------------------------------------------------
+    def _queue_callback(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        self._queue_callback()
+        unit = self._unit_of[param]  # type: ignore[index]
+        unit.pending -= 1
+        if unit.pending == 0:
+            self._ready.add(unit.index)  # type: ignore[attr-defined]
+            if self.require_grad_sync:
+                self._launch_ready_reduces()
+            if self.stage == 3 and not unit.is_root:
+                unit.reshard()
+
+    def _launch_ready_reduces(self) -> None:
+        order = self._backward_order
+        while self._next_reduce < len(order) and order[self._next_reduce].index in self._ready:  # type: ignore[attr-defined]
+            unit = order[self._next_reduce]
+            with record_function("memsave::zero::reduce_scatter"):
+                had_grad = unit.launch_reduce()
+            for i, had in zip(unit.trainable, had_grad):
+                if had:
+                    self._used[self._used_index[unit.params[i]]] = 1
+            self._inflight.append(unit)
+            self._next_reduce += 1
+            while len(self._inflight) > _REDUCES_IN_FLIGHT:  # bound the staging memory held by in-flight reduces
+                self._inflight.pop(0).wait_reduce()
+
+    def _finalize_backward(self) -> None:
+        """End of backward: reduce what is left in order, settle unused parameters, free gathered units."""
+        self._callback_queued = False
+        if self.stage == 3 and self.config.reshard_after_forward:
+            self._issue_backward_through(1)
+        if self.require_grad_sync:
+            self._ready.update(u.index for u in self.units)  # type: ignore[attr-defined]
+            self._launch_ready_reduces()
+            handle = mdist.all_reduce(self._used, self.group, async_op=True)
+            for u in self._inflight:
+                u.wait_reduce()
+            self._inflight.clear()
+            handle.wait()
+            used = (self._used > 0).tolist()
+            offset = 0
+            for u in self.units:
+                u.settle_grads(used[offset : offset + len(u.trainable)])
+                offset += len(u.trainable)
+            self._used.zero_()
+            self._next_reduce = 0
+            self.num_syncs += 1
+        self._ready.clear()
+        for u in self.units:
+            u.pending = len(u.trainable)
+            u.reshard()
+
+    # -- optimizer side ------------------------------------------------------------------------------------
+    def gather_params_after_step(self) -> None:
+        """Stages 1-2: every rank stepped its rows; all-gather them so all ranks hold the full parameters."""
+        if self.stage == 3:
+            return
+        pending = [(u, u.launch_param_gather()) for u in self.units]
+        for u, handle in pending:
+            u.finish_param_gather(handle)
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        for u in self.units:
+            u.zero_grad(set_to_none)
+
+    # -- stage 3 state dicts -------------------------------------------------------------------------------
+    def unshard_all(self) -> None:
+        for u in self.units:
+            u.unshard_async()
+        for u in self.units:
+            u.unshard_wait()
+
+    def _pre_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        self.unshard_all()
+
+    def _post_state_dict(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> dict:
+        for key, value in state_dict.items():
+            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in self._full_ptrs():
+                state_dict[key] = value.detach().clone()
+        for u in self.units:
+            u.reshard()
+        return state_dict
+
+    def _full_ptrs(self) -> set[int]:
+        return {u.full_flat.untyped_storage().data_ptr() for u in self.units}
+
+    def _pre_load_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self.unshard_all()
+
+    def _post_load_state_dict(self, module: nn.Module, incompatible_keys: Any) -> None:
+        for u in self.units:
+            u.write_back_full()
+            u.reshard()
+
+    # -- bookkeeping ---------------------------------------------------------------------------------------
+    def memory_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:
+        for u in self.units:
+            yield from u.memory_tensors()
+        for b in self.model.buffers():
+            yield MemoryCategory.BUFFERS, b
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

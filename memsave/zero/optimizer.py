@@ -1,0 +1,164 @@
+"""The sharded optimizer: the user's own optimizer instance, stepping only this rank's rows.
+
+The instance is kept (its class, hyperparameters and param groups; LR schedulers built on it keep working);
+only the tensors in its ``param_groups`` are replaced by this rank's shards. That is exact for optimizers
+whose update is elementwise (SGD, Adam, AdamW, RMSprop, ...). Optimizers with per-tensor statistics
+(LBFGS, factored Adafactor) are refused: memsave's own Adafactor is the sharding-aware alternative.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from memsave import dist as mdist
+from memsave._logging import warn_once
+from memsave.phases import MemoryCategory
+from memsave.wrapped import MemsaveOptimizer
+from memsave.zero.engine import ZeroEngine
+from memsave.zero.layout import ShardLayout
+
+__all__ = ["ZeroOptimizer"]
+
+_ELEMENTWISE = {"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop", "Adadelta", "ASGD", "Rprop"}
+_NOT_SHARDABLE = {"LBFGS", "SparseAdam", "Adafactor", "Muon"}
+
+
+class ZeroOptimizer(MemsaveOptimizer):
+    """ZeRO's optimizer half: sharded state, global-norm clipping, consolidated state dicts."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> None:
+        super().__init__(optimizer)
+        name = type(optimizer).__name__
+        if name in _NOT_SHARDABLE:
+            raise NotImplementedError(
+                f"{name} keeps per-tensor statistics, so stepping row shards independently would change its "
+                f"updates; with ZeRO stage {engine.stage} use an elementwise optimizer (AdamW, SGD, ...)"
+            )
+        if name not in _ELEMENTWISE:
+            warn_once(f"ZeRO assumes {name} updates each element independently; if it does not, results differ")
+        if optimizer.state:
+            raise ValueError(
+                f"optimizer already has state for {len(optimizer.state)} parameters; memsave.wrap must come before "
+                "the first step (load a checkpoint with optimizer.load_state_dict after wrapping)"
+            )
+        self.engine = engine
+        self._full_of: dict[nn.Parameter, nn.Parameter] = {}
+        for group in optimizer.param_groups:
+            shards = []
+            for p in group["params"]:
+                shard = engine.shard_of[p]
+                self._full_of[shard] = p
+                shards.append(shard)
+            group["params"] = shards
+
+    # -- the step ------------------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        before = self.engine.num_syncs
+        loss.backward(**kwargs)
+        if self.engine.require_grad_sync and self.engine.num_syncs == before:
+            self.engine._finalize_backward()  # no gradient reached this rank's parameters; peers still sync
+
+    def _shard_grads(self) -> list[torch.Tensor]:
+        return [s.grad for s in self._full_of if s.grad is not None]
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the global norm of the full gradient, computed from the shards with one all-reduce."""
+        grads = self._shard_grads()
+        device = self.engine.mesh.device
+        if math.isinf(norm_type):
+            local = torch.stack([g.abs().max() for g in grads if g.numel()]).max() if grads else torch.zeros(())
+            total = local.to(device, torch.float32).reshape(1)
+            mdist.all_reduce(total, self.engine.group, op=torch.distributed.ReduceOp.MAX)
+            norm = total[0]
+        else:
+            norms = torch._foreach_norm(grads, norm_type) if grads else []
+            local = torch.stack([n.float() ** norm_type for n in norms]).sum() if norms else torch.zeros(())
+            total = local.to(device).reshape(1)
+            mdist.all_reduce(total, self.engine.group)
+            norm = total[0] ** (1.0 / norm_type)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        return norm
+
+    def _step(self) -> None:
+        self.optimizer.step()
+        self.engine.gather_params_after_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad(set_to_none)
+
+    # -- consolidated state dicts --------------------------------------------------------------------------
+    def _gather_full(self, shard: torch.Tensor, full_param: torch.Tensor) -> torch.Tensor:
+        """All-gather a shard-shaped tensor into the full parameter's shape (collective)."""
+        layout = ShardLayout([full_param.shape], self.engine.dp_size)
+        chunk = torch.zeros(layout.chunk_numel, dtype=shard.dtype, device=shard.device)
+        layout.shard_view(chunk, 0, self.engine.mesh.dp_rank).view_as(shard).copy_(shard)
+        out = torch.empty(layout.padded_numel, dtype=shard.dtype, device=shard.device)
+        mdist.all_gather_into(out, chunk, self.engine.group)
+        full = torch.empty(full_param.shape, dtype=shard.dtype, device=shard.device)
+        layout.unpack(out, 0, full)
+        return full
+
+    def _is_per_element(self, key: str, value: Any, like: torch.Tensor, full_param: torch.Tensor) -> bool:
+        """A state entry sharded like the parameter (exp_avg, momentum_buffer, ...), not a scalar like ``step``."""
+        if not isinstance(value, torch.Tensor) or key == "step":
+            return False
+        return value.shape == like.shape and (value.dim() > 0 or full_param.dim() == 0)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full optimizer state, in the plain optimizer's format (collective: call on every rank)."""
+        sd = self.optimizer.state_dict()
+        shards = [s for g in self.optimizer.param_groups for s in g["params"]]
+        for index, state in sd["state"].items():
+            shard = shards[index]
+            full_param = self._full_of[shard]
+            for key in sorted(state):
+                if self._is_per_element(key, state[key], shard, full_param):
+                    state[key] = self._gather_full(state[key], full_param)
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full (plain-optimizer) state dict: every rank keeps its rows."""
+        shards = [s for g in self.optimizer.param_groups for s in g["params"]]
+        sharded = {"param_groups": state_dict["param_groups"], "state": {}}
+        for index, state in state_dict["state"].items():
+            shard = shards[int(index)]
+            full_param = self._full_of[shard]
+            unit = self.engine._unit_of[full_param]
+            i = next(k for k, q in enumerate(unit.params) if q is full_param)
+            out = {}
+            for key, value in state.items():
+                if self._is_per_element(key, value, full_param, full_param):
+                    out[key] = unit._own_rows(value.to(shard.device), i).clone()
+                else:  # never alias the caller's tensors (e.g. Adam's step, which is incremented in place)
+                    out[key] = value.clone() if isinstance(value, torch.Tensor) else value
+            sharded["state"][index] = out
+        self.optimizer.load_state_dict(sharded)
+
+    @torch.no_grad()
+    def full_grads(self) -> dict[str, torch.Tensor | None]:
+        """The averaged full gradient of every trainable parameter, by name (collective; for checks/debugging)."""
+        out: dict[str, torch.Tensor | None] = {}
+        flags = torch.tensor([s.grad is not None for s in self._full_of], dtype=torch.int32)
+        mdist.all_reduce(flags, self.engine.group)
+        for (shard, p), has in zip(self._full_of.items(), flags.tolist()):
+            if not p.requires_grad:
+                continue
+            name = self.engine.name_of[shard]
+            grad = shard.grad if shard.grad is not None else torch.zeros_like(shard)
+            out[name] = self._gather_full(grad, p) if has else None
+        return out
+
+    def memory_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:
+        yield from self.engine.memory_tensors()
+        for state in self.optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    yield MemoryCategory.OPTIMIZER_STATE, v

@@ -1,0 +1,255 @@
+"""A communication unit: the parameters that are gathered and reduced together (one collective each).
+
+Storage per stage (Ψ_u = the unit's parameter count, N = dp size, C = padded elements per rank):
+
+- stage 1: the module keeps full parameters; full gradients stay in ``p.grad``; after the reduce-scatter this
+  rank's rows of ``p.grad`` hold the averaged gradient, and the optimizer's shard is a row-view of the param.
+- stage 2: as stage 1, but gradients are reduce-scattered into ``flat_grad`` (C elements) and ``p.grad`` freed.
+- stage 3: ``flat_shard`` (C elements) is the only persistent copy of the parameters; ``full_flat`` (Ψ_u) is
+  allocated between unshard and reshard.
+
+[Note: stage-3 storage] Each parameter's ``.data`` is a view of ``full_flat`` while UNSHARDED. To reshard we
+shrink ``full_flat``'s *storage* to 0 bytes instead of dropping it: views autograd saved during forward (e.g.
+``weight.t()`` for a matmul) keep pointing at that storage, and see the right values again once it is
+re-grown and refilled before backward. Reading a 0-byte storage would crash, so while SHARDED ``.data`` is an
+expanded zero tensor of the full shape: shape queries work, reads give zeros, writes raise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from memsave import dist as mdist
+from memsave.phases import MemoryCategory, ShardedState
+from memsave.zero.layout import ShardLayout
+
+__all__ = ["Unit"]
+
+
+class Unit:
+    """One unit's parameters, their shards, and the collectives that move them."""
+
+    def __init__(
+        self, name: str, module: nn.Module, params: list[tuple[str, nn.Parameter]], *, stage: int,
+        group: mdist.ProcessGroup, dp_rank: int, dp_size: int, is_root: bool,
+    ) -> None:
+        self.name, self.module, self.stage, self.is_root = name, module, stage, is_root
+        self.group, self.rank, self.world = group, dp_rank, dp_size
+        self.names = [n for n, _ in params]
+        self.params = [p for _, p in params]
+        self.trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
+        dtypes = {(p.dtype, p.device) for p in self.params}
+        if not self.params:  # a root that owns nothing: every parameter lives in a block
+            dtypes = {(torch.get_default_dtype(), torch.device("cpu"))}
+        if len(dtypes) > 1:
+            raise NotImplementedError(
+                f"unit {name!r} mixes parameter dtypes/devices {sorted(map(str, dtypes))}; one flat buffer needs "
+                "one dtype: cast the model, or pass units= that separate them"
+            )
+        self.dtype, self.device = next(iter(dtypes))
+        self.param_layout = ShardLayout([p.shape for p in self.params], dp_size)
+        self.grad_layout = ShardLayout([self.params[i].shape for i in self.trainable], dp_size)
+        self.state = ShardedState.UNSHARDED
+        self._gather: tuple[mdist.Handle, torch.Tensor] | None = None
+        self._reduce: tuple[mdist.Handle, torch.Tensor, torch.Tensor] | None = None
+        self.pending = len(self.trainable)  # gradients still to arrive in this backward
+        self.reduced_since_zero_grad = False
+        with torch.no_grad():
+            if stage == 3:
+                self._init_stage3()
+            self.shards = [self._make_shard(i) for i in range(len(self.params))]
+        self.flat_grad = (
+            torch.zeros(self.grad_layout.chunk_numel, dtype=self.dtype, device=self.device) if stage >= 2 else None
+        )
+
+    # -- storage -------------------------------------------------------------------------------------------
+    def _init_stage3(self) -> None:
+        layout = self.param_layout
+        staging = torch.empty(layout.padded_numel, dtype=self.dtype, device=self.device)
+        for i, p in enumerate(self.params):
+            layout.pack(staging, i, p.data)
+        self.flat_shard = staging.view(self.world, layout.chunk_numel)[self.rank].clone()
+        self.full_flat = torch.empty(sum(p.numel() for p in self.params), dtype=self.dtype, device=self.device)
+        self._full_bytes = self.full_flat.untyped_storage().nbytes()
+        self.full_views, offset = [], 0
+        for p in self.params:
+            self.full_views.append(self.full_flat[offset : offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        self._sentinels = [torch.zeros((), dtype=self.dtype, device=self.device).expand(p.shape) for p in self.params]
+        self.reshard()
+
+    def _make_shard(self, i: int) -> nn.Parameter:
+        """The tensor the optimizer steps for parameter ``i``: this rank's rows, sharing storage."""
+        p = self.params[i]
+        if self.stage == 3:
+            view = self.param_layout.shard_view(self.flat_shard, i, self.rank)
+        else:
+            slot = self.param_layout.slots[i]
+            start, stop = slot.local_rows(self.rank)
+            view = p.data.view(slot.rows, *p.shape[1:])[start:stop] if p.dim() else p.data.view(1)[start:stop]
+        return nn.Parameter(view, requires_grad=p.requires_grad)
+
+    # -- stage 3: unshard / reshard ------------------------------------------------------------------------
+    def unshard_async(self) -> None:
+        """Start gathering the full parameters (no-op when already unsharded or in flight)."""
+        if self.stage != 3 or self.state is ShardedState.UNSHARDED or self._gather is not None:
+            return
+        staging = torch.empty(self.param_layout.padded_numel, dtype=self.dtype, device=self.device)
+        self._gather = (mdist.all_gather_into(staging, self.flat_shard, self.group, async_op=True), staging)
+
+    @torch.no_grad()
+    def unshard_wait(self) -> None:
+        """Finish the gather (starting it if needed) and point every parameter at its full view."""
+        if self.stage != 3 or self.state is ShardedState.UNSHARDED:
+            return
+        if self._gather is None:
+            self.unshard_async()
+        assert self._gather is not None
+        handle, staging = self._gather
+        handle.wait()
+        self._gather = None
+        self.full_flat.untyped_storage().resize_(self._full_bytes)
+        for i, p in enumerate(self.params):
+            self.param_layout.unpack(staging, i, self.full_views[i])
+            p.data = self.full_views[i]
+        self.state = ShardedState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the full parameters (see [Note: stage-3 storage])."""
+        if self._gather is not None:  # a prefetch that was never used: complete it (ranks stay in step), drop it
+            self._gather[0].wait()
+            self._gather = None
+        if self.stage != 3 or self.state is ShardedState.SHARDED:
+            return
+        for p, sentinel in zip(self.params, self._sentinels):
+            p.data = sentinel
+        self.full_flat.untyped_storage().resize_(0)
+        self.state = ShardedState.SHARDED
+
+    @torch.no_grad()
+    def write_back_full(self) -> None:
+        """Stage 3, while unsharded: copy this rank's rows of the (possibly modified) full params into the shard."""
+        for i in range(len(self.params)):
+            self.shards[i].copy_(self._own_rows(self.full_views[i], i))
+
+    def _own_rows(self, full: torch.Tensor, i: int) -> torch.Tensor:
+        slot = self.param_layout.slots[i]
+        start, stop = slot.local_rows(self.rank)
+        return full.reshape(slot.rows, slot.row_numel)[start:stop].view_as(self.shards[i])
+
+    # -- gradients -----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def launch_reduce(self) -> list[bool]:
+        """Reduce-scatter the unit's gradients (averaging over dp); returns which trainable params had one."""
+        if not self.trainable:
+            return []
+        if self.stage == 1 and self.reduced_since_zero_grad:
+            raise NotImplementedError(
+                f"zero stage 1 reduces gradients once per step, but unit {self.name!r} is being reduced a second "
+                "time before zero_grad(); run the earlier backwards inside model.no_sync() (or use stage 2)"
+            )
+        layout = self.grad_layout
+        staging = torch.empty(layout.padded_numel, dtype=self.dtype, device=self.device)
+        had_grad = []
+        for j, i in enumerate(self.trainable):
+            g = self.params[i].grad
+            # a gradient kept (zeroed) by zero_grad(set_to_none=False) counts as present, as under DDP
+            had_grad.append(g is not None or self.shards[i].grad is not None)
+            layout.pack(staging, j, g if g is not None else torch.zeros(self.params[i].shape, dtype=self.dtype,
+                                                                        device=self.device))
+            if self.stage >= 2:
+                self.params[i].grad = None  # free the full gradient as soon as it is staged
+        staging.div_(self.world)  # pre-divide, as DDP does
+        if self.stage >= 2 and not self.reduced_since_zero_grad:
+            out = self.flat_grad  # reduce straight into the persistent shard
+        else:
+            out = torch.empty(layout.chunk_numel, dtype=self.dtype, device=self.device)
+        assert out is not None
+        self._reduce = (mdist.reduce_scatter_into(out, staging, self.group, async_op=True), out, staging)
+        return had_grad
+
+    @torch.no_grad()
+    def wait_reduce(self) -> None:
+        """Wait for the reduce-scatter, keep the averaged rows, and drop the staging buffer."""
+        if self._reduce is None:
+            return
+        handle, out, _staging = self._reduce
+        handle.wait()
+        self._reduce = None
+        if self.stage >= 2:
+            assert self.flat_grad is not None
+            if out is not self.flat_grad:
+                self.flat_grad.add_(out)
+        else:
+            for j, i in enumerate(self.trainable):
+                p = self.params[i]
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                self._own_rows(p.grad, i).copy_(self.grad_layout.shard_view(out, j, self.rank).view_as(self.shards[i]))
+        self.reduced_since_zero_grad = True
+
+    def settle_grads(self, used: list[bool]) -> None:
+        """Expose the averaged rows as the shards' ``.grad``; ``used[j]``: trainable param ``j`` got a gradient
+        on some rank (else its grad stays None, so the optimizer skips it as it would under DDP)."""
+        for j, i in enumerate(self.trainable):
+            shard = self.shards[i]
+            if not used[j]:
+                shard.grad = None
+                if self.stage == 1:
+                    self.params[i].grad = None
+            elif self.stage == 1:
+                shard.grad = self._own_rows(self.params[i].grad, i)
+            else:
+                assert self.flat_grad is not None
+                shard.grad = self.grad_layout.shard_view(self.flat_grad, j, self.rank).view_as(shard)
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        for i in self.trainable:
+            p, shard = self.params[i], self.shards[i]
+            if set_to_none:
+                shard.grad = None
+                p.grad = None
+            else:
+                if shard.grad is not None:
+                    shard.grad.zero_()
+                if p.grad is not None:
+                    p.grad.zero_()
+        self.reduced_since_zero_grad = False  # everything kept is zero now: the next reduce starts afresh
+
+    # -- stages 1-2: after the optimizer step ----------------------------------------------------------------
+    @torch.no_grad()
+    def launch_param_gather(self) -> tuple[mdist.Handle, torch.Tensor] | None:
+        """Stages 1-2: all-gather the updated rows of the trainable parameters."""
+        if not self.trainable:
+            return None
+        layout = self.grad_layout
+        chunk = torch.zeros(layout.chunk_numel, dtype=self.dtype, device=self.device)
+        for j, i in enumerate(self.trainable):
+            layout.shard_view(chunk, j, self.rank).view_as(self.shards[i]).copy_(self.shards[i])
+        out = torch.empty(layout.padded_numel, dtype=self.dtype, device=self.device)
+        return mdist.all_gather_into(out, chunk, self.group, async_op=True), out
+
+    @torch.no_grad()
+    def finish_param_gather(self, pending: tuple[mdist.Handle, torch.Tensor] | None) -> None:
+        if pending is None:
+            return
+        handle, out = pending
+        handle.wait()
+        for j, i in enumerate(self.trainable):
+            self.grad_layout.unpack(out, j, self.params[i].data)
+
+    def memory_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:
+        if self.stage == 3:
+            yield MemoryCategory.PARAMS, self.flat_shard
+            yield MemoryCategory.PARAMS_GATHERED, self.full_flat
+        else:
+            for p in self.params:
+                yield MemoryCategory.PARAMS, p
+        for p in self.params:
+            if p.grad is not None:
+                yield MemoryCategory.GRADS, p.grad
+        if self.flat_grad is not None:
+            yield MemoryCategory.GRADS, self.flat_grad
