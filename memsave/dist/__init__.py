@@ -14,12 +14,14 @@ from memsave.dist.collectives import (
     group_size,
     reduce_scatter_into,
 )
+from memsave.dist.host_memory import DEFAULT_MMAP_THRESHOLD, tune_host_allocator
 from memsave.dist.init import default_device, init, launch_env
 from memsave.dist.mesh import AXES, Mesh, validate_degrees
 
 __all__ = [
     "AXES",
     "COMM_STATS",
+    "DEFAULT_MMAP_THRESHOLD",
     "CommStats",
     "Handle",
     "Mesh",
@@ -35,5 +37,6 @@ __all__ = [
     "init",
     "launch_env",
     "reduce_scatter_into",
+    "tune_host_allocator",
     "validate_degrees",
 ]

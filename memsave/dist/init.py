@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from memsave._logging import get_logger
+from memsave.dist.host_memory import DEFAULT_MMAP_THRESHOLD, tune_host_allocator
 from memsave.dist.mesh import Mesh, validate_degrees
 
 __all__ = ["default_device", "init", "launch_env"]
@@ -58,6 +59,7 @@ def init(
     backend: str | None = None,
     device: str | torch.device | None = None,
     timeout_s: float | None = None,
+    host_mmap_threshold: int | None = DEFAULT_MMAP_THRESHOLD,
 ) -> Mesh:
     """Initialize ``torch.distributed`` (if needed) and return the ``pp x dp x tp`` :class:`Mesh`.
 
@@ -67,6 +69,9 @@ def init(
         backend: ``"nccl"`` or ``"gloo"``; by default nccl for CUDA devices, gloo otherwise.
         device: the compute device; by default ``cuda:LOCAL_RANK`` when CUDA is there, else CPU.
         timeout_s: collective timeout (default: ``MEMSAVE_TIMEOUT_S`` or 600 s).
+        host_mmap_threshold: on CPU, pin glibc's mmap threshold to this many bytes so freed large buffers go
+            back to the OS (see [Note: host allocator] in ``memsave/dist/host_memory.py``); None or 0 leaves
+            the allocator alone. ``MEMSAVE_MMAP_THRESHOLD`` overrides it. Ignored on GPU.
     """
     env = launch_env()
     local_rank = int(env["LOCAL_RANK"]) if env else int(os.environ.get("LOCAL_RANK", 0))
@@ -79,6 +84,8 @@ def init(
         raise ValueError(f"backend='nccl' needs a CUDA device, got device={dev}; use backend='gloo' on CPU")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    else:
+        tune_host_allocator(host_mmap_threshold)
     timeout = datetime.timedelta(seconds=timeout_s or float(os.environ.get("MEMSAVE_TIMEOUT_S", 600)))
 
     if not dist.is_initialized():

@@ -111,13 +111,13 @@ class ZeroEngine:
         for name, p in root.named_parameters():  # each shared parameter once, under its first name
             ks = owners.get(p, set())
             groups[next(iter(ks)) + 1 if len(ks) == 1 else 0].append((name, p))  # shared or unowned -> root
-        kw = dict(stage=self.stage, group=self.group, dp_rank=self.mesh.dp_rank, dp_size=self.dp_size)
+        kw: dict[str, Any] = dict(stage=self.stage, group=self.group, dp_rank=self.mesh.dp_rank, dp_size=self.dp_size)
         units = [Unit("<root>", root, groups[0], is_root=True, **kw)]  # possibly empty-handed
         for k, m in enumerate(modules):
             if groups[k + 1]:
                 units.append(Unit(module_names[id(m)], m, groups[k + 1], is_root=False, **kw))
         for index, u in enumerate(units):
-            u.index = index  # type: ignore[attr-defined]
+            u.index = index
         return units
 
     def _register_hooks(self) -> None:
@@ -152,7 +152,7 @@ class ZeroEngine:
 
     def _make_pre_forward(self, unit: Unit) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
-            k = unit.index  # type: ignore[attr-defined]
+            k = unit.index
             with record_function("memsave::zero3::pre_forward"):
                 self._issue_forward_through(k + self.config.prefetch)
                 for j in range(1, k):  # gathered in order but skipped by this forward: free them
@@ -195,7 +195,7 @@ class ZeroEngine:
 
     def _make_pre_backward(self, unit: Unit) -> Any:
         def hook(grad: torch.Tensor) -> None:
-            k = unit.index  # type: ignore[attr-defined]
+            k = unit.index
             if k in self._bwd_ran:
                 return
             self._queue_callback()
@@ -219,7 +219,7 @@ class ZeroEngine:
         unit = self._unit_of[param]  # type: ignore[index]
         unit.pending -= 1
         if unit.pending == 0:
-            self._ready.add(unit.index)  # type: ignore[attr-defined]
+            self._ready.add(unit.index)
             if self.require_grad_sync:
                 self._launch_ready_reduces()
             if self.stage == 3 and not unit.is_root:
@@ -227,7 +227,7 @@ class ZeroEngine:
 
     def _launch_ready_reduces(self) -> None:
         order = self._backward_order
-        while self._next_reduce < len(order) and order[self._next_reduce].index in self._ready:  # type: ignore[attr-defined]
+        while self._next_reduce < len(order) and order[self._next_reduce].index in self._ready:
             unit = order[self._next_reduce]
             with record_function("memsave::zero::reduce_scatter"):
                 had_grad = unit.launch_reduce()
@@ -245,7 +245,7 @@ class ZeroEngine:
         if self.stage == 3 and self.config.reshard_after_forward:
             self._issue_backward_through(1)
         if self.require_grad_sync:
-            self._ready.update(u.index for u in self.units)  # type: ignore[attr-defined]
+            self._ready.update(u.index for u in self.units)
             self._launch_ready_reduces()
             handle = mdist.all_reduce(self._used, self.group, async_op=True)
             for u in self._inflight:
@@ -270,8 +270,13 @@ class ZeroEngine:
         """Stages 1-2: every rank stepped its rows; all-gather them so all ranks hold the full parameters."""
         if self.stage == 3:
             return
-        pending = [(u, u.launch_param_gather()) for u in self.units]
-        for u, handle in pending:
+        inflight: list[tuple[Unit, Any]] = []
+        for u in self.units:
+            inflight.append((u, u.launch_param_gather()))
+            if len(inflight) > _REDUCES_IN_FLIGHT:  # bound the transient staging memory
+                done, handle = inflight.pop(0)
+                done.finish_param_gather(handle)
+        for u, handle in inflight:
             u.finish_param_gather(handle)
 
     def zero_grad(self, set_to_none: bool) -> None:

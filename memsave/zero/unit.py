@@ -37,6 +37,7 @@ class Unit:
         group: mdist.ProcessGroup, dp_rank: int, dp_size: int, is_root: bool,
     ) -> None:
         self.name, self.module, self.stage, self.is_root = name, module, stage, is_root
+        self.index = -1  # position in the engine's forward order
         self.group, self.rank, self.world = group, dp_rank, dp_size
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
@@ -201,7 +202,9 @@ class Unit:
                 if self.stage == 1:
                     self.params[i].grad = None
             elif self.stage == 1:
-                shard.grad = self._own_rows(self.params[i].grad, i)
+                grad = self.params[i].grad
+                assert grad is not None  # wait_reduce allocated it
+                shard.grad = self._own_rows(grad, i)
             else:
                 assert self.flat_grad is not None
                 shard.grad = self.grad_layout.shard_view(self.flat_grad, j, self.rank).view_as(shard)

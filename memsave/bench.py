@@ -1,0 +1,187 @@
+"""``memsave bench``: memsave profiles and torch baselines side by side, on the same model and data.
+
+Every configuration runs in a fresh group of local processes (so each peak RSS is its own), trains the
+reference GPT for a few steps on the embedded corpus with the same seed, and reports per configuration: the
+median step time, peak RSS (and peak device memory on GPU) per rank, model-state bytes per rank against the
+ZeRO formula, logical communication bytes per step (counted in ``memsave/dist/``; torch's baselines bypass it,
+so theirs are left blank), and the final loss with its difference from the ``torch-ddp`` baseline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from memsave import dist as mdist
+from memsave.api import wrap
+from memsave.config import load_profile
+from memsave.memory import account, peak_rss_bytes, rss_bytes
+from memsave.models import GPT, TokenBatches, gpt_config
+
+__all__ = ["BenchOptions", "format_table", "formula_bytes", "run_bench"]
+
+DEFAULT_PROFILES = ("ddp", "zero1", "zero2", "zero3")
+DEFAULT_BASELINES = ("torch-ddp", "torch-zero1", "fsdp2", "fsdp2-noreshard", "fsdp2+malloc")
+_STAGE_OF_BASELINE = {"torch-ddp": 0, "torch-zero1": 1, "fsdp2": 3, "fsdp2-noreshard": 3}
+_TUNED = "+malloc"  # suffix: run a baseline with memsave's host-allocator setting too
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BenchOptions:
+    """What to run: model size, batch, steps (the first ``warmup`` are not timed), processes."""
+
+    size: str = "bench"
+    tie_weights: bool = False
+    batch_size: int = 4
+    seq_len: int = 256
+    steps: int = 8
+    warmup: int = 2
+    nproc: int = 2
+    lr: float = 3e-4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "seq_len", "steps", "nproc"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"bench option {name}={getattr(self, name)} is not allowed; expected >= 1")
+        if not 0 <= self.warmup < self.steps:
+            raise ValueError(f"bench option warmup={self.warmup} is not allowed; expected 0 <= warmup < steps")
+
+
+def formula_bytes(stage: int, psi: int, n: int) -> float:
+    """ZeRO model-state bytes per rank for fp32 Adam (K = 8; parameters are their own master copy)."""
+    return {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}[stage]
+
+
+def _base_name(name: str) -> str:
+    return name.removesuffix(_TUNED)
+
+
+def _worker(name: str, opts: BenchOptions) -> dict[str, Any]:
+    """One rank of one configuration (runs in a spawned process).
+
+    torch's baselines run as their users run them, with glibc's default allocator behaviour; a name ending in
+    ``+malloc`` runs the baseline with memsave's host-allocator setting (see memsave/dist/host_memory.py).
+    """
+    is_baseline = _base_name(name) in _STAGE_OF_BASELINE
+    tuned = not is_baseline or name.endswith(_TUNED)
+    mesh = mdist.init(host_mmap_threshold=mdist.DEFAULT_MMAP_THRESHOLD if tuned else None)
+    rss_start = rss_bytes()
+    torch.manual_seed(opts.seed)
+    cfg = gpt_config(opts.size, tie_weights=opts.tie_weights, block_size=max(opts.seq_len, 8))
+    model = GPT(cfg).to(mesh.device)
+    psi = sum(p.numel() for p in model.parameters())
+
+    def make_opt(params: list) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.1)
+
+    if is_baseline:
+        from memsave.dist.baselines import build_baseline
+
+        stage = _STAGE_OF_BASELINE[_base_name(name)]
+        run_model, opt, holder = build_baseline(_base_name(name), model, make_opt, list(model.blocks))
+        backward = lambda loss: loss.backward()  # noqa: E731
+        holders = [holder]
+    else:
+        stage = load_profile(name).zero.stage
+        run_model, opt = wrap(model, make_opt(list(model.parameters())), name, mesh=mesh)
+        backward = opt.backward
+        holders = [opt]
+    data = TokenBatches(seq_len=opts.seq_len, batch_size=opts.batch_size, dp_rank=mesh.dp_rank,
+                        dp_size=mesh.dp_size, seed=opts.seed)
+    times, losses, comm_bytes = [], [], []
+    for step in range(opts.steps):
+        batch = {k: v.to(mesh.device) for k, v in data.batch(step).items()}
+        mdist.barrier()
+        mdist.COMM_STATS.reset()
+        t0 = time.perf_counter()
+        loss = run_model(**batch).loss
+        backward(loss)
+        opt.step()
+        if mesh.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        comm_bytes.append(mdist.COMM_STATS.total_bytes())
+        if step == opts.steps - 1:
+            state = account(holders)  # after the step, before zero_grad: gradients still held
+        opt.zero_grad()
+        avg = loss.detach().reshape(1).clone()
+        mdist.all_reduce(avg, mesh.dp_group)
+        losses.append(avg.item() / mesh.dp_size)
+    out = {
+        "rank": mesh.rank, "stage": stage, "psi": psi, "times": times, "losses": losses,
+        "model_state_bytes": state.model_state(), "bytes": state.bytes,
+        "comm_bytes_per_step": statistics.median(comm_bytes[opts.warmup :]),
+        "peak_rss": peak_rss_bytes(), "rss_start": rss_start,
+    }
+    if mesh.device.type == "cuda":
+        out["device_peak"] = torch.cuda.max_memory_allocated()
+    return out
+
+
+def run_bench(names: list[str], opts: BenchOptions, *, timeout_s: float = 1800) -> list[dict[str, Any]]:
+    """Run every configuration in ``names`` (profiles or baselines); one summary row each."""
+    from memsave._launch import spawn_local
+
+    rows = []
+    for name in names:
+        ranks = spawn_local(_worker, opts.nproc, (name, opts), timeout_s=timeout_s)
+        r0 = ranks[0]
+        n = opts.nproc
+        per_step = [max(r["times"][s] for r in ranks) for s in range(opts.steps)]  # the slowest rank sets the pace
+        formula = formula_bytes(r0["stage"], r0["psi"], n)
+        rows.append({
+            "name": name, "kind": "baseline" if _base_name(name) in _STAGE_OF_BASELINE else "memsave", "stage": r0["stage"],
+            "nproc": n, "params": r0["psi"],
+            "median_step_s": statistics.median(per_step[opts.warmup :]),
+            "peak_rss": [r["peak_rss"] for r in ranks],
+            "device_peak": [r.get("device_peak", 0) for r in ranks],
+            "model_state_bytes": [r["model_state_bytes"] for r in ranks],
+            "formula_bytes": formula,
+            "state_vs_formula": max(r["model_state_bytes"] for r in ranks) / formula,
+            "comm_bytes_per_step": None if _base_name(name) in _STAGE_OF_BASELINE else r0["comm_bytes_per_step"],
+            "comm_elems_over_psi": None if _base_name(name) in _STAGE_OF_BASELINE else r0["comm_bytes_per_step"] / 4 / r0["psi"],
+            "losses": r0["losses"], "final_loss": r0["losses"][-1],
+        })
+    ref = next((r for r in rows if r["name"] == "torch-ddp"), rows[0])
+    for r in rows:
+        r["vs_ref_step_time"] = r["median_step_s"] / ref["median_step_s"]
+        r["vs_ref_peak_rss"] = max(r["peak_rss"]) / max(ref["peak_rss"])
+        r["final_loss_diff"] = r["final_loss"] - ref["final_loss"]
+        r["reference"] = ref["name"]
+    return rows
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """The human-readable table: one line per configuration."""
+    head = ["config", "stage", "step s", "x ref", "peak RSS MiB/rank", "x ref", "state MiB/rank", "x formula",
+            "comm/step (x params)", "final loss", "diff"]
+    lines = []
+    for r in rows:
+        comm = "-" if r["comm_bytes_per_step"] is None else f"{_mib(r['comm_bytes_per_step'])} MiB ({r['comm_elems_over_psi']:.2f})"
+        lines.append([
+            r["name"], str(r["stage"]), f"{r['median_step_s']:.3f}", f"{r['vs_ref_step_time']:.2f}",
+            "/".join(_mib(x) for x in r["peak_rss"]), f"{r['vs_ref_peak_rss']:.2f}",
+            "/".join(_mib(x) for x in r["model_state_bytes"]), f"{r['state_vs_formula']:.3f}", comm,
+            f"{r['final_loss']:.4f}", f"{r['final_loss_diff']:+.2e}",
+        ])
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
+    out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines]
+    r0 = rows[0]
+    out.append(f"model: {r0['params']:,} parameters, {r0['nproc']} processes; reference for 'x ref' and 'diff': "
+               f"{r0['reference']}")
+    return "\n".join(out)
+
+
+def to_json(rows: list[dict[str, Any]], opts: BenchOptions) -> str:
+    return json.dumps({"schema": "memsave.bench/1", "options": dataclasses.asdict(opts), "rows": rows}, indent=2)

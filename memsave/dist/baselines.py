@@ -1,0 +1,92 @@
+"""torch's own data-parallel implementations, set up as ``memsave bench`` measures them.
+
+memsave does not build on these; they are what it is compared against. They live in ``dist/`` because this
+is the only layer that touches ``torch.distributed``. Each returns ``(model, optimizer, holder)``: the model
+to call, an optimizer with ``step`` / ``zero_grad``, and an object whose ``memory_tensors()`` lists what the
+baseline keeps (local shards for FSDP2), so its bytes are counted like memsave's.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from memsave.phases import MemoryCategory
+
+__all__ = ["BASELINES", "build_baseline"]
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class _Holder:
+    """Reports a baseline's tensors: parameters, gradients, buffers and optimizer state (local parts)."""
+
+    def __init__(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.module, self.optimizers = module, optimizers
+
+    def memory_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:
+        for p in self.module.parameters():
+            yield MemoryCategory.PARAMS, _local(p)
+            if p.grad is not None:
+                yield MemoryCategory.GRADS, _local(p.grad)
+        for b in self.module.buffers():
+            yield MemoryCategory.BUFFERS, _local(b)
+        for opt in self.optimizers:
+            for state in opt.state.values():
+                for v in state.values():
+                    if isinstance(v, torch.Tensor):
+                        yield MemoryCategory.OPTIMIZER_STATE, _local(v)
+
+
+def _ddp(model: nn.Module, make_opt: OptimizerFactory, blocks: list[nn.Module]) -> tuple:
+    # gradient_as_bucket_view: the memory-lean DDP setting (gradients are views of the buckets, 16 bytes per
+    # fp32 Adam parameter instead of 20); the stronger baseline for memory.
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
+    opt = make_opt(list(model.parameters()))
+    return ddp, opt, _Holder(model, [opt])
+
+
+def _torch_zero(model: nn.Module, make_opt: OptimizerFactory, blocks: list[nn.Module]) -> tuple:
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
+    probe = make_opt([nn.Parameter(torch.zeros(1))])
+    accepted = inspect.signature(type(probe).__init__).parameters  # defaults may hold derived keys
+    kwargs = {k: v for k, v in probe.defaults.items() if k in accepted}
+    opt = ZeroRedundancyOptimizer(list(model.parameters()), optimizer_class=type(probe), **kwargs)
+    return ddp, opt, _Holder(model, [opt.optim])
+
+
+def _fsdp2(reshard_after_forward: bool) -> Callable[..., tuple]:
+    def build(model: nn.Module, make_opt: OptimizerFactory, blocks: list[nn.Module]) -> tuple:
+        for block in blocks:
+            fully_shard(block, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, reshard_after_forward=reshard_after_forward)
+        opt = make_opt(list(model.parameters()))
+        return model, opt, _Holder(model, [opt])
+
+    return build
+
+
+BASELINES: dict[str, Callable[..., tuple]] = {
+    "torch-ddp": _ddp,
+    "torch-zero1": _torch_zero,
+    "fsdp2": _fsdp2(True),
+    "fsdp2-noreshard": _fsdp2(False),
+}
+
+
+def build_baseline(name: str, model: nn.Module, make_opt: OptimizerFactory, blocks: list[nn.Module]) -> tuple:
+    """Wrap ``model`` with the baseline ``name`` (see :data:`BASELINES`)."""
+    if name not in BASELINES:
+        raise ValueError(f"baseline {name!r} is not known; expected one of {', '.join(BASELINES)}")
+    return BASELINES[name](model, make_opt, blocks)
