@@ -165,9 +165,13 @@ class ZeroEngine:
     def _is_needed_later(self, j: int) -> bool:
         return self.units[j].state is ShardedState.UNSHARDED and not self.config.reshard_after_forward
 
+    def _keep_for_backward(self, unit: Unit) -> bool:
+        """The last unit of forward is the first of backward: freeing it would only buy one more gather."""
+        return torch.is_grad_enabled() and (not self.config.reshard_after_forward or unit.index == len(self.units) - 1)
+
     def _make_post_forward(self, unit: Unit) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not torch.is_grad_enabled() or self.config.reshard_after_forward:
+            if not self._keep_for_backward(unit):
                 unit.reshard()
             if torch.is_grad_enabled():
                 for t in _tensors(output):
@@ -180,7 +184,11 @@ class ZeroEngine:
         self._issue_forward_through(len(self.units) - 1)
         for j in range(1, len(self.units)):
             if j not in self._fwd_ran:
-                self.units[j].reshard()
+                # skipped here; the last unit is kept like on the ranks that ran it, so backward gathers match
+                if self._keep_for_backward(self.units[j]):
+                    self.units[j].unshard_wait()
+                else:
+                    self.units[j].reshard()
         if not torch.is_grad_enabled():
             for u in self.units:
                 u.reshard()
