@@ -4,6 +4,7 @@ ZeRO-1/2/3 sharding, offload, activation recomputation, mixed precision and memo
 ``torch.distributed``. See README.md for the quickstart and ``memsave.wrap`` for the entry point.
 """
 
+from memsave import memory, zero
 from memsave.api import wrap
 from memsave.config import Profile, list_presets, load_profile
 from memsave.dist import Mesh, init
@@ -25,6 +26,8 @@ __all__ = [
     "init",
     "list_presets",
     "load_profile",
+    "memory",
     "report",
     "wrap",
+    "zero",
 ]

@@ -35,6 +35,7 @@ def shard(
     cfg = config if config is not None else ZeroConfig(stage=stage)
     if cfg.stage != stage:
         raise ValueError(f"shard(stage={stage}) contradicts config.stage={cfg.stage}; pass one of them")
+    ZeroOptimizer.check(optimizer, stage)  # before the model is touched: a refused wrap loses nothing
     engine = ZeroEngine(model, mesh, cfg, units)
     swap_class(model, engine)
     return model, ZeroOptimizer(optimizer, engine)

@@ -31,21 +31,26 @@ _NOT_SHARDABLE = {"LBFGS", "SparseAdam", "Adafactor", "Muon"}
 class ZeroOptimizer(MemsaveOptimizer):
     """ZeRO's optimizer half: sharded state, global-norm clipping, consolidated state dicts."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> None:
-        super().__init__(optimizer)
+    @staticmethod
+    def check(optimizer: torch.optim.Optimizer, stage: int) -> None:
+        """Refuse what cannot be sharded exactly, before anything is changed."""
         name = type(optimizer).__name__
         if name in _NOT_SHARDABLE:
             raise NotImplementedError(
                 f"{name} keeps per-tensor statistics, so stepping row shards independently would change its "
-                f"updates; with ZeRO stage {engine.stage} use an elementwise optimizer (AdamW, SGD, ...)"
+                f"updates; with ZeRO stage {stage} use an elementwise optimizer (AdamW, SGD, ...)"
             )
-        if name not in _ELEMENTWISE:
-            warn_once(f"ZeRO assumes {name} updates each element independently; if it does not, results differ")
         if optimizer.state:
             raise ValueError(
                 f"optimizer already has state for {len(optimizer.state)} parameters; memsave.wrap must come before "
                 "the first step (load a checkpoint with optimizer.load_state_dict after wrapping)"
             )
+        if name not in _ELEMENTWISE:
+            warn_once(f"ZeRO assumes {name} updates each element independently; if it does not, results differ")
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> None:
+        super().__init__(optimizer)
+        self.check(optimizer, engine.stage)
         self.engine = engine
         self._full_of: dict[nn.Parameter, nn.Parameter] = {}
         for group in optimizer.param_groups:
