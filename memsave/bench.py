@@ -66,11 +66,12 @@ def _worker(name: str, opts: BenchOptions) -> dict[str, Any]:
     """One rank of one configuration (runs in a spawned process).
 
     torch's baselines run as their users run them, with glibc's default allocator behaviour; a name ending in
-    ``+malloc`` runs the baseline with memsave's host-allocator setting (see memsave/dist/host_memory.py).
+    ``+malloc`` runs the baseline with memsave's host-allocator policy too (a trim at the end of each forward;
+    see memsave/dist/host_memory.py), to show what memsave gains from it and what from its engines.
     """
     is_baseline = _base_name(name) in _STAGE_OF_BASELINE
     tuned = not is_baseline or name.endswith(_TUNED)
-    mesh = mdist.init(host_mmap_threshold=mdist.DEFAULT_MMAP_THRESHOLD if tuned else None)
+    mesh = mdist.init(host_trim=tuned)
     rss_start = rss_bytes()
     torch.manual_seed(opts.seed)
     cfg = gpt_config(opts.size, tie_weights=opts.tie_weights, block_size=max(opts.seq_len, 8))
@@ -85,6 +86,8 @@ def _worker(name: str, opts: BenchOptions) -> dict[str, Any]:
 
         stage = _STAGE_OF_BASELINE[_base_name(name)]
         run_model, opt, holder = build_baseline(_base_name(name), model, make_opt, list(model.blocks))
+        if tuned:
+            model.register_forward_hook(lambda *_: mdist.after_forward())
         backward = lambda loss: loss.backward()  # noqa: E731
         holders = [holder]
     else:

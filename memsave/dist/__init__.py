@@ -14,14 +14,14 @@ from memsave.dist.collectives import (
     group_size,
     reduce_scatter_into,
 )
-from memsave.dist.host_memory import DEFAULT_MMAP_THRESHOLD, tune_host_allocator
+from memsave.dist.host_memory import HostMemoryPolicy, after_forward, configure_host_memory, host_memory_policy
 from memsave.dist.init import default_device, init, launch_env
 from memsave.dist.mesh import AXES, Mesh, validate_degrees
 
 __all__ = [
     "AXES",
     "COMM_STATS",
-    "DEFAULT_MMAP_THRESHOLD",
+    "HostMemoryPolicy",
     "CommStats",
     "Handle",
     "Mesh",
@@ -37,6 +37,8 @@ __all__ = [
     "init",
     "launch_env",
     "reduce_scatter_into",
-    "tune_host_allocator",
+    "after_forward",
+    "configure_host_memory",
+    "host_memory_policy",
     "validate_degrees",
 ]

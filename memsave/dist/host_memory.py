@@ -1,49 +1,96 @@
-"""Host-allocator tuning for CPU training: give freed large buffers back to the OS.
+"""Host-allocator policy for CPU training: keep peak RSS close to the bytes that are live.
 
 [Note: host allocator] glibc serves a large allocation with mmap only while it is above a *dynamic*
 threshold, and raises that threshold to the size of every mmapped block that is freed. After the first step
 nearly every activation, gradient and staging buffer therefore comes from the brk heap, whose free space is
-fragmented by tensors of many sizes and never returned: peak RSS grows well above what is live. This is why
-torch FSDP2's ZeRO-3 peaks *above* DDP on CPU although it holds a quarter of the model state. Pinning the
-threshold (``mallopt(M_MMAP_THRESHOLD)``, which also turns the dynamic adjustment off) makes every buffer above
-it an mmap that is unmapped when freed, so RSS tracks live memory. The cost is page faults for the large
-tensors each step (measured in ``memsave bench``).
+fragmented by tensors of many sizes and is not given back: measured on the bench GPT, glibc's arena exceeds
+the live bytes by 80 MiB under DDP and 170 MiB under ZeRO-3. That is why torch FSDP2's ZeRO-3 peaks *above*
+DDP on CPU although it holds a quarter of the model state.
+
+memsave answers in two ways, both process-wide (the allocator is), both set by ``memsave.init()``:
+
+- ``trim_after_forward`` (default on, CPU only): at the end of each forward, ``malloc_trim(0)`` returns the
+  free heap pages (the forward's temporaries) to the OS just before the peak of the step, the start of
+  backward. Cost: one heap walk per step and re-faulting the pages that are reused.
+- ``mmap_threshold`` (default off): pin the threshold so every buffer above it is an mmap that is unmapped
+  when freed; RSS then tracks live memory closely, but every large tensor page-faults afresh each step
+  (measured about 2x step time on the bench GPT). For when memory, not time, is the limit.
+
+Environment overrides: ``MEMSAVE_HOST_TRIM=0|1`` and ``MEMSAVE_MMAP_THRESHOLD=<bytes>`` (0 = off).
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import sys
 
 from memsave._logging import get_logger
 
-__all__ = ["DEFAULT_MMAP_THRESHOLD", "tune_host_allocator"]
+__all__ = ["HostMemoryPolicy", "after_forward", "configure_host_memory", "host_memory_policy"]
 
-DEFAULT_MMAP_THRESHOLD = 1 << 20
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 
 
-def tune_host_allocator(threshold: int | None) -> bool:
-    """Pin glibc's mmap threshold to ``threshold`` bytes (None or 0: leave the allocator alone).
+@dataclasses.dataclass(frozen=True)
+class HostMemoryPolicy:
+    trim_after_forward: bool = False
+    mmap_threshold: int = 0
 
-    ``MEMSAVE_MMAP_THRESHOLD`` in the environment overrides the argument (0 turns the tuning off). Returns
-    whether the setting took effect (only on Linux with glibc).
-    """
-    env = os.environ.get("MEMSAVE_MMAP_THRESHOLD")
-    if env is not None:
-        if not env.isdigit():
-            raise ValueError(f"MEMSAVE_MMAP_THRESHOLD={env!r} is not allowed; expected a number of bytes (0 = off)")
-        threshold = int(env)
-    if not threshold:
-        return False
-    if not sys.platform.startswith("linux"):
-        get_logger().info("host allocator tuning skipped: not Linux")
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, int(threshold)) == 1
-    except (OSError, AttributeError):
-        ok = False
-    get_logger().info("host allocator: mmap threshold %s -> %s", threshold, "set" if ok else "not available")
-    return ok
+
+_policy = HostMemoryPolicy()
+_libc: ctypes.CDLL | None = None
+
+
+def _glibc() -> ctypes.CDLL | None:
+    global _libc
+    if _libc is None and sys.platform.startswith("linux"):
+        try:
+            lib = ctypes.CDLL("libc.so.6")
+            if hasattr(lib, "malloc_trim") and hasattr(lib, "mallopt"):
+                _libc = lib
+        except OSError:
+            pass
+    return _libc
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{name}={value!r} is not allowed; expected a non-negative integer")
+    return int(value)
+
+
+def configure_host_memory(*, trim_after_forward: bool, mmap_threshold: int) -> HostMemoryPolicy:
+    """Set the process's host-allocator policy (environment overrides win); returns what took effect."""
+    global _policy
+    trim = _env_int("MEMSAVE_HOST_TRIM")
+    threshold = _env_int("MEMSAVE_MMAP_THRESHOLD")
+    trim_after_forward = bool(trim) if trim is not None else trim_after_forward
+    mmap_threshold = threshold if threshold is not None else mmap_threshold
+    libc = _glibc()
+    if libc is None:
+        if trim_after_forward or mmap_threshold:
+            get_logger().info("host allocator policy skipped: not Linux/glibc")
+        _policy = HostMemoryPolicy()
+        return _policy
+    if mmap_threshold:
+        mmap_threshold = mmap_threshold if libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)) == 1 else 0
+    _policy = HostMemoryPolicy(trim_after_forward=trim_after_forward, mmap_threshold=mmap_threshold)
+    get_logger().info("host allocator policy: %s", _policy)
+    return _policy
+
+
+def host_memory_policy() -> HostMemoryPolicy:
+    return _policy
+
+
+def after_forward() -> None:
+    """Called by the engines at the end of each forward on CPU (see [Note: host allocator])."""
+    if _policy.trim_after_forward:
+        libc = _glibc()
+        if libc is not None:
+            libc.malloc_trim(0)

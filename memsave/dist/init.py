@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from memsave._logging import get_logger
-from memsave.dist.host_memory import DEFAULT_MMAP_THRESHOLD, tune_host_allocator
+from memsave.dist.host_memory import configure_host_memory
 from memsave.dist.mesh import Mesh, validate_degrees
 
 __all__ = ["default_device", "init", "launch_env"]
@@ -59,7 +59,8 @@ def init(
     backend: str | None = None,
     device: str | torch.device | None = None,
     timeout_s: float | None = None,
-    host_mmap_threshold: int | None = DEFAULT_MMAP_THRESHOLD,
+    host_trim: bool = True,
+    host_mmap_threshold: int = 0,
 ) -> Mesh:
     """Initialize ``torch.distributed`` (if needed) and return the ``pp x dp x tp`` :class:`Mesh`.
 
@@ -69,9 +70,9 @@ def init(
         backend: ``"nccl"`` or ``"gloo"``; by default nccl for CUDA devices, gloo otherwise.
         device: the compute device; by default ``cuda:LOCAL_RANK`` when CUDA is there, else CPU.
         timeout_s: collective timeout (default: ``MEMSAVE_TIMEOUT_S`` or 600 s).
-        host_mmap_threshold: on CPU, pin glibc's mmap threshold to this many bytes so freed large buffers go
-            back to the OS (see [Note: host allocator] in ``memsave/dist/host_memory.py``); None or 0 leaves
-            the allocator alone. ``MEMSAVE_MMAP_THRESHOLD`` overrides it. Ignored on GPU.
+        host_trim, host_mmap_threshold: on CPU, the host-allocator policy (see [Note: host allocator] in
+            ``memsave/dist/host_memory.py``): give the forward's freed heap back to the OS at the end of each
+            forward (default on), and optionally pin glibc's mmap threshold (bytes; 0 = off). Ignored on GPU.
     """
     env = launch_env()
     local_rank = int(env["LOCAL_RANK"]) if env else int(os.environ.get("LOCAL_RANK", 0))
@@ -85,7 +86,7 @@ def init(
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     else:
-        tune_host_allocator(host_mmap_threshold)
+        configure_host_memory(trim_after_forward=host_trim, mmap_threshold=host_mmap_threshold)
     timeout = datetime.timedelta(seconds=timeout_s or float(os.environ.get("MEMSAVE_TIMEOUT_S", 600)))
 
     if not dist.is_initialized():

@@ -73,6 +73,8 @@ class DataParallelEngine:
         self._callback_queued = False
         self.num_syncs = 0  # completed gradient synchronizations (one per synchronizing backward)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._slot]
+        if mesh.device.type == "cpu":
+            self._hooks.append(model.register_forward_hook(lambda *_: mdist.after_forward()))
 
     @staticmethod
     def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:

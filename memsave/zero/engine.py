@@ -31,6 +31,7 @@ from memsave import dist as mdist
 from memsave.config import ZeroConfig
 from memsave.dist import Mesh
 from memsave.phases import MemoryCategory, ShardedState
+from memsave.zero.pool import BufferPool
 from memsave.zero.unit import Unit
 
 __all__ = ["ZeroEngine", "default_units"]
@@ -111,7 +112,9 @@ class ZeroEngine:
         for name, p in root.named_parameters():  # each shared parameter once, under its first name
             ks = owners.get(p, set())
             groups[next(iter(ks)) + 1 if len(ks) == 1 else 0].append((name, p))  # shared or unowned -> root
-        kw: dict[str, Any] = dict(stage=self.stage, group=self.group, dp_rank=self.mesh.dp_rank, dp_size=self.dp_size)
+        self.pool = BufferPool()
+        kw: dict[str, Any] = dict(stage=self.stage, group=self.group, dp_rank=self.mesh.dp_rank, dp_size=self.dp_size,
+                                  pool=self.pool)
         units = [Unit("<root>", root, groups[0], is_root=True, **kw)]  # possibly empty-handed
         for k, m in enumerate(modules):
             if groups[k + 1]:
@@ -123,6 +126,8 @@ class ZeroEngine:
     def _register_hooks(self) -> None:
         for p in self._trainable:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        if self.mesh.device.type == "cpu":
+            self._hooks.append(self.model.register_forward_hook(lambda *_: mdist.after_forward()))
         if self.stage == 3:
             self._hooks.append(self.model.register_forward_pre_hook(self._root_pre_forward, prepend=True))
             self._hooks.append(self.model.register_forward_hook(self._root_post_forward))
@@ -324,6 +329,7 @@ class ZeroEngine:
     def memory_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:
         for u in self.units:
             yield from u.memory_tensors()
+        yield from self.pool.memory_tensors()
         for b in self.model.buffers():
             yield MemoryCategory.BUFFERS, b
 
