@@ -10,6 +10,7 @@ from memsave.config import Profile, list_presets, load_profile
 from memsave.dist import Mesh, init
 from memsave.memory import MemoryReport, report
 from memsave.phases import MemoryCategory, Phase
+from memsave.trainer import TrainConfig, Trainer, TrainResult, cosine_schedule
 from memsave.wrapped import MemsaveModule, MemsaveOptimizer
 
 __version__ = "0.1.0"
@@ -22,7 +23,11 @@ __all__ = [
     "Mesh",
     "Phase",
     "Profile",
+    "TrainConfig",
+    "TrainResult",
+    "Trainer",
     "__version__",
+    "cosine_schedule",
     "init",
     "list_presets",
     "load_profile",

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -188,3 +189,40 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def to_json(rows: list[dict[str, Any]], opts: BenchOptions) -> str:
     return json.dumps({"schema": "memsave.bench/1", "options": dataclasses.asdict(opts), "rows": rows}, indent=2)
+
+
+# -- the `memsave bench` subcommand ----------------------------------------------------------------------------
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "bench", help="profiles and torch baselines side by side",
+        description="Run memsave profiles and torch baselines (DDP, ZeroRedundancyOptimizer, FSDP2) on the same "
+                    "model and data, each in fresh local processes, and print one table row per configuration.",
+    )
+    p.add_argument("--configs", default=",".join(("torch-ddp", *DEFAULT_PROFILES, *DEFAULT_BASELINES[1:])),
+                   help="comma-separated profiles (names or .toml paths) and baselines "
+                        f"({', '.join(DEFAULT_BASELINES)}; '+malloc' adds memsave's host-memory policy)")
+    p.add_argument("--size", default="bench", help="reference GPT size (default: bench, 27.4M parameters untied)")
+    p.add_argument("--tied", action="store_true", help="tie the embedding and the head")
+    p.add_argument("--batch-size", type=int, default=4, help="micro-batch per rank")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2, help="untimed first steps")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+
+
+def run_command(args: Any, extra: Any) -> int:
+    if extra:
+        raise ValueError(f"memsave bench: unrecognized arguments: {' '.join(extra)}")
+    opts = BenchOptions(size=args.size, tie_weights=args.tied, batch_size=args.batch_size, seq_len=args.seq_len,
+                        steps=args.steps, warmup=args.warmup, nproc=args.nproc)
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    for name in names:
+        if _base_name(name) not in _STAGE_OF_BASELINE:
+            load_profile(name)  # a bad name fails now, not after the other runs
+    rows = run_bench(names, opts)
+    print(format_table(rows))
+    if args.json is not None:
+        args.json.write_text(to_json(rows, opts))
+        print(f"results written to {args.json}")
+    return 0

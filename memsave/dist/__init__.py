@@ -13,6 +13,7 @@ from memsave.dist.collectives import (
     group_rank,
     group_size,
     reduce_scatter_into,
+    shutdown,
 )
 from memsave.dist.host_memory import HostMemoryPolicy, after_forward, configure_host_memory, host_memory_policy
 from memsave.dist.init import default_device, init, launch_env
@@ -37,6 +38,7 @@ __all__ = [
     "init",
     "launch_env",
     "reduce_scatter_into",
+    "shutdown",
     "after_forward",
     "configure_host_memory",
     "host_memory_policy",

@@ -38,6 +38,7 @@ __all__ = [
     "group_rank",
     "group_size",
     "reduce_scatter_into",
+    "shutdown",
 ]
 
 ProcessGroup = dist.ProcessGroup
@@ -182,6 +183,12 @@ def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
     out: list[Any] = [None] * size
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def shutdown() -> None:
+    """Destroy the default process group (if any): the clean end of a run, needed by NCCL."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def barrier(group: ProcessGroup | None = None) -> None:

@@ -1,0 +1,235 @@
+"""The ``memsave`` command.
+
+``memsave demo`` trains the reference GPT on the embedded corpus with a profile, on local processes, and
+prints the memory report; ``memsave profiles`` lists the presets. Each subcommand is a pair of functions, one
+that adds its parser and one that runs it (``_COMMANDS``), so more subcommands slot in beside these.
+
+Errors in what the user asked for (a bad profile key or value, an unsupported combination) are printed as
+one line and exit with code 2, without a traceback; other failures exit with code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memsave import bench
+from memsave import dist as mdist
+from memsave._launch import LaunchError, spawn_local
+from memsave.api import wrap
+from memsave.config import OptimizerConfig, Profile, list_presets, load_profile
+from memsave.models import GPT, TokenBatches, gpt_config
+from memsave.models.gpt import GPT_SIZES
+from memsave.trainer import TrainConfig, Trainer, cosine_schedule
+
+__all__ = ["DemoOptions", "build_optimizer", "main"]
+
+_USER_ERRORS = ("ValueError", "NotImplementedError")
+
+
+class UsageError(Exception):
+    """A mistake in the command line, reported in one line with exit code 2."""
+
+
+def build_optimizer(params: Any, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """The optimizer that a profile's ``[optimizer]`` section describes."""
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    if cfg.name == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    if cfg.name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    raise ValueError(f"profile key 'optimizer.name' = {cfg.name!r} is not allowed; expected adamw, adam or sgd")
+
+
+# -- memsave demo --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DemoOptions:
+    """Everything a demo process needs (pickled to each one)."""
+
+    profile: Profile
+    size: str
+    train: TrainConfig
+
+
+def _demo_worker(opts: DemoOptions) -> dict[str, Any]:
+    """One rank of ``memsave demo``: build, wrap, train, evaluate, report."""
+    mesh = mdist.init()
+    cfg = opts.train
+    torch.manual_seed(cfg.seed)  # the same initial model on every rank (wrap broadcasts rank 0's anyway)
+    gpt_cfg = gpt_config(opts.size)
+    if cfg.seq_len > gpt_cfg.block_size:
+        gpt_cfg = dataclasses.replace(gpt_cfg, block_size=cfg.seq_len)
+    model = GPT(gpt_cfg)
+    num_params = model.num_parameters()
+    opt_cfg = opts.profile.optimizer
+    optimizer = build_optimizer(model.parameters(), opt_cfg)
+    wrapped, mopt = wrap(model, optimizer, opts.profile, mesh=mesh)
+    data = {split: TokenBatches(seq_len=cfg.seq_len, batch_size=cfg.batch_size, dp_rank=mesh.dp_rank,
+                                dp_size=mesh.dp_size, split=split, seed=cfg.seed) for split in ("train", "val")}
+    if mesh.is_main:
+        print(f"memsave demo: GPT {opts.size} ({num_params:,} parameters), profile {opts.profile.name}, "
+              f"{mesh.world_size} processes on {mesh.device.type}; {cfg.steps} steps x {cfg.micro_batches} "
+              f"micro-batches x {cfg.batch_size} rows x {cfg.seq_len} tokens per rank; {opt_cfg.name} "
+              f"lr {opt_cfg.lr:g}", flush=True)
+    trainer = Trainer(
+        wrapped, mopt, mesh=mesh, config=cfg, train_data=data["train"], eval_data=data["val"],
+        lr_schedule=cosine_schedule(min(opt_cfg.warmup_steps, cfg.steps), cfg.steps, opt_cfg.min_lr_ratio),
+        profile=opts.profile.name,
+    )
+    start = time.perf_counter()
+    result = trainer.fit()
+    train_s = time.perf_counter() - start
+    eval_loss = trainer.evaluate()
+    return {"losses": result.losses, "eval_loss": eval_loss, "tokens_per_s": result.tokens_per_s,
+            "train_s": train_s, "report": result.report, "num_params": num_params}
+
+
+def _split_overrides(extra: Sequence[str]) -> list[str]:
+    """``--section.key=value`` (or ``--section.key value``) arguments argparse did not know."""
+    out: list[str] = []
+    i = 0
+    while i < len(extra):
+        item = extra[i]
+        name = item[2:].partition("=")[0]
+        if not item.startswith("--") or "." not in name:
+            raise UsageError(f"unrecognized argument {item!r}; profile overrides look like --zero.stage=2")
+        if "=" not in item and i + 1 < len(extra) and not extra[i + 1].startswith("--"):
+            item = f"{item}={extra[i + 1]}"
+            i += 1
+        out.append(item[2:])
+        i += 1
+    return out
+
+
+def _default_nproc() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def _add_demo(sub: Any) -> None:
+    p = sub.add_parser(
+        "demo", help="train the reference GPT on the embedded corpus and print the memory report",
+        description="Train the reference GPT on the embedded corpus (Python's docs, byte tokens) on local "
+        "processes with a profile, show the loss falling, and print the memory report. Any profile key can be "
+        "overridden as --section.key=value (e.g. --zero.stage=3 --optimizer.lr=1e-3).",
+    )
+    p.add_argument("--profile", default="ddp", help="preset name or path to a TOML file (default: ddp)")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps (default: 100)")
+    p.add_argument("--size", choices=sorted(GPT_SIZES), default="small", help="GPT size (default: small)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="local processes (default: the number of GPUs, else 2)")
+    p.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps (default: 1)")
+    p.add_argument("--batch-size", type=int, default=8, help="rows per process per micro-batch (default: 8)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per row (default: min(block size, 128))")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the profile's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the data (default: 0)")
+    p.add_argument("--log-every", type=int, default=None, help="log every N steps (default: steps / 10)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the run is stopped")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--report-json", type=Path, default=None, help="also write the memory report as JSON here")
+
+
+def _demo_options(args: argparse.Namespace, extra: Sequence[str]) -> tuple[DemoOptions, int]:
+    overrides = _split_overrides(extra)
+    if args.lr is not None:
+        overrides.append(f"optimizer.lr={args.lr!r}")
+    profile = load_profile(args.profile, overrides)  # ValueError names the key, the value and what is allowed
+    nproc = args.nproc if args.nproc is not None else _default_nproc()
+    if nproc < 1:
+        raise UsageError(f"--nproc {nproc} is not allowed; expected a positive number of processes")
+    seq_len = args.seq_len if args.seq_len is not None else min(GPT_SIZES[args.size].block_size, 128)
+    train = TrainConfig(
+        steps=args.steps, micro_batches=args.micro_batches, batch_size=args.batch_size, seq_len=seq_len,
+        log_every=args.log_every or max(1, args.steps // 10), grad_clip=1.0, progress=not args.no_progress,
+        seed=args.seed,
+    )
+    return DemoOptions(profile=profile, size=args.size, train=train), nproc
+
+
+def _run_demo(args: argparse.Namespace, extra: Sequence[str]) -> int:
+    opts, nproc = _demo_options(args, extra)
+    start = time.perf_counter()
+    ranks = spawn_local(_demo_worker, nproc, (opts,), timeout_s=args.timeout)
+    wall = time.perf_counter() - start
+    r0 = ranks[0]
+    rep = r0["report"]
+    print()
+    print(rep.to_text())
+    if args.report_json is not None:
+        args.report_json.parent.mkdir(parents=True, exist_ok=True)
+        args.report_json.write_text(rep.to_json() + "\n")
+        print(f"memory report written to {args.report_json}")
+    losses = r0["losses"]
+    print(f"\nloss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps (val loss {r0['eval_loss']:.4f}); "
+          f"{r0['tokens_per_s']:,.0f} tokens/s over {nproc} process{'es' if nproc > 1 else ''}; training {r0['train_s']:.1f} s, "
+          f"wall {wall:.1f} s", flush=True)
+    return 0
+
+
+# -- memsave profiles ----------------------------------------------------------------------------------------
+def _add_profiles(sub: Any) -> None:
+    sub.add_parser("profiles", help="list the preset profiles", description="List the preset profiles.")
+
+
+def _run_profiles(args: argparse.Namespace, extra: Sequence[str]) -> int:
+    if extra:
+        raise UsageError(f"unrecognized arguments: {' '.join(extra)}")
+    names = list_presets()
+    width = max(len(n) for n in names)
+    for name in names:
+        print(f"{name.ljust(width)}  {load_profile(name).description}")
+    return 0
+
+
+Command = tuple[str, Callable[[Any], None], Callable[[argparse.Namespace, Sequence[str]], int]]
+_COMMANDS: list[Command] = [
+    ("demo", _add_demo, _run_demo),
+    ("bench", bench.add_parser, bench.run_command),
+    ("profiles", _add_profiles, _run_profiles),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from memsave import __version__
+
+    parser = argparse.ArgumentParser(prog="memsave", description="Train PyTorch models that do not fit.")
+    parser.add_argument("--version", action="version", version=f"memsave {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for _name, add, _run in _COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``memsave`` console script; returns the exit code."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    run = {name: run for name, _, run in _COMMANDS}[args.command]
+    try:
+        return run(args, extra)
+    except (UsageError, ValueError, NotImplementedError) as exc:
+        print(f"memsave {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except LaunchError as exc:
+        if exc.exc_type in _USER_ERRORS:
+            print(f"memsave {args.command}: error: {exc.message}", file=sys.stderr)
+            return 2
+        print(f"memsave {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"memsave {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

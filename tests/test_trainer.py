@@ -1,0 +1,202 @@
+"""memsave.Trainer: end to end on 1 and 2 ranks, accumulation == large batch, the LR schedule, falling losses,
+rank-0-only logging; TrainConfig validation and cosine_schedule in process."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import memsave
+from memsave.models import GPT, TokenBatches, gpt_config
+from memsave.trainer import LogRecord, TrainConfig, Trainer, TrainResult, cosine_schedule
+from memsave.wrapped import MemsaveOptimizer
+from tests.harness import run_ranks
+
+SEQ = 32
+
+
+def _tiny(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(gpt_config("tiny"))
+
+
+def _wrapped(profile: str, mesh: memsave.Mesh, make_opt: Callable[[nn.Module], torch.optim.Optimizer],
+             seed: int = 0) -> tuple[nn.Module, MemsaveOptimizer]:
+    model = _tiny(seed)
+    return memsave.wrap(model, make_opt(model), profile, mesh=mesh)
+
+
+def _data(mesh: memsave.Mesh, batch_size: int, split: str = "train", seed: int = 0) -> TokenBatches:
+    return TokenBatches(seq_len=SEQ, batch_size=batch_size, dp_rank=mesh.dp_rank, dp_size=mesh.dp_size,
+                        split=split, seed=seed)
+
+
+class _MicroBatches:
+    """Micro-batch ``m`` of step ``s`` is the ``m``-th slice of rows of ``base.batch(s)``."""
+
+    def __init__(self, base: TokenBatches, micro: int) -> None:
+        self.base, self.micro = base, micro
+
+    def batch(self, index: int) -> dict[str, torch.Tensor]:
+        step, m = divmod(index, self.micro)
+        rows = self.base.batch_size // self.micro
+        return {k: v[m * rows : (m + 1) * rows] for k, v in self.base.batch(step).items()}
+
+
+def case_end_to_end(mesh: memsave.Mesh, profile: str) -> dict:
+    """Every profile: 6 steps with accumulation, clipping, periodic evaluation; the result is complete."""
+    model, opt = _wrapped(profile, mesh, lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3))
+    cfg = TrainConfig(steps=6, micro_batches=2, batch_size=2, seq_len=SEQ, log_every=2, eval_every=3,
+                      eval_batches=2, grad_clip=1.0)
+    logs: list[LogRecord] = []
+    trainer = Trainer(model, opt, mesh=mesh, config=cfg, train_data=_data(mesh, 2),
+                      eval_data=_data(mesh, 2, split="val"), on_log=logs.append, profile=profile)
+    result = trainer.fit()
+    assert isinstance(result, TrainResult)
+    assert len(result.losses) == len(result.step_times) == 6 and all(math.isfinite(x) for x in result.losses)
+    assert [s for s, _ in result.eval_losses] == [3, 6] and all(math.isfinite(v) for _, v in result.eval_losses)
+    assert result.tokens_per_s > 0 and model.training
+    assert [r.rank for r in result.report.ranks] == list(range(mesh.world_size))
+    assert result.report.profile == profile and result.report.ranks[0].bytes["params"] > 0
+    if mesh.is_main:
+        assert [r.step for r in logs] == [2, 4, 6]
+        assert all(r.grad_norm is not None and r.grad_norm > 0 and r.model_state_bytes > 0 for r in logs)
+        assert logs[-1].loss == result.losses[-1]
+    return {"losses": result.losses, "eval": result.eval_losses}
+
+
+def case_accumulation_equals_large_batch(mesh: memsave.Mesh) -> None:
+    """micro_batches=2 of 2 rows gives the parameters of micro_batches=1 of 4 rows (SGD, within 1e-5)."""
+    params = []
+    for micro in (2, 1):
+        model, opt = _wrapped("ddp", mesh, lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), seed=1)
+        cfg = TrainConfig(steps=4, micro_batches=micro, batch_size=4 // micro, seq_len=SEQ, log_every=4,
+                          grad_clip=None)
+        Trainer(model, opt, mesh=mesh, config=cfg, train_data=_MicroBatches(_data(mesh, 4), micro),
+                on_log=lambda r: None).fit()
+        params.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def case_lr_schedule(mesh: memsave.Mesh) -> None:
+    """The multiplier scales every group's initial LR, step by step; a zero multiplier leaves parameters alone."""
+    def two_groups(m: nn.Module) -> torch.optim.Optimizer:
+        matrices = [p for p in m.parameters() if p.ndim >= 2]
+        rest = [p for p in m.parameters() if p.ndim < 2]
+        return torch.optim.SGD([{"params": matrices, "lr": 0.1}, {"params": rest, "lr": 0.01}])
+
+    model, opt = _wrapped("zero2", mesh, two_groups)
+    schedule = cosine_schedule(2, 6, 0.1)
+    logs: list[LogRecord] = []
+    cfg = TrainConfig(steps=6, batch_size=2, seq_len=SEQ, log_every=1)
+    Trainer(model, opt, mesh=mesh, config=cfg, train_data=_data(mesh, 2), lr_schedule=schedule,
+            on_log=logs.append).fit()
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.1 * schedule(5), 0.01 * schedule(5)])
+    if mesh.is_main:
+        assert [r.lr for r in logs] == pytest.approx([0.1 * schedule(s) for s in range(6)])
+
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = Trainer(model, opt, mesh=mesh, config=cfg, train_data=_data(mesh, 2), lr_schedule=lambda s: 0.0,
+                      on_log=lambda r: None, eval_fn=lambda m: float(not m.training))
+    assert trainer.evaluate() == 1.0 and model.training  # eval_fn runs in eval mode; train mode after
+    assert trainer.initial_lrs == pytest.approx([0.1 * schedule(5), 0.01 * schedule(5)])
+    trainer.fit()
+    result = trainer.fit()  # continues from step 6: every step's loss is reduced and the last one logged
+    assert trainer.step == 12 and len(result.losses) == 6
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def case_losses_fall(mesh: memsave.Mesh) -> list[float]:
+    """30 AdamW steps on the corpus: the loss falls well below its start (ln 256 = 5.55)."""
+    model, opt = _wrapped("zero3", mesh, lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3))
+    cfg = TrainConfig(steps=30, batch_size=4, seq_len=SEQ, log_every=10)
+    result = Trainer(model, opt, mesh=mesh, config=cfg, train_data=_data(mesh, 4),
+                     on_log=lambda r: None).fit()
+    first, last = sum(result.losses[:3]) / 3, sum(result.losses[-5:]) / 5
+    assert first > 5.0 and last < min(4.0, first - 1.2), result.losses
+    return result.losses
+
+
+def case_logging(mesh: memsave.Mesh) -> dict:
+    """Default logging prints a line per interval, and the progress bar draws, on rank 0 only."""
+    model, opt = _wrapped("ddp", mesh, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
+    out, err = io.StringIO(), io.StringIO()
+    cfg = TrainConfig(steps=5, batch_size=2, seq_len=SEQ, log_every=2, progress=True, grad_clip=None)
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        result = Trainer(model, opt, mesh=mesh, config=cfg, train_data=_data(mesh, 2)).fit()
+    return {"stdout": out.getvalue(), "stderr": err.getvalue(), "logs": len(result.logs)}
+
+
+def case_errors(mesh: memsave.Mesh) -> None:
+    """A plain optimizer, eval_every without eval data, and data of the wrong shape are refused."""
+    plain = _tiny()
+    with pytest.raises(ValueError, match=r"memsave\.wrap"):
+        Trainer(plain, torch.optim.SGD(plain.parameters(), lr=0.1), mesh=mesh, config=TrainConfig(),  # type: ignore[arg-type]
+                train_data=_data(mesh, 8))
+    model, opt = _wrapped("ddp", mesh, lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="eval_every=2 needs eval_data"):
+        Trainer(model, opt, mesh=mesh, config=TrainConfig(eval_every=2), train_data=_data(mesh, 8))
+    trainer = Trainer(model, opt, mesh=mesh, config=TrainConfig(steps=1, batch_size=3, seq_len=SEQ),
+                      train_data=_data(mesh, 2))
+    with pytest.raises(ValueError, match=r"shape \(2, 32\) but TrainConfig says batch_size=3"):
+        trainer.fit()
+
+
+def _all_cases(profiles: tuple[str, ...]) -> dict[str, Any]:
+    mesh = memsave.init()
+    out: dict[str, Any] = {"end_to_end": {p: case_end_to_end(mesh, p) for p in profiles}}
+    case_accumulation_equals_large_batch(mesh)
+    case_lr_schedule(mesh)
+    out["losses_fall"] = case_losses_fall(mesh)
+    out["logging"] = case_logging(mesh)
+    case_errors(mesh)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_trainer(world: int) -> None:
+    profiles = ("ddp", "zero1", "zero2", "zero3")
+    results = run_ranks(_all_cases, world, profiles, timeout=180)
+    for r in results[1:]:  # losses are dp-averaged, so every rank has the same numbers
+        assert r["end_to_end"] == results[0]["end_to_end"] and r["losses_fall"] == results[0]["losses_fall"]
+    # the profiles train the same trajectory (fp32 on CPU), up to reduction-order rounding
+    ref = results[0]["end_to_end"]["ddp"]["losses"]
+    for p in profiles:
+        assert results[0]["end_to_end"][p]["losses"] == pytest.approx(ref, rel=1e-5), p
+    main_log = results[0]["logging"]
+    assert main_log["logs"] == 3 and main_log["stdout"].count("step ") == 3 and "loss" in main_log["stdout"]
+    assert "5/5" in main_log["stderr"]  # the tqdm bar
+    for r in results[1:]:
+        assert r["logging"] == {"stdout": "", "stderr": "", "logs": 0}
+
+
+def test_train_config_validation() -> None:
+    TrainConfig(steps=1, grad_clip=None, eval_every=0)
+    for field, value in [("steps", 0), ("micro_batches", 0), ("batch_size", -1), ("log_every", 0),
+                         ("eval_every", -1), ("grad_clip", 0.0), ("grad_clip", True), ("steps", 2.5),
+                         ("progress", 1), ("seed", -1)]:
+        with pytest.raises(ValueError, match=rf"TrainConfig\.{field}={value!r} .*expected"):
+            kwargs: dict[str, Any] = {field: value}
+            TrainConfig(**kwargs)
+
+
+def test_cosine_schedule() -> None:
+    f = cosine_schedule(4, 20, 0.1)
+    assert [f(s) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    after = [f(s) for s in range(4, 20)]
+    assert after[0] == pytest.approx(1.0) and after[-1] == pytest.approx(0.1) and f(100) == pytest.approx(0.1)
+    assert all(a >= b for a, b in itertools.pairwise(after))
+    assert f(12) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 8 / 15)))
+    assert cosine_schedule(0, 1, 0.5)(0) == 1.0
+    for args in [(5, 4, 0.1), (-1, 4, 0.1), (0, 0, 0.1), (0, 4, 1.5)]:
+        with pytest.raises(ValueError, match="cosine_schedule"):
+            cosine_schedule(*args)
