@@ -17,7 +17,7 @@ from memsave import dist as mdist
 from memsave.config import Profile, load_profile
 from memsave.dist import Mesh
 from memsave.engines.dp import DataParallelEngine, DataParallelOptimizer
-from memsave.wrapped import MemsaveOptimizer, swap_class
+from memsave.wrapped import MemsaveModule, MemsaveOptimizer, swap_class
 
 __all__ = ["default_mesh", "wrap"]
 
@@ -101,6 +101,13 @@ def wrap(
         ``(model, optimizer)``: the same model object and a :class:`~memsave.wrapped.MemsaveOptimizer` with
         ``backward``, ``clip_grad_norm``, ``step``, ``zero_grad``, ``state_dict`` and ``load_state_dict``.
     """
+    if isinstance(model, MemsaveModule):
+        raise ValueError(f"model of class {type(model).__name__} is already wrapped by memsave; wrap it once")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(
+            f"optimizer must be a torch.optim.Optimizer instance, got {type(optimizer).__name__}; "
+            "build it over model.parameters() before calling memsave.wrap"
+        )
     profile = load_profile(profile)
     _check_supported(profile)
     mesh = mesh if mesh is not None else default_mesh()

@@ -44,8 +44,22 @@ def _bad(key: str, value: object, allowed: str) -> ValueError:
     return ValueError(f"profile key '{key}' = {value!r} is not allowed; expected {allowed}")
 
 
+class _Checked:
+    """Checks every field against its annotation, also for sections built in code (not only from TOML)."""
+
+    _section: str = ""
+
+    def _check_fields(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            checked = _check_type(f"{self._section}.{f.name}", value, hints[f.name])
+            if checked is not value:  # lossless conversions (int -> float, list -> tuple)
+                object.__setattr__(self, f.name, checked)
+
+
 @dataclass(frozen=True, kw_only=True)
-class ZeroConfig:
+class ZeroConfig(_Checked):
     """``[zero]``: data parallelism and ZeRO sharding (Rajbhandari et al., 2020).
 
     stage: 0 replicates everything (DDP-style bucketed all-reduce); 1 shards optimizer state; 2 also shards
@@ -61,7 +75,10 @@ class ZeroConfig:
     prefetch: int = 1
     reshard_after_forward: bool = True
 
+    _section = "zero"
+
     def __post_init__(self) -> None:
+        self._check_fields()
         if self.stage not in (0, 1, 2, 3):
             raise _bad("zero.stage", self.stage, "0 (plain data parallel), 1, 2 or 3")
         if not self.bucket_mb > 0:
@@ -71,7 +88,7 @@ class ZeroConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class PrecisionConfig:
+class PrecisionConfig(_Checked):
     """``[precision]``: dtypes (Micikevicius et al., 2018).
 
     compute: dtype of parameters and activations in forward/backward.
@@ -85,7 +102,10 @@ class PrecisionConfig:
     reduce: Literal["fp32", "bf16", "fp16", "compute"] = "fp32"
     loss_scale: str | float = "none"
 
+    _section = "precision"
+
     def __post_init__(self) -> None:
+        self._check_fields()
         ls = self.loss_scale
         if isinstance(ls, str) and ls not in ("none", "dynamic"):
             raise _bad("precision.loss_scale", ls, '"none", "dynamic" or a positive number')
@@ -94,7 +114,7 @@ class PrecisionConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class OffloadConfig:
+class OffloadConfig(_Checked):
     """``[offload]``: where state lives when it is not on the compute device.
 
     optimizer / params: "none", "cpu" (host memory) or "disk" (files under ``path``).
@@ -111,7 +131,10 @@ class OffloadConfig:
     path: str = ""
     prefetch: int = 2
 
+    _section = "offload"
+
     def __post_init__(self) -> None:
+        self._check_fields()
         if not 0.0 <= self.fraction <= 1.0:
             raise _bad("offload.fraction", self.fraction, "a number from 0 to 1")
         if "disk" in (self.optimizer, self.params) and not self.path:
@@ -121,7 +144,7 @@ class OffloadConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RecomputeConfig:
+class RecomputeConfig(_Checked):
     """``[recompute]``: activation recomputation (Chen et al., 2016).
 
     policy: "none", "full", "every:K", "selective" or "budget:<size>" (e.g. "budget:2GiB").
@@ -129,13 +152,16 @@ class RecomputeConfig:
 
     policy: str = "none"
 
+    _section = "recompute"
+
     def __post_init__(self) -> None:
+        self._check_fields()
         if not _RECOMPUTE_POLICY.match(self.policy):
             raise _bad("recompute.policy", self.policy, '"none", "full", "every:K", "selective" or "budget:<size>"')
 
 
 @dataclass(frozen=True, kw_only=True)
-class OptimizerConfig:
+class OptimizerConfig(_Checked):
     """``[optimizer]``: the optimizer that the trainer and ``memsave demo`` build (``memsave.wrap`` takes yours).
 
     name: "adamw", "adam" or "sgd".
@@ -151,7 +177,10 @@ class OptimizerConfig:
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1
 
+    _section = "optimizer"
+
     def __post_init__(self) -> None:
+        self._check_fields()
         if not self.lr > 0:
             raise _bad("optimizer.lr", self.lr, "a positive number")
         if self.weight_decay < 0:

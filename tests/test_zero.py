@@ -23,12 +23,17 @@ def _local(batch: dict, rank: int, world: int) -> dict:
     return {k: v[rank * rows : (rank + 1) * rows] for k, v in batch.items()}
 
 
-def _pair(stage: int, mesh: memsave.Mesh, seed: int = 0, lr: float = 1e-2, opt_cls: type = torch.optim.AdamW):
+def _adamw(groups: list) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(groups, lr=1e-2)
+
+
+def _pair(stage: int, mesh: memsave.Mesh, seed: int = 0, make_opt=_adamw, overrides: tuple[str, ...] = ()):
     ref = ToyLM(seed=seed)
     ddp = DDP(copy.deepcopy(ref), find_unused_parameters=True)
-    ddp_opt = opt_cls(param_groups(ddp.module), lr=lr)
+    ddp_opt = make_opt(param_groups(ddp.module))
     model = copy.deepcopy(ref)
-    model, opt = memsave.wrap(model, opt_cls(param_groups(model), lr=lr), f"zero{stage}", mesh=mesh)
+    profile = memsave.load_profile(f"zero{stage}", overrides)
+    model, opt = memsave.wrap(model, make_opt(param_groups(model)), profile, mesh=mesh)
     return model, opt, ddp, ddp_opt
 
 
@@ -45,10 +50,11 @@ def _check_params(model, ddp, what: str, world: int) -> None:
         assert_same(sd[name], q, f"{what} param {name}", world, rtol=1e-5)
 
 
-def case_exact_trajectory(stage: int, rank: int, world: int, mesh: memsave.Mesh) -> None:
+def case_exact_trajectory(stage: int, rank: int, world: int, mesh: memsave.Mesh, make_opt=_adamw,
+                          overrides: tuple[str, ...] = ()) -> None:
     """No clipping: losses, gradients and parameters over 6 steps equal DDP's (bitwise up to 2 ranks).
-    Includes a branch skipped on one rank, one skipped everywhere, and (stage 3) a block skipped on one rank."""
-    model, opt, ddp, ddp_opt = _pair(stage, mesh)
+    Includes a branch skipped on one rank, one skipped everywhere, and a block skipped on one rank."""
+    model, opt, ddp, ddp_opt = _pair(stage, mesh, make_opt=make_opt, overrides=overrides)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     ddp_sched = torch.optim.lr_scheduler.StepLR(ddp_opt, step_size=2, gamma=0.5)
     for step in range(6):
@@ -170,8 +176,15 @@ def case_memory_and_traffic(stage: int, rank: int, world: int, mesh: memsave.Mes
 def _all_cases(world: int) -> str:
     mesh = memsave.init()
     rank = mesh.dp_rank
+    sgd = lambda g: torch.optim.SGD(g, lr=0.05, momentum=0.9)  # noqa: E731
+    adam = lambda g: torch.optim.Adam(g, lr=1e-2)  # noqa: E731
     for stage in (1, 2, 3):
         case_exact_trajectory(stage, rank, world, mesh)
+        case_exact_trajectory(stage, rank, world, mesh, make_opt=sgd if stage != 2 else adam)
+    # stage 3's schedule knobs: deeper prefetch, no prefetch, parameters kept from forward to backward
+    for overrides in (("zero.prefetch=2",), ("zero.prefetch=0",), ("zero.reshard_after_forward=false",)):
+        case_exact_trajectory(3, rank, world, mesh, overrides=overrides)
+    for stage in (1, 2, 3):
         case_clip_accumulate_state_dict(stage, rank, world, mesh)
         case_memory_and_traffic(stage, rank, world, mesh)
     return "ok"

@@ -30,6 +30,7 @@ __all__ = [
     "CommStats",
     "Handle",
     "ProcessGroup",
+    "ReduceOp",
     "all_gather_into",
     "all_gather_object",
     "all_reduce",

@@ -81,6 +81,25 @@ class Mesh:
         self._check_axis(axis)
         return self.device_mesh.get_group(axis)
 
+    def new_group(self, axis: str) -> dist.ProcessGroup:
+        """A *fresh* process group over the same ranks as ``axis``: its own ordered stream of collectives.
+
+        Collective over the whole world (every rank creates every slice's group, as ``new_group`` requires).
+        ZeRO uses one for reduce-scatters beside the axis group for all-gathers, so the two kinds never have
+        to interleave in the same order on every rank.
+        """
+        self._check_axis(axis)
+        ranks = self.device_mesh.mesh
+        dim = AXES.index(axis)
+        slices = ranks.movedim(dim, -1).reshape(-1, ranks.size(dim)).tolist()
+        mine = None
+        for members in slices:
+            group = dist.new_group(members)
+            if self.rank in members:
+                mine = group
+        assert mine is not None
+        return mine
+
     @property
     def rank(self) -> int:
         return dist.get_rank()

@@ -73,7 +73,8 @@ def report(*holders: object, profile: str = "", group: mdist.ProcessGroup | None
     Collective: every rank of ``group`` (default: all) must call it. Returns the same report on each rank.
     """
     acct: MemoryAccount = account(holders)
-    mine = RankMemory(rank=mdist.group_rank(None), bytes=acct.bytes, rss=rss_bytes(), peak_rss=peak_rss_bytes())
+    rss = rss_bytes()  # the kernel updates the high-water mark lazily: never report a peak below now
+    mine = RankMemory(rank=mdist.group_rank(None), bytes=acct.bytes, rss=rss, peak_rss=max(peak_rss_bytes(), rss))
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         mine.device_allocated = torch.cuda.memory_allocated()
         mine.device_peak = torch.cuda.max_memory_allocated()

@@ -30,7 +30,7 @@ from torch.autograd.profiler import record_function
 from memsave import dist as mdist
 from memsave.config import ZeroConfig
 from memsave.dist import Mesh
-from memsave.phases import MemoryCategory, ShardedState
+from memsave.phases import MemoryCategory
 from memsave.zero.pool import BufferPool
 from memsave.zero.unit import Unit
 
@@ -70,7 +70,11 @@ class ZeroEngine:
         if config.stage not in (1, 2, 3):
             raise ValueError(f"zero.stage={config.stage} is not a ZeRO stage; expected 1, 2 or 3")
         self.model, self.mesh, self.config, self.stage = model, mesh, config, config.stage
+        # [Note: collective order] Gathers and reduce-scatters travel on separate groups: each kind is issued in
+        # the static unit order on every rank, but how the two interleave depends on what each rank's backward
+        # skips, so on one group they could pair up the wrong operations (a hang).
         self.group, self.dp_size = mesh.dp_group, mesh.dp_size
+        self.reduce_group = mesh.new_group("dp")
         self.require_grad_sync = True
         self.units = self._build_units(list(units) if units is not None else default_units(model))
         self.shard_of: dict[nn.Parameter, nn.Parameter] = {}
@@ -113,8 +117,8 @@ class ZeroEngine:
             ks = owners.get(p, set())
             groups[next(iter(ks)) + 1 if len(ks) == 1 else 0].append((name, p))  # shared or unowned -> root
         self.pool = BufferPool()
-        kw: dict[str, Any] = dict(stage=self.stage, group=self.group, dp_rank=self.mesh.dp_rank, dp_size=self.dp_size,
-                                  pool=self.pool)
+        kw: dict[str, Any] = dict(stage=self.stage, group=self.group, reduce_group=self.reduce_group,
+                                  dp_rank=self.mesh.dp_rank, dp_size=self.dp_size, pool=self.pool)
         units = [Unit("<root>", root, groups[0], is_root=True, **kw)]  # possibly empty-handed
         for k, m in enumerate(modules):
             if groups[k + 1]:
@@ -160,15 +164,20 @@ class ZeroEngine:
             k = unit.index
             with record_function("memsave::zero3::pre_forward"):
                 self._issue_forward_through(k + self.config.prefetch)
-                for j in range(1, k):  # gathered in order but skipped by this forward: free them
-                    if j not in self._fwd_ran and not self._is_needed_later(j):
-                        self.units[j].reshard()
+                for j in range(1, k):  # gathered in order but skipped by this forward
+                    if j not in self._fwd_ran:
+                        self._settle_skipped(self.units[j])
                 unit.unshard_wait()
                 self._fwd_ran.add(k)
         return hook
 
-    def _is_needed_later(self, j: int) -> bool:
-        return self.units[j].state is ShardedState.UNSHARDED and not self.config.reshard_after_forward
+    def _settle_skipped(self, unit: Unit) -> None:
+        """A unit this rank's forward skipped ends forward in the state it would have after running, so the
+        backward gathers stay the same on every rank ([Note: collective order])."""
+        if self._keep_for_backward(unit):
+            unit.unshard_wait()
+        else:
+            unit.reshard()
 
     def _keep_for_backward(self, unit: Unit) -> bool:
         """The last unit of forward is the first of backward: freeing it would only buy one more gather."""
@@ -189,11 +198,7 @@ class ZeroEngine:
         self._issue_forward_through(len(self.units) - 1)
         for j in range(1, len(self.units)):
             if j not in self._fwd_ran:
-                # skipped here; the last unit is kept like on the ranks that ran it, so backward gathers match
-                if self._keep_for_backward(self.units[j]):
-                    self.units[j].unshard_wait()
-                else:
-                    self.units[j].reshard()
+                self._settle_skipped(self.units[j])
         if not torch.is_grad_enabled():
             for u in self.units:
                 u.reshard()
@@ -260,7 +265,7 @@ class ZeroEngine:
         if self.require_grad_sync:
             self._ready.update(u.index for u in self.units)
             self._launch_ready_reduces()
-            handle = mdist.all_reduce(self._used, self.group, async_op=True)
+            handle = mdist.all_reduce(self._used, self.reduce_group, async_op=True)
             for u in self._inflight:
                 u.wait_reduce()
             self._inflight.clear()

@@ -79,7 +79,7 @@ class ZeroOptimizer(MemsaveOptimizer):
         if math.isinf(norm_type):
             local = torch.stack([g.abs().max() for g in grads if g.numel()]).max() if grads else torch.zeros(())
             total = local.to(device, torch.float32).reshape(1)
-            mdist.all_reduce(total, self.engine.group, op=torch.distributed.ReduceOp.MAX)
+            mdist.all_reduce(total, self.engine.group, op=mdist.ReduceOp.MAX)
             norm = total[0]
         else:
             norms = torch._foreach_norm(grads, norm_type) if grads else []

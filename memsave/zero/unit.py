@@ -35,9 +35,10 @@ class Unit:
 
     def __init__(
         self, name: str, module: nn.Module, params: list[tuple[str, nn.Parameter]], *, stage: int,
-        group: mdist.ProcessGroup, dp_rank: int, dp_size: int, is_root: bool, pool: BufferPool,
+        group: mdist.ProcessGroup, reduce_group: mdist.ProcessGroup, dp_rank: int, dp_size: int, is_root: bool,
+        pool: BufferPool,
     ) -> None:
-        self.pool = pool
+        self.pool, self.reduce_group = pool, reduce_group
         self.name, self.module, self.stage, self.is_root = name, module, stage, is_root
         self.index = -1  # position in the engine's forward order
         self.group, self.rank, self.world = group, dp_rank, dp_size
@@ -174,7 +175,7 @@ class Unit:
         else:
             out = self.pool.get(layout.chunk_numel, self.dtype, self.device)
         assert out is not None
-        self._reduce = (mdist.reduce_scatter_into(out, staging, self.group, async_op=True), out, staging)
+        self._reduce = (mdist.reduce_scatter_into(out, staging, self.reduce_group, async_op=True), out, staging)
         return had_grad
 
     @torch.no_grad()
