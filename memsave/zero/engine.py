@@ -31,7 +31,6 @@ from memsave import dist as mdist
 from memsave.config import ZeroConfig
 from memsave.dist import Mesh
 from memsave.phases import MemoryCategory
-from memsave.zero.pool import BufferPool
 from memsave.zero.unit import Unit
 
 __all__ = ["ZeroEngine", "default_units"]
@@ -116,9 +115,8 @@ class ZeroEngine:
         for name, p in root.named_parameters():  # each shared parameter once, under its first name
             ks = owners.get(p, set())
             groups[next(iter(ks)) + 1 if len(ks) == 1 else 0].append((name, p))  # shared or unowned -> root
-        self.pool = BufferPool()
         kw: dict[str, Any] = dict(stage=self.stage, group=self.group, reduce_group=self.reduce_group,
-                                  dp_rank=self.mesh.dp_rank, dp_size=self.dp_size, pool=self.pool)
+                                  dp_rank=self.mesh.dp_rank, dp_size=self.dp_size)
         units = [Unit("<root>", root, groups[0], is_root=True, **kw)]  # possibly empty-handed
         for k, m in enumerate(modules):
             if groups[k + 1]:
@@ -334,7 +332,6 @@ class ZeroEngine:
     def memory_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:
         for u in self.units:
             yield from u.memory_tensors()
-        yield from self.pool.memory_tensors()
         for b in self.model.buffers():
             yield MemoryCategory.BUFFERS, b
 
