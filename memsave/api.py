@@ -122,7 +122,11 @@ def wrap(
             )
         engine = DataParallelEngine(model, mesh, bucket_mb=profile.zero.bucket_mb)
         swap_class(model, engine)
-        return model, DataParallelOptimizer(optimizer, engine)
-    from memsave.zero import shard  # layer 3; imported here so stage 0 users never load it
+        wrapped: tuple[nn.Module, MemsaveOptimizer] = (model, DataParallelOptimizer(optimizer, engine))
+    else:
+        from memsave.zero import shard  # layer 3; imported here so stage 0 users never load it
 
-    return shard(model, optimizer, stage=profile.zero.stage, mesh=mesh, units=units, config=profile.zero)
+        wrapped = shard(model, optimizer, stage=profile.zero.stage, mesh=mesh, units=units, config=profile.zero)
+    if mesh.device.type == "cpu" and profile.zero.host_mmap_threshold_mb > 0:  # only once nothing can fail
+        mdist.configure_host_memory(mmap_threshold=int(profile.zero.host_mmap_threshold_mb * 2**20))
+    return wrapped

@@ -67,8 +67,9 @@ def _worker(name: str, opts: BenchOptions) -> dict[str, Any]:
     """One rank of one configuration (runs in a spawned process).
 
     torch's baselines run as their users run them, with glibc's default allocator behaviour; a name ending in
-    ``+malloc`` runs the baseline with memsave's host-allocator policy too (a trim at the end of each forward;
-    see memsave/dist/host_memory.py), to show what memsave gains from it and what from its engines.
+    ``+malloc`` runs the baseline with the host-allocator policy of memsave's zero3 preset too (a trim at the
+    end of each forward and an 8 MiB mmap threshold; see memsave/dist/host_memory.py), to show what memsave
+    gains from it and what from its engines.
     """
     is_baseline = _base_name(name) in _STAGE_OF_BASELINE
     tuned = not is_baseline or name.endswith(_TUNED)
@@ -87,7 +88,8 @@ def _worker(name: str, opts: BenchOptions) -> dict[str, Any]:
 
         stage = _STAGE_OF_BASELINE[_base_name(name)]
         run_model, opt, holder = build_baseline(_base_name(name), model, make_opt, list(model.blocks))
-        if tuned:
+        if tuned:  # the whole policy memsave's zero3 preset uses: trim after forward, 8 MiB mmap threshold
+            mdist.configure_host_memory(mmap_threshold=int(load_profile("zero3").zero.host_mmap_threshold_mb * 2**20))
             model.register_forward_hook(lambda *_: mdist.after_forward())
         backward = lambda loss: loss.backward()  # noqa: E731
         holders = [holder]

@@ -68,12 +68,15 @@ class ZeroConfig(_Checked):
     prefetch: stage 3: how many units ahead are gathered while the current one computes.
     reshard_after_forward: stage 3: free gathered parameters after forward (True) or keep them until the
         backward of that unit (False; more memory, one all-gather fewer per unit).
+    host_mmap_threshold_mb: on CPU, pin glibc's mmap threshold (MiB; 0 = leave it) so freed large buffers go
+        back to the OS: lower peak RSS for some step time (see memsave/dist/host_memory.py).
     """
 
     stage: int = 0
     bucket_mb: float = 25.0
     prefetch: int = 1
     reshard_after_forward: bool = True
+    host_mmap_threshold_mb: float = 0.0
 
     _section = "zero"
 
@@ -85,6 +88,8 @@ class ZeroConfig(_Checked):
             raise _bad("zero.bucket_mb", self.bucket_mb, "a positive number of MiB")
         if self.prefetch < 0:
             raise _bad("zero.prefetch", self.prefetch, "a count of units >= 0")
+        if self.host_mmap_threshold_mb < 0:
+            raise _bad("zero.host_mmap_threshold_mb", self.host_mmap_threshold_mb, "a size in MiB >= 0 (0 = off)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -105,7 +105,10 @@ def _errors() -> str:
         memsave.wrap(m, torch.optim.LBFGS(m.parameters()), "zero3", mesh=mesh)
     # a refused wrap loses nothing: the model is untouched and can be wrapped again
     assert type(m) is ToyLM and torch.equal(m.blocks[0].fc1.weight, model.blocks[0].fc1.weight)
+    assert memsave.dist.host_memory_policy() == memsave.dist.HostMemoryPolicy(trim_after_forward=True)
     memsave.wrap(m, torch.optim.AdamW(m.parameters()), "zero3", mesh=mesh)
+    # the zero3 preset's host-memory trade (see memsave/dist/host_memory.py) is in force on CPU
+    assert memsave.dist.host_memory_policy().mmap_threshold == 8 << 20
     m = copy.deepcopy(model)
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
     m(torch.zeros(1, 4, dtype=torch.long), labels=torch.zeros(1, 4, dtype=torch.long)).loss.backward()
