@@ -3,7 +3,8 @@
 The instance is kept (its class, hyperparameters and param groups; LR schedulers built on it keep working);
 only the tensors in its ``param_groups`` are replaced by this rank's shards. That is exact for optimizers
 whose update is elementwise (SGD, Adam, AdamW, RMSprop, ...). Optimizers with per-tensor statistics
-(LBFGS, factored Adafactor) are refused: memsave's own Adafactor is the sharding-aware alternative.
+(LBFGS, torch's Adafactor) are refused; :class:`memsave.optim.Adafactor` is told it steps row shards and reduces
+its column statistics and RMS sums over dp itself ([Note: Adafactor under row sharding] in memsave/optim/).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from memsave import dist as mdist
 from memsave._logging import warn_once
+from memsave.optim import Adafactor
 from memsave.phases import MemoryCategory
 from memsave.wrapped import MemsaveOptimizer
 from memsave.zero.engine import ZeroEngine
@@ -35,17 +37,20 @@ class ZeroOptimizer(MemsaveOptimizer):
     def check(optimizer: torch.optim.Optimizer, stage: int) -> None:
         """Refuse what cannot be sharded exactly, before anything is changed."""
         name = type(optimizer).__name__
-        if name in _NOT_SHARDABLE:
+        if isinstance(optimizer, Adafactor):
+            name = "memsave.optim.Adafactor"  # sharding-aware
+        elif name in _NOT_SHARDABLE:
             raise NotImplementedError(
                 f"{name} keeps per-tensor statistics, so stepping row shards independently would change its "
-                f"updates; with ZeRO stage {stage} use an elementwise optimizer (AdamW, SGD, ...)"
+                f"updates; with ZeRO stage {stage} use an elementwise optimizer (AdamW, SGD, ...) or "
+                "memsave.optim.Adafactor, which stays exact under sharding"
             )
         if optimizer.state:
             raise ValueError(
                 f"optimizer already has state for {len(optimizer.state)} parameters; memsave.wrap must come before "
                 "the first step (load a checkpoint with optimizer.load_state_dict after wrapping)"
             )
-        if name not in _ELEMENTWISE:
+        if name not in _ELEMENTWISE and not isinstance(optimizer, Adafactor):
             warn_once(f"ZeRO assumes {name} updates each element independently; if it does not, results differ")
 
     def __init__(self, optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> None:
@@ -60,6 +65,9 @@ class ZeroOptimizer(MemsaveOptimizer):
                 self._full_of[shard] = p
                 shards.append(shard)
             group["params"] = shards
+        if isinstance(optimizer, Adafactor):
+            group_ = engine.group
+            optimizer.shard(lambda t: mdist.all_reduce(t, group_), {s: p.shape for s, p in self._full_of.items()})
 
     # -- the step ------------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -100,21 +108,39 @@ class ZeroOptimizer(MemsaveOptimizer):
         self.engine.zero_grad(set_to_none)
 
     # -- consolidated state dicts --------------------------------------------------------------------------
+    @staticmethod
+    def _full_shape(value: torch.Tensor, full_param: torch.Tensor) -> torch.Size:
+        """The full shape of a row-sharded tensor: the parameter's rows, the value's own trailing dims."""
+        return full_param.shape if full_param.dim() == 0 else torch.Size((full_param.shape[0], *value.shape[1:]))
+
     def _gather_full(self, shard: torch.Tensor, full_param: torch.Tensor) -> torch.Tensor:
-        """All-gather a shard-shaped tensor into the full parameter's shape (collective)."""
-        layout = ShardLayout([full_param.shape], self.engine.dp_size)
+        """All-gather a row-sharded tensor (the parameter's rows, any trailing dims) into its full shape
+        (collective)."""
+        shape = self._full_shape(shard, full_param)
+        layout = ShardLayout([shape], self.engine.dp_size)
         chunk = torch.zeros(layout.chunk_numel, dtype=shard.dtype, device=shard.device)
         layout.shard_view(chunk, 0, self.engine.mesh.dp_rank).view_as(shard).copy_(shard)
         out = torch.empty(layout.padded_numel, dtype=shard.dtype, device=shard.device)
         mdist.all_gather_into(out, chunk, self.engine.group)
-        full = torch.empty(full_param.shape, dtype=shard.dtype, device=shard.device)
+        full = torch.empty(shape, dtype=shard.dtype, device=shard.device)
         layout.unpack(out, 0, full)
         return full
 
+    def _own_rows(self, value: torch.Tensor, full_param: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full row-sharded tensor."""
+        rows = full_param.shape[0] if full_param.dim() else 1
+        start, stop = ShardLayout([full_param.shape], self.engine.dp_size).slots[0].local_rows(self.engine.mesh.dp_rank)
+        if full_param.dim() == 0:
+            return value.reshape(1)[start:stop]
+        return value.reshape(rows, -1)[start:stop].view(stop - start, *value.shape[1:])
+
     def _is_per_element(self, key: str, value: Any, like: torch.Tensor, full_param: torch.Tensor) -> bool:
-        """A state entry sharded like the parameter (exp_avg, momentum_buffer, ...), not a scalar like ``step``."""
+        """A state entry sharded by rows like the parameter (exp_avg, momentum_buffer, Adafactor's row_var, ...),
+        not one every rank holds whole (``step``, the column statistics of a 2-D parameter)."""
         if not isinstance(value, torch.Tensor) or key == "step":
             return False
+        if isinstance(self.optimizer, Adafactor):
+            return self.optimizer.state_is_row_sharded(key, full_param.shape)
         return value.shape == like.shape and (value.dim() > 0 or full_param.dim() == 0)
 
     def state_dict(self) -> dict[str, Any]:
@@ -136,12 +162,10 @@ class ZeroOptimizer(MemsaveOptimizer):
         for index, state in state_dict["state"].items():
             shard = shards[int(index)]
             full_param = self._full_of[shard]
-            unit = self.engine._unit_of[full_param]
-            i = next(k for k, q in enumerate(unit.params) if q is full_param)
             out = {}
             for key, value in state.items():
                 if self._is_per_element(key, value, full_param, full_param):
-                    out[key] = unit._own_rows(value.to(shard.device), i).clone()
+                    out[key] = self._own_rows(value.to(shard.device), full_param).clone()
                 else:  # never alias the caller's tensors (e.g. Adam's step, which is incremented in place)
                     out[key] = value.clone() if isinstance(value, torch.Tensor) else value
             sharded["state"][index] = out
