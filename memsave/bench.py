@@ -23,6 +23,7 @@ from memsave.api import wrap
 from memsave.config import load_profile
 from memsave.memory import account, peak_rss_bytes, rss_bytes
 from memsave.models import GPT, TokenBatches, gpt_config
+from memsave.optim import Adafactor, build_optimizer
 
 __all__ = ["BenchOptions", "format_table", "formula_bytes", "run_bench"]
 
@@ -80,7 +81,11 @@ def _worker(name: str, opts: BenchOptions) -> dict[str, Any]:
     model = GPT(cfg).to(mesh.device)
     psi = sum(p.numel() for p in model.parameters())
 
+    profile = None if is_baseline else load_profile(name)
+
     def make_opt(params: list) -> torch.optim.Optimizer:
+        if profile is not None and profile.optimizer.name != "adamw":  # e.g. zero3-adafactor: the profile's own
+            return build_optimizer(params, profile.optimizer)
         return torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.1)
 
     if is_baseline:
@@ -94,13 +99,14 @@ def _worker(name: str, opts: BenchOptions) -> dict[str, Any]:
         backward = lambda loss: loss.backward()  # noqa: E731
         holders = [holder]
     else:
-        stage = load_profile(name).zero.stage
+        assert profile is not None
+        stage = profile.zero.stage
         run_model, opt = wrap(model, make_opt(list(model.parameters())), name, mesh=mesh)
         backward = opt.backward
         holders = [opt]
     data = TokenBatches(seq_len=opts.seq_len, batch_size=opts.batch_size, dp_rank=mesh.dp_rank,
                         dp_size=mesh.dp_size, seed=opts.seed)
-    times, losses, comm_bytes = [], [], []
+    times, opt_times, reduce_times, losses, comm_bytes = [], [], [], [], []
     for step in range(opts.steps):
         batch = {k: v.to(mesh.device) for k, v in data.batch(step).items()}
         mdist.barrier()
@@ -108,10 +114,14 @@ def _worker(name: str, opts: BenchOptions) -> dict[str, Any]:
         t0 = time.perf_counter()
         loss = run_model(**batch).loss
         backward(loss)
+        t1 = time.perf_counter()
         opt.step()
         if mesh.device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        opt_times.append(times[-1] - (t1 - t0))
+        inner = getattr(opt, "optimizer", opt)
+        reduce_times.append(inner.last_reduce_seconds if isinstance(inner, Adafactor) else 0.0)
         comm_bytes.append(mdist.COMM_STATS.total_bytes())
         if step == opts.steps - 1:
             state = account(holders)  # after the step, before zero_grad: gradients still held
@@ -121,6 +131,8 @@ def _worker(name: str, opts: BenchOptions) -> dict[str, Any]:
         losses.append(avg.item() / mesh.dp_size)
     out = {
         "rank": mesh.rank, "stage": stage, "psi": psi, "times": times, "losses": losses,
+        "optimizer": type(getattr(opt, "optimizer", opt)).__name__, "opt_times": opt_times,
+        "reduce_times": reduce_times,
         "model_state_bytes": state.model_state(), "bytes": state.bytes,
         "comm_bytes_per_step": statistics.median(comm_bytes[opts.warmup :]),
         "peak_rss": peak_rss_bytes(), "rss_start": rss_start,
@@ -140,7 +152,9 @@ def run_bench(names: list[str], opts: BenchOptions, *, timeout_s: float = 1800) 
         r0 = ranks[0]
         n = opts.nproc
         per_step = [max(r["times"][s] for r in ranks) for s in range(opts.steps)]  # the slowest rank sets the pace
-        formula = formula_bytes(r0["stage"], r0["psi"], n)
+        # the formula is AdamW's (K = 8); other optimizers are shown against nothing
+        formula = formula_bytes(r0["stage"], r0["psi"], n) if r0["optimizer"] in ("AdamW", "ZeroRedundancyOptimizer") else None
+        w = opts.warmup
         rows.append({
             "name": name, "kind": "baseline" if _base_name(name) in _STAGE_OF_BASELINE else "memsave", "stage": r0["stage"],
             "nproc": n, "params": r0["psi"],
@@ -149,7 +163,10 @@ def run_bench(names: list[str], opts: BenchOptions, *, timeout_s: float = 1800) 
             "device_peak": [r.get("device_peak", 0) for r in ranks],
             "model_state_bytes": [r["model_state_bytes"] for r in ranks],
             "formula_bytes": formula,
-            "state_vs_formula": max(r["model_state_bytes"] for r in ranks) / formula,
+            "state_vs_formula": None if formula is None else max(r["model_state_bytes"] for r in ranks) / formula,
+            "optimizer": r0["optimizer"],
+            "median_optimizer_step_s": statistics.median(max(r["opt_times"][s] for r in ranks) for s in range(w, opts.steps)),
+            "median_optimizer_reduce_s": statistics.median(max(r["reduce_times"][s] for r in ranks) for s in range(w, opts.steps)),
             "comm_bytes_per_step": None if _base_name(name) in _STAGE_OF_BASELINE else r0["comm_bytes_per_step"],
             "comm_elems_over_psi": None if _base_name(name) in _STAGE_OF_BASELINE else r0["comm_bytes_per_step"] / 4 / r0["psi"],
             "losses": r0["losses"], "final_loss": r0["losses"][-1],
@@ -163,21 +180,87 @@ def run_bench(names: list[str], opts: BenchOptions, *, timeout_s: float = 1800) 
     return rows
 
 
+# -- optimizers alone: state bytes and step time on one process ----------------------------------------------
+OPTIMIZERS = ("adamw", "torch-adafactor", "adafactor", "adafactor-bf16m", "adafactor-per-tensor")
+
+
+def _make_optimizer(name: str, params: list, lr: float) -> torch.optim.Optimizer:
+    if name == "adamw":  # torch's default on CPU: the foreach implementation
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.1, foreach=True)
+    if name == "torch-adafactor":  # as its users get it (its default is the per-tensor loop)
+        return torch.optim.Adafactor(params, lr=1e-2)
+    if name == "torch-adafactor-foreach":
+        return torch.optim.Adafactor(params, lr=1e-2, foreach=True)
+    if name == "adafactor":
+        return Adafactor(params)
+    if name == "adafactor-bf16m":  # with a first moment stored in bfloat16
+        return Adafactor(params, beta1=0.9, momentum_dtype=torch.bfloat16)
+    if name == "adafactor-per-tensor":
+        return Adafactor(params, foreach=False)
+    raise ValueError(f"optimizer {name!r} is not known; expected one of {', '.join(OPTIMIZERS)}, "
+                     "torch-adafactor-foreach")
+
+
+def _optim_worker(name: str, opts: BenchOptions) -> dict[str, Any]:
+    """One optimizer on the reference GPT: gradients from one real backward, then timed steps (one thread,
+    as the issue's figures were taken)."""
+    torch.set_num_threads(1)
+    mdist.init()
+    torch.manual_seed(opts.seed)
+    cfg = gpt_config(opts.size, tie_weights=opts.tie_weights, block_size=max(opts.seq_len, 8))
+    model = GPT(cfg)
+    batch = TokenBatches(seq_len=opts.seq_len, batch_size=opts.batch_size, seed=opts.seed).batch(0)
+    model(**batch).loss.backward()
+    opt = _make_optimizer(name, list(model.parameters()), opts.lr)
+    times = []
+    for _ in range(opts.steps):
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    state = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+                if isinstance(v, torch.Tensor))
+    return {"name": name, "median_step_s": statistics.median(times[opts.warmup :]), "state_bytes": state,
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def run_optim_bench(names: list[str], opts: BenchOptions, *, timeout_s: float = 1800) -> list[dict[str, Any]]:
+    """Each optimizer in a fresh single-thread process; state and step time against the first (AdamW)."""
+    from memsave._launch import spawn_local
+
+    rows = [spawn_local(_optim_worker, 1, (name, opts), timeout_s=timeout_s)[0] for name in names]
+    for r in rows:
+        r["vs_ref_state"] = r["state_bytes"] / max(rows[0]["state_bytes"], 1)
+        r["vs_ref_step_time"] = r["median_step_s"] / rows[0]["median_step_s"]
+        r["reference"] = rows[0]["name"]
+    return rows
+
+
+def format_optim_table(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'optimizer':<24}{'state MiB':>12}{'x ref':>10}{'step s':>10}{'x ref':>8}"]
+    for r in rows:
+        lines.append(f"{r['name']:<24}{r['state_bytes'] / 2**20:>12.2f}{r['vs_ref_state']:>10.4f}"
+                     f"{r['median_step_s']:>10.3f}{r['vs_ref_step_time']:>8.2f}")
+    lines.append(f"model: {rows[0]['params']:,} parameters, one process, one thread; reference: {rows[0]['reference']}")
+    return "\n".join(lines)
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f}"
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The human-readable table: one line per configuration."""
-    head = ["config", "stage", "step s", "x ref", "peak RSS MiB/rank", "x ref", "state MiB/rank", "x formula",
+    head = ["config", "stage", "step s", "x ref", "opt step s", "peak RSS MiB/rank", "x ref", "state MiB/rank", "x formula",
             "comm/step (x params)", "final loss", "diff"]
     lines = []
     for r in rows:
         comm = "-" if r["comm_bytes_per_step"] is None else f"{_mib(r['comm_bytes_per_step'])} MiB ({r['comm_elems_over_psi']:.2f})"
         lines.append([
             r["name"], str(r["stage"]), f"{r['median_step_s']:.3f}", f"{r['vs_ref_step_time']:.2f}",
+            f"{r['median_optimizer_step_s']:.3f}",
             "/".join(_mib(x) for x in r["peak_rss"]), f"{r['vs_ref_peak_rss']:.2f}",
-            "/".join(_mib(x) for x in r["model_state_bytes"]), f"{r['state_vs_formula']:.3f}", comm,
+            "/".join(_mib(x) for x in r["model_state_bytes"]),
+            "-" if r["state_vs_formula"] is None else f"{r['state_vs_formula']:.3f}", comm,
             f"{r['final_loss']:.4f}", f"{r['final_loss_diff']:+.2e}",
         ])
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
@@ -210,6 +293,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2, help="untimed first steps")
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--optimizers", default=None,
+                   help=f"instead: time optimizers alone on one process ({', '.join(OPTIMIZERS)}, "
+                        "torch-adafactor-foreach); the first is the reference")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
 
 
@@ -218,6 +304,17 @@ def run_command(args: Any, extra: Any) -> int:
         raise ValueError(f"memsave bench: unrecognized arguments: {' '.join(extra)}")
     opts = BenchOptions(size=args.size, tie_weights=args.tied, batch_size=args.batch_size, seq_len=args.seq_len,
                         steps=args.steps, warmup=args.warmup, nproc=args.nproc)
+    if args.optimizers:
+        opt_names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
+        for name in opt_names:
+            _make_optimizer(name, [torch.zeros(1, requires_grad=True)], 1e-3)  # a bad name fails now
+        opt_rows = run_optim_bench(opt_names, opts)
+        print(format_optim_table(opt_rows))
+        if args.json is not None:
+            args.json.write_text(json.dumps({"schema": "memsave.bench-optim/1", "options": dataclasses.asdict(opts),
+                                             "rows": opt_rows}, indent=2))
+            print(f"results written to {args.json}")
+        return 0
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     for name in names:
         if _base_name(name) not in _STAGE_OF_BASELINE:

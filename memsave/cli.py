@@ -24,29 +24,19 @@ from memsave import bench
 from memsave import dist as mdist
 from memsave._launch import LaunchError, spawn_local
 from memsave.api import wrap
-from memsave.config import OptimizerConfig, Profile, list_presets, load_profile
+from memsave.config import Profile, list_presets, load_profile
 from memsave.models import GPT, TokenBatches, gpt_config
 from memsave.models.gpt import GPT_SIZES
+from memsave.optim import build_optimizer
 from memsave.trainer import TrainConfig, Trainer, cosine_schedule
 
-__all__ = ["DemoOptions", "build_optimizer", "main"]
+__all__ = ["DemoOptions", "main"]
 
 _USER_ERRORS = ("ValueError", "NotImplementedError")
 
 
 class UsageError(Exception):
     """A mistake in the command line, reported in one line with exit code 2."""
-
-
-def build_optimizer(params: Any, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """The optimizer that a profile's ``[optimizer]`` section describes."""
-    if cfg.name == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-    if cfg.name == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-    if cfg.name == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    raise ValueError(f"profile key 'optimizer.name' = {cfg.name!r} is not allowed; expected adamw, adam or sgd")
 
 
 # -- memsave demo --------------------------------------------------------------------------------------------

@@ -169,20 +169,30 @@ class RecomputeConfig(_Checked):
 class OptimizerConfig(_Checked):
     """``[optimizer]``: the optimizer that the trainer and ``memsave demo`` build (``memsave.wrap`` takes yours).
 
-    name: "adamw", "adam" or "sgd".
-    lr, weight_decay, betas, momentum: the usual hyperparameters.
+    name: "adamw", "adam", "sgd" or "adafactor" (:class:`memsave.optim.Adafactor`, explicit-lr mode, so the
+    trainer's schedule applies; with ``scale_parameter`` the step is ``lr * RMS(parameter)``).
+    lr, weight_decay, betas, momentum: the usual hyperparameters (betas: Adam's; momentum: SGD's).
     warmup_steps: linear warm-up, then cosine decay to ``min_lr_ratio * lr``.
+    scale_parameter, clip_threshold, decay_rate, beta1, momentum_dtype: Adafactor's (see its docstring);
+    ``beta1 = 0`` keeps no first moment, ``momentum_dtype = "bf16"`` stores it in 2 bytes per parameter.
     """
 
-    name: Literal["adamw", "adam", "sgd"] = "adamw"
+    name: Literal["adamw", "adam", "sgd", "adafactor"] = "adamw"
     lr: float = 1e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     momentum: float = 0.9
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1
+    scale_parameter: bool = True
+    clip_threshold: float = 1.0
+    decay_rate: float = -0.8
+    beta1: float = 0.0
+    momentum_dtype: Literal["fp32", "bf16"] = "fp32"
 
     _section = "optimizer"
+    _ADAFACTOR_ONLY = {"scale_parameter": True, "clip_threshold": 1.0, "decay_rate": -0.8, "beta1": 0.0,
+                       "momentum_dtype": "fp32"}
 
     def __post_init__(self) -> None:
         self._check_fields()
@@ -196,6 +206,19 @@ class OptimizerConfig(_Checked):
             raise _bad("optimizer.warmup_steps", self.warmup_steps, "a count of steps >= 0")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise _bad("optimizer.min_lr_ratio", self.min_lr_ratio, "a number from 0 to 1")
+        if not self.clip_threshold > 0:
+            raise _bad("optimizer.clip_threshold", self.clip_threshold, "a number > 0")
+        if not -1.0 <= self.decay_rate < 0.0:
+            raise _bad("optimizer.decay_rate", self.decay_rate, "a number in [-1, 0) (the paper uses -0.8)")
+        if not 0.0 <= self.beta1 < 1.0:
+            raise _bad("optimizer.beta1", self.beta1, "a number in [0, 1) (0: no first moment)")
+        if self.momentum_dtype != "fp32" and self.beta1 == 0.0:
+            raise _bad("optimizer.momentum_dtype", self.momentum_dtype, '"fp32" while beta1 = 0 (no first moment)')
+        if self.name != "adafactor":
+            for key, default in self._ADAFACTOR_ONLY.items():
+                if getattr(self, key) != default:
+                    raise _bad(f"optimizer.{key}", getattr(self, key),
+                               f'the default {default!r}: it applies to name = "adafactor" only, not {self.name!r}')
 
 
 _SECTIONS: dict[str, type] = {

@@ -230,16 +230,14 @@ class Adafactor(torch.optim.Optimizer):
             for j, k in enumerate(split):
                 colsums[k], dsums[k], rsums[k] = (pieces[2 + 3 * j + i].view_as(t) for i, t in
                                                   enumerate((colsums[k], dsums[k], rsums[k])))
-        # factored tensors: C, mean(R), U; then sum(U^2) where it was not local
+        # factored tensors: C and mean(R), and sum(U^2) where it was not local, all without forming U
+        mean_rs: dict[int, torch.Tensor] = {}
         for k in factored:
             st, rows = states[k], full[k][-2]
             st["col_var"].lerp_(colsums[k].div_(rows).add_(eps1), one_minus_beta2[k])
-            mean_r = rsums[k].div_(rows)
+            mean_rs[k] = rsums[k].div_(rows)
             if k not in usq:
-                usq[k] = (mean_r * dsums[k] / st["col_var"]).sum()
-            r_factor = (st["row_var"] / mean_r).rsqrt_()  # (..., n, 1)
-            u = torch.mul(grads[k], r_factor, out=g2[k])
-            u.mul_(st["col_var"].rsqrt())
+                usq[k] = (mean_rs[k] * dsums[k] / st["col_var"]).sum()
         numels = [math.prod(s) if len(s) else 1 for s in full]
         scalars = torch.stack([torch.stack(sq), torch.stack([usq[k] for k in range(len(params))])]).tolist()
         coefs, decays = [], []
@@ -248,10 +246,17 @@ class Adafactor(torch.optim.Optimizer):
             clip = max(1.0, math.sqrt(scalars[1][k] / numels[k]) / d)
             coefs.append(alpha / clip)
             decays.append(1.0 - rho * group["weight_decay"])
+        # the scaled update alpha_t U_t / clip: for factored tensors G * (coef / sqrt(R / mean(R))) / sqrt(C), the
+        # scalar folded into the small row factor (one pass over G fewer)
+        for k in factored:
+            st = states[k]
+            r_factor = (st["row_var"] / mean_rs[k]).rsqrt_().mul_(coefs[k])  # (..., n, 1)
+            torch.mul(grads[k], r_factor, out=g2[k]).mul_(st["col_var"].rsqrt())
+        if vectors:
+            torch._foreach_mul_([g2[k] for k in vectors], [coefs[k] for k in vectors])
         if group["weight_decay"]:
             torch._foreach_mul_(params, decays)
         updates = g2
-        torch._foreach_mul_(updates, coefs)
         if group["beta1"] is not None:
             beta1 = group["beta1"]
             avgs = [s["exp_avg"] for s in states]
