@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from memsave.config import PRESET_DIR, Profile, list_presets, load_profile
 from tests.harness import run_ranks
@@ -32,6 +33,20 @@ def test_preset_loads_by_name_and_path_and_round_trips(name: str) -> None:
     assert load_profile(by_name) is by_name
     if name in ("ddp", "zero1", "zero2", "zero3"):
         assert by_name.zero.stage == (0 if name == "ddp" else int(name[-1]))
+    if name.endswith("-adafactor"):
+        assert by_name.optimizer.name == "adafactor" and by_name.zero.stage == int(name[4])
+
+
+def test_adafactor_profile_builds_memsave_adafactor() -> None:
+    from memsave.optim import Adafactor, build_optimizer
+
+    cfg = load_profile("zero3-adafactor", ["optimizer.beta1=0.9", 'optimizer.momentum_dtype="bf16"']).optimizer
+    p = torch.nn.Parameter(torch.ones(4, 3))
+    opt = build_optimizer([p], cfg)
+    assert isinstance(opt, Adafactor)
+    group = opt.param_groups[0]
+    assert (group["lr"], group["relative_step"], group["beta1"], group["momentum_dtype"]) == (
+        cfg.lr, False, 0.9, torch.bfloat16)
 
 
 def test_a_copied_preset_loads_from_any_path(tmp_path: Path) -> None:
@@ -81,6 +96,12 @@ BAD_OVERRIDES = [
     (["optimizer.betas=[0.9]"], ["optimizer.betas", "[0.9]", "2 values"]),
     (["optimizer.betas=[0.9, 1.5]"], ["optimizer.betas", "1.5", "[0, 1)"]),
     (['optimizer.name="lamb"'], ["optimizer.name", "'lamb'", "'adamw'", "'sgd'"]),
+    (['optimizer.name="adafactor"', "optimizer.decay_rate=0.8"], ["optimizer.decay_rate", "0.8", "[-1, 0)"]),
+    (['optimizer.name="adafactor"', "optimizer.clip_threshold=0"], ["optimizer.clip_threshold", "0", "> 0"]),
+    (['optimizer.name="adafactor"', "optimizer.beta1=1"], ["optimizer.beta1", "1", "[0, 1)"]),
+    (['optimizer.name="adafactor"', 'optimizer.momentum_dtype="bf16"'], ["optimizer.momentum_dtype", "'bf16'",
+                                                                         "beta1 = 0"]),
+    (["optimizer.beta1=0.9"], ["optimizer.beta1", "0.9", "adafactor", "'adamw'"]),  # an Adafactor key for AdamW
     (["zero.stage"], ["'zero.stage'", "section.key=value"]),  # no "="
     (["stage=1"], ["'stage=1'", "section.key=value"]),  # no section
     (['zero.stage=2', 'offload.params="cpu"'], ["offload.params", "'cpu'", "zero.stage = 3", "got 2"]),
