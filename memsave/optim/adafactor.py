@@ -50,6 +50,39 @@ __all__ = ["Adafactor"]
 Reduce = Callable[[torch.Tensor], object]  # sums a tensor in place over the ranks that share the parameters
 
 
+def _check_settings(g: dict[str, Any]) -> None:
+    """Refuse contradicting or out-of-range settings (of the defaults, or of one param group over them)."""
+    if g["relative_step"] is None:
+        g["relative_step"] = g["lr"] is None
+    lr, relative_step, eps, beta1, momentum_dtype = (g[k] for k in ("lr", "relative_step", "eps", "beta1",
+                                                                    "momentum_dtype"))
+    if lr is not None and relative_step:
+        raise ValueError(f"Adafactor: lr={lr} contradicts relative_step=True (the step size is then computed); "
+                         "drop lr, or pass relative_step=False")
+    if lr is None and not relative_step:
+        raise ValueError("Adafactor: relative_step=False needs an explicit lr; pass lr=..., or drop relative_step")
+    if lr is not None and not lr > 0:
+        raise ValueError(f"Adafactor: lr={lr} is not allowed; expected a positive number")
+    if g["warmup_init"] and not relative_step:
+        raise ValueError("Adafactor: warmup_init=True warms up the relative step, which lr= replaces; drop "
+                         "warmup_init or lr")
+    if len(eps) != 2 or not eps[0] > 0 or not eps[1] >= 0:
+        raise ValueError(f"Adafactor: eps={eps} is not allowed; expected (eps1 > 0, eps2 >= 0)")
+    if not g["clip_threshold"] > 0:
+        raise ValueError(f"Adafactor: clip_threshold={g['clip_threshold']} is not allowed; expected d > 0")
+    if not -1.0 <= g["decay_rate"] < 0.0:
+        raise ValueError(f"Adafactor: decay_rate={g['decay_rate']} is not allowed; expected -1 <= c < 0 (paper: -0.8)")
+    if beta1 is not None and not 0.0 <= beta1 < 1.0:
+        raise ValueError(f"Adafactor: beta1={beta1} is not allowed; expected None or a number in [0, 1)")
+    if momentum_dtype is not None and beta1 is None:
+        raise ValueError(f"Adafactor: momentum_dtype={momentum_dtype} has no first moment to store; set beta1 "
+                         "or drop momentum_dtype")
+    if momentum_dtype is not None and not momentum_dtype.is_floating_point:
+        raise ValueError(f"Adafactor: momentum_dtype={momentum_dtype} is not a floating-point dtype")
+    if not g["weight_decay"] >= 0:
+        raise ValueError(f"Adafactor: weight_decay={g['weight_decay']} is not allowed; expected a number >= 0")
+
+
 class Adafactor(torch.optim.Optimizer):
     """Factored-second-moment optimizer (see the module docstring for the paper symbols and sharding)."""
 
@@ -70,41 +103,37 @@ class Adafactor(torch.optim.Optimizer):
         maximize: bool = False,
         foreach: bool = True,
     ) -> None:
-        if relative_step is None:
-            relative_step = lr is None
-        if lr is not None and relative_step:
-            raise ValueError(f"Adafactor: lr={lr} contradicts relative_step=True (the step size is then computed); "
-                             "drop lr, or pass relative_step=False")
-        if lr is None and not relative_step:
-            raise ValueError("Adafactor: relative_step=False needs an explicit lr; pass lr=..., or drop relative_step")
-        if lr is not None and not lr > 0:
-            raise ValueError(f"Adafactor: lr={lr} is not allowed; expected a positive number")
-        if warmup_init and not relative_step:
-            raise ValueError("Adafactor: warmup_init=True warms up the relative step, which lr= replaces; drop "
-                             "warmup_init or lr")
-        if len(eps) != 2 or not eps[0] > 0 or not eps[1] >= 0:
-            raise ValueError(f"Adafactor: eps={eps} is not allowed; expected (eps1 > 0, eps2 >= 0)")
-        if not clip_threshold > 0:
-            raise ValueError(f"Adafactor: clip_threshold={clip_threshold} is not allowed; expected d > 0")
-        if not -1.0 <= decay_rate < 0.0:
-            raise ValueError(f"Adafactor: decay_rate={decay_rate} is not allowed; expected -1 <= c < 0 (paper: -0.8)")
-        if beta1 is not None and not 0.0 <= beta1 < 1.0:
-            raise ValueError(f"Adafactor: beta1={beta1} is not allowed; expected None or a number in [0, 1)")
-        if momentum_dtype is not None and beta1 is None:
-            raise ValueError(f"Adafactor: momentum_dtype={momentum_dtype} has no first moment to store; set beta1 "
-                             "or drop momentum_dtype")
-        if momentum_dtype is not None and not momentum_dtype.is_floating_point:
-            raise ValueError(f"Adafactor: momentum_dtype={momentum_dtype} is not a floating-point dtype")
-        if not weight_decay >= 0:
-            raise ValueError(f"Adafactor: weight_decay={weight_decay} is not allowed; expected a number >= 0")
         defaults = dict(lr=lr, relative_step=relative_step, warmup_init=warmup_init, scale_parameter=scale_parameter,
                         eps=tuple(eps), clip_threshold=clip_threshold, decay_rate=decay_rate, beta1=beta1,
                         momentum_dtype=momentum_dtype, weight_decay=weight_decay, maximize=maximize)
+        _check_settings(defaults)  # the defaults alone first: their message then names no group
         super().__init__(params, defaults)
         self.foreach = foreach
         self._reduce: Reduce | None = None
         self._full_shapes: dict[torch.Tensor, torch.Size] = {}
         self.last_reduce_seconds = 0.0  # time in the sharded reduction during the last step
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Also checks the group's settings (its own keys over the defaults): a group that sets ``lr`` while
+        the defaults use relative steps would otherwise have its lr silently ignored."""
+        if param_group.get("relative_step") is None and "lr" in param_group:
+            param_group = {**param_group, "relative_step": param_group["lr"] is None}
+        super().add_param_group(param_group)
+        try:
+            _check_settings(self.param_groups[-1])
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # torch casts floating state to the parameter's dtype; a bfloat16 first moment must stay bfloat16
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            dtype = group["momentum_dtype"]
+            for p in group["params"]:
+                st = self.state.get(p, {})
+                if dtype is not None and "exp_avg" in st:
+                    st["exp_avg"] = st["exp_avg"].to(dtype)
 
     # -- sharding ----------------------------------------------------------------------------------------------
     def shard(self, reduce: Reduce, full_shapes: dict[torch.Tensor, torch.Size]) -> None:
