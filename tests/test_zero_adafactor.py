@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import memsave
+from memsave.dist import COMM_STATS
 from memsave.optim import Adafactor
 from tests.compare import assert_close_norm
 from tests.harness import run_ranks
@@ -51,27 +52,38 @@ def _local(batch: dict, rank: int, world: int) -> dict:
     return {k: v[rank * ROWS : (rank + 1) * ROWS] for k, v in batch.items()}
 
 
-SETTINGS = {  # name -> Adafactor keyword arguments
+SETTINGS = {  # name -> Adafactor keyword arguments ("groups": matrices with weight decay, the rest without)
     "paper": {},
+    "groups": dict(lr=2e-2, relative_step=False, weight_decay=0.1),
     "lr+beta1+wd+clip": dict(lr=2e-2, relative_step=False, beta1=0.9, weight_decay=0.1, clip_threshold=0.5),
     "per-tensor": dict(foreach=False, clip_threshold=0.5),
 }
 
 
 def case_matches_unsharded(stage: int, setting: str, rank: int, world: int, mesh: memsave.Mesh) -> None:
-    kw = SETTINGS[setting]
+    kw = dict(SETTINGS[setting])
+
+    def params(m: nn.Module) -> list:
+        if setting != "groups":
+            return list(m.parameters())
+        return [{"params": [p for p in m.parameters() if p.dim() >= 2]},
+                {"params": [p for p in m.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+
     ref = OddLM()
     ddp = DDP(copy.deepcopy(ref))
-    ddp_opt = Adafactor(ddp.parameters(), **kw)
+    ddp_opt = Adafactor(params(ddp.module), **kw)
     model = copy.deepcopy(ref)
-    model, opt = memsave.wrap(model, Adafactor(model.parameters(), **kw), f"zero{stage}", mesh=mesh)
+    model, opt = memsave.wrap(model, Adafactor(params(model), **kw), f"zero{stage}", mesh=mesh)
     for step in range(5):
         batch = _local(toy_batch(step, ROWS * world, vocab=VOCAB), rank, world)
         loss, ref_loss = model(**batch).loss, ddp(**batch).loss
         assert_close_norm(loss, ref_loss, f"zero{stage} {setting} loss step {step}", 1e-5)
         opt.backward(loss)
         ref_loss.backward()
-        opt.step()
+        with COMM_STATS.measure() as comm:
+            opt.step()
+        if world > 1 and setting != "per-tensor":  # one all-reduce for every tensor of every group
+            assert comm.calls["all_reduce"] == 1, comm.calls
         ddp_opt.step()
         opt.zero_grad()
         ddp_opt.zero_grad()
@@ -87,7 +99,7 @@ def case_matches_unsharded(stage: int, setting: str, rank: int, world: int, mesh
         for key, value in state.items():
             assert_close_norm(full["state"][k][key], value, f"zero{stage} {setting} state {k}.{key}", 1e-5)
     plain_model = copy.deepcopy(ddp.module)
-    plain = Adafactor(plain_model.parameters(), **kw)
+    plain = Adafactor(params(plain_model), **kw)
     plain.load_state_dict(full)
     # and back: DDP's state loaded into the sharded pair continues like DDP
     opt.load_state_dict(ref_sd)

@@ -40,7 +40,7 @@ and torch's default ``lr=1e-2``, the two compute the same update (tested), up to
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable
 from typing import Any
 
 import torch
@@ -182,13 +182,27 @@ class Adafactor(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.last_reduce_seconds = 0.0
+        pending: list[tuple[Generator[list[torch.Tensor], None, None], list[torch.Tensor]]] = []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             for p in params:
                 if p.grad.is_sparse or torch.is_complex(p):
                     raise NotImplementedError("Adafactor supports dense real parameters only")
-            if params:
-                (self._foreach_group if self.foreach else self._single_group)(group, params)
+            if not params:
+                continue
+            if self.foreach:  # runs up to its reduction; finished below, after one all-reduce for every group
+                steps = self._foreach_group(group, params)
+                pending.append((steps, next(steps)))
+            else:
+                self._single_group(group, params)
+        if self._reduce is not None and pending:
+            parts = [t for _, group_parts in pending for t in group_parts]
+            flat = torch.cat(parts)
+            self._timed_reduce(flat)
+            for t, piece in zip(parts, flat.split([t.numel() for t in parts])):
+                t.copy_(piece)
+        for steps, _ in pending:
+            next(steps, None)
         return loss
 
     def _timed_reduce(self, flat: torch.Tensor) -> None:
@@ -199,9 +213,13 @@ class Adafactor(torch.optim.Optimizer):
         self._reduce(flat)
         self.last_reduce_seconds += time.perf_counter() - start
 
-    def _foreach_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+    def _foreach_group(
+        self, group: dict[str, Any], params: list[torch.Tensor]
+    ) -> Generator[list[torch.Tensor], None, None]:
         """All tensors of a group at once: elementwise work in ``torch._foreach_*`` calls, per-tensor reductions
-        along dims, one all-reduce (when sharded) and one host sync for every per-tensor scalar."""
+        along dims, one host sync for every per-tensor scalar. A generator: it yields the partial sums to be
+        added over the ranks (nothing when not sharded), which :meth:`step` reduces in place, for all groups
+        in one all-reduce, before resuming it."""
         eps1, d, c = group["eps"][0], group["clip_threshold"], group["decay_rate"]
         states = [self._init_state(group, p) for p in params]
         grads: list[torch.Tensor] = [p.grad for p in params if p.grad is not None]
@@ -245,20 +263,19 @@ class Adafactor(torch.optim.Optimizer):
             cvar = st["col_var"].lerp(colsums[k].div(full[k][-2]).add_(eps1), one_minus_beta2[k])
             mean_r = rsums[k].div(full[k][-2])
             usq[k] = (mean_r * dsums[k] / cvar).sum()
+        # partial sums to add over the ranks; step() reduces every group's in one all-reduce, in place
+        parts: list[torch.Tensor] = []
         if self._reduce is not None:
-            parts = [torch.stack(sq).reshape(-1), torch.stack([usq[k] for k in sorted(usq)]).reshape(-1)
-                     if usq else sq[0].new_zeros(0)]
+            sq_t = torch.stack(sq)
+            usq_keys = sorted(usq)
+            usq_t = torch.stack([usq[k] for k in usq_keys]) if usq else sq_t.new_zeros(0)
+            parts = [sq_t, usq_t]
             for k in split:
-                parts += [colsums[k].reshape(-1), dsums[k].reshape(-1), rsums[k].reshape(-1)]
-            flat = torch.cat(parts)
-            self._timed_reduce(flat)
-            pieces = flat.split([p.numel() for p in parts])
-            sq = list(pieces[0].unbind())
-            for k, v in zip(sorted(usq), pieces[1].unbind()):
-                usq[k] = v
-            for j, k in enumerate(split):
-                colsums[k], dsums[k], rsums[k] = (pieces[2 + 3 * j + i].view_as(t) for i, t in
-                                                  enumerate((colsums[k], dsums[k], rsums[k])))
+                parts += [colsums[k].view(-1), dsums[k].view(-1), rsums[k].view(-1)]  # views: reduced in place
+        yield parts
+        if self._reduce is not None:
+            sq = list(sq_t.unbind())
+            usq.update(zip(usq_keys, usq_t.unbind()))
         # factored tensors: C and mean(R), and sum(U^2) where it was not local, all without forming U
         mean_rs: dict[int, torch.Tensor] = {}
         for k in factored:
