@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from memsave.phases import MemoryCategory
+
 __all__ = ["MemsaveModule", "MemsaveOptimizer", "swap_class", "unswap_class"]
 
 _CLASS_CACHE: dict[type, type] = {}
@@ -152,3 +154,10 @@ class MemsaveOptimizer(torch.optim.Optimizer, abc.ABC):
 
     @abc.abstractmethod
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+    def _optimizer_state_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:
+        """The wrapped optimizer's state tensors (sharded or not), for ``memory_tensors``."""
+        for state in self.optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    yield MemoryCategory.OPTIMIZER_STATE, v

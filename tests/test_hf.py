@@ -16,17 +16,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import memsave
 from tests.harness import run_ranks
+from tests.toy import hf_gpt2
 
 STEPS = 4
 
 
-def gpt2() -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return GPT2LMHeadModel(config)
+gpt2 = hf_gpt2
 
 
 def sequential() -> nn.Module:

@@ -12,16 +12,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import memsave
 from tests.compare import assert_same
 from tests.harness import run_ranks
-from tests.toy import ToyLM
+from tests.toy import ToyLM, hf_gpt2
 
 
 def _gpt2() -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return GPT2LMHeadModel(cfg)
+    return hf_gpt2(n_positions=16)
 
 
 def _sequential() -> nn.Module:

@@ -212,10 +212,7 @@ class DataParallelOptimizer(MemsaveOptimizer):
 
     def memory_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:
         yield from self.engine.memory_tensors()
-        for state in self.optimizer.state.values():
-            for v in state.values():
-                if isinstance(v, torch.Tensor):
-                    yield MemoryCategory.OPTIMIZER_STATE, v
+        yield from self._optimizer_state_tensors()
 
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
