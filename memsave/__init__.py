@@ -4,7 +4,7 @@ ZeRO-1/2/3 sharding, offload, activation recomputation, mixed precision and memo
 ``torch.distributed``. See README.md for the quickstart and ``memsave.wrap`` for the entry point.
 """
 
-from memsave import memory, zero
+from memsave import memory, optim, precision, zero
 from memsave.api import wrap
 from memsave.config import Profile, list_presets, load_profile
 from memsave.dist import Mesh, init
@@ -32,6 +32,8 @@ __all__ = [
     "list_presets",
     "load_profile",
     "memory",
+    "optim",
+    "precision",
     "report",
     "wrap",
     "zero",

@@ -96,12 +96,15 @@ class LogRecord:
     tokens_per_s: float  # global (every dp rank) over the interval
     peak_rss_bytes: int  # this process (rank 0)
     model_state_bytes: int  # accounted parameters, gradients and optimizer state on rank 0
+    loss_scale: float | None = None  # with a loss scaler: its current scale
+    skipped_steps: int = 0  # with a loss scaler: steps skipped on overflow so far
 
     def format(self) -> str:
         norm = "-" if self.grad_norm is None else f"{self.grad_norm:.3f}"
+        scale = "" if self.loss_scale is None else f" | scale {self.loss_scale:g} ({self.skipped_steps} skipped)"
         return (f"step {self.step:>{len(str(self.steps))}}/{self.steps} | loss {self.loss:.4f} | lr {self.lr:.2e} | "
-                f"grad norm {norm} | {self.tokens_per_s:,.0f} tok/s | peak rss {self.peak_rss_bytes / 2**20:.1f} MiB"
-                f" | model state {self.model_state_bytes / 2**20:.2f} MiB")
+                f"grad norm {norm}{scale} | {self.tokens_per_s:,.0f} tok/s | peak rss "
+                f"{self.peak_rss_bytes / 2**20:.1f} MiB | model state {self.model_state_bytes / 2**20:.2f} MiB")
 
 
 @dataclasses.dataclass
@@ -301,10 +304,13 @@ class Trainer:
 
     def _record(self, step: int, loss: float, tokens_per_s: float) -> LogRecord:
         norm = self.last_grad_norm
+        scaler = getattr(self.optimizer, "scaler", None)  # a LossScaler, where the optimizer has one
         return LogRecord(
             step=step + 1, steps=self._end_step, loss=loss, lr=float(self.optimizer.param_groups[0]["lr"]),
             grad_norm=None if norm is None else float(norm), tokens_per_s=tokens_per_s,
             peak_rss_bytes=peak_rss_bytes(), model_state_bytes=account((self.model, self.optimizer)).model_state(),
+            loss_scale=None if scaler is None else scaler.scale,
+            skipped_steps=0 if scaler is None else scaler.num_skipped,
         )
 
     def fit(self) -> TrainResult:

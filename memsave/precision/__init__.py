@@ -1,0 +1,7 @@
+"""Layer 2: mixed precision (Micikevicius et al., 2018): the dynamic loss scaler, agreed across ranks, and the
+loss-scaled optimizer with fp32 master weights for models memsave does not wrap."""
+
+from memsave.precision.optimizer import MixedPrecisionOptimizer
+from memsave.precision.scaler import LossScaler
+
+__all__ = ["LossScaler", "MixedPrecisionOptimizer"]

@@ -1,0 +1,155 @@
+"""The loss-scaled optimizer on its own: fp16/bf16 training of any model with fp32 master weights.
+
+For a user who keeps their own model (plain, or under torch DDP) and wants mixed precision without the rest
+of memsave::
+
+    model = MyModel().half()                                   # or .to(torch.bfloat16)
+    opt = MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), scaler=LossScaler())
+    opt.backward(model(x).loss)      # (loss * scale).backward()
+    opt.clip_grad_norm(1.0)          # unscaled fp32 gradients, then clipped
+    opt.step()                       # skipped (and the scale lowered) if any gradient overflowed
+    opt.zero_grad()
+
+The wrapped optimizer steps fp32 master copies of the low-precision parameters (its ``param_groups`` hold the
+masters, so LR schedulers work on either object); after each step the masters are cast back into the model's
+parameters. Parameters that are already fp32 are their own master. The state dict carries the wrapped
+optimizer's state, the masters and the scaler's state, so a resumed run continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from memsave import dist as mdist
+from memsave.phases import MemoryCategory
+from memsave.precision.scaler import LossScaler
+from memsave.wrapped import MemsaveOptimizer
+
+__all__ = ["MixedPrecisionOptimizer"]
+
+
+class MixedPrecisionOptimizer(MemsaveOptimizer):
+    """fp32 master weights and optional dynamic loss scaling around any ``torch.optim.Optimizer``.
+
+    scaler: a :class:`LossScaler` (fp16 needs one), or None (bf16: its range needs no scaling).
+    group: the process group whose ranks must agree on skipping a step, when their gradients differ (each
+        rank checks its own; one MAX all-reduce). None: decide locally, right when gradients are identical on
+        every rank (a single process, or after torch DDP's all-reduce).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, scaler: LossScaler | None = None,
+                 group: mdist.ProcessGroup | None = None) -> None:
+        super().__init__(optimizer)
+        if optimizer.state:
+            raise ValueError(f"optimizer already has state for {len(optimizer.state)} parameters; wrap it before "
+                             "its first step (then load a checkpoint with load_state_dict)")
+        if scaler is not None and not isinstance(scaler, LossScaler):
+            raise ValueError(f"scaler must be a memsave.precision.LossScaler or None, got {type(scaler).__name__}")
+        self.scaler, self.group = scaler, group
+        self._pairs: list[tuple[nn.Parameter, torch.Tensor]] = []  # (master, model parameter)
+        for g in optimizer.param_groups:
+            masters = []
+            for p in g["params"]:
+                if not p.is_floating_point():
+                    raise ValueError(f"parameter of dtype {p.dtype} cannot have an fp32 master weight")
+                master = p if p.dtype == torch.float32 else nn.Parameter(p.detach().float(),
+                                                                         requires_grad=p.requires_grad)
+                self._pairs.append((master, p))
+                masters.append(master)
+            g["params"] = masters
+        self._checked: bool | None = None  # overflow found in this step's gradients (None: not checked yet)
+        self.last_step_skipped = False
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        self._checked = None
+        (self.scaler.scale_loss(loss) if self.scaler is not None else loss).backward(**kwargs)
+
+    @torch.no_grad()
+    def _unscale(self) -> bool:
+        """Once per step: fp32, unscaled gradients on the masters; whether any overflowed (agreed over group)."""
+        if self._checked is None:
+            grads = []
+            for master, p in self._pairs:
+                if p.grad is None:
+                    if master is not p:
+                        master.grad = None
+                    continue
+                if master is not p:
+                    master.grad = p.grad.float()
+                    grads.append(master.grad)
+                else:
+                    grads.append(p.grad)
+            if self.scaler is not None:
+                self._checked = self.scaler.unscale_and_check(grads, self.group)
+            else:
+                self._checked = False
+        return self._checked
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Unscale, then clip the fp32 gradients by their norm (of this process's gradients, as
+        ``torch.nn.utils.clip_grad_norm_``); inf when they overflowed (the step will be skipped)."""
+        if self._unscale():
+            return torch.tensor(math.inf)
+        grads = [m for m, _ in self._pairs if m.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type)
+
+    def _step(self) -> None:
+        overflow = self._unscale()
+        self.last_step_skipped = overflow
+        if not overflow:
+            self.optimizer.step()
+            with torch.no_grad():
+                for master, p in self._pairs:
+                    if master is not p:
+                        p.copy_(master)
+        if self.scaler is not None:
+            self.scaler.update(overflow)
+        self._checked = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for master, p in self._pairs:
+            for t in (p, master) if master is not p else (p,):
+                if t.grad is None:
+                    continue
+                if set_to_none:
+                    t.grad = None
+                else:
+                    t.grad.zero_()
+        self._checked = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(),
+                "master_params": [m.detach().clone() for m, _ in self._pairs],
+                "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        masters = state_dict["master_params"]
+        if len(masters) != len(self._pairs):
+            raise ValueError(f"state dict holds {len(masters)} master weights, this optimizer has {len(self._pairs)}")
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        for (master, p), saved in zip(self._pairs, masters):
+            master.copy_(saved)
+            if master is not p:
+                p.copy_(master)
+        if self.scaler is not None and state_dict.get("loss_scaler") is not None:
+            self.scaler.load_state_dict(state_dict["loss_scaler"])
+
+    def memory_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:
+        for master, p in self._pairs:
+            yield MemoryCategory.PARAMS, p
+            if master is not p:
+                yield MemoryCategory.MASTER, master
+            for t in {id(x): x for x in (p.grad, master.grad) if x is not None}.values():
+                yield MemoryCategory.GRADS, t
+        yield from self._optimizer_state_tensors()
