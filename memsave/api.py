@@ -17,6 +17,7 @@ from memsave import dist as mdist
 from memsave.config import Profile, load_profile
 from memsave.dist import Mesh
 from memsave.engines.dp import DataParallelEngine, DataParallelOptimizer
+from memsave.precision import cast_parameters, compute_dtype, reduce_dtype_for, scaler_for
 from memsave.wrapped import MemsaveModule, MemsaveOptimizer, swap_class
 
 __all__ = ["default_mesh", "wrap"]
@@ -30,10 +31,12 @@ def default_mesh() -> Mesh:
 def _check_supported(profile: Profile) -> None:
     """No silent fallback: a profile asking for a technique that is not built yet is refused."""
     p = profile
-    if p.precision.compute != "fp32" or p.precision.loss_scale != "none" or p.precision.reduce not in ("fp32", "compute"):
+    prec = p.precision
+    if prec.reduce not in ("compute", prec.compute, "fp32"):
         raise NotImplementedError(
-            f"profile {p.name!r}: [precision] compute={p.precision.compute!r}, reduce={p.precision.reduce!r}, "
-            f"loss_scale={p.precision.loss_scale!r} is not implemented yet; only fp32 training is available"
+            f"profile {p.name!r}: [precision] reduce={prec.reduce!r} with compute={prec.compute!r} is not "
+            "implemented: gradients are communicated in the compute dtype or in fp32; set reduce = \"compute\" "
+            'or "fp32"'
         )
     if (p.offload.optimizer, p.offload.params, p.offload.activations) != ("none", "none", "none"):
         raise NotImplementedError(f"profile {p.name!r}: [offload] is not implemented yet; set its tiers to \"none\"")
@@ -113,20 +116,35 @@ def wrap(
     mesh = mesh if mesh is not None else default_mesh()
     _prepare_model(model, mesh)
     _check_optimizer_params(model, optimizer)
+    if profile.zero.stage == 0 and units is not None:
+        raise NotImplementedError(
+            "units= has no effect with zero.stage = 0 (plain data parallel buckets by size); "
+            "drop it or choose a ZeRO stage"
+        )
+    prec = profile.precision
+    mixed = prec.compute != "fp32"
+    scaler = scaler_for(prec)
+    if (mixed or scaler is not None) and optimizer.state:  # before the cast: a refused wrap changes nothing
+        raise ValueError(f"optimizer already has state for {len(optimizer.state)} parameters; memsave.wrap must "
+                         "come before the first step (load a checkpoint with optimizer.load_state_dict after wrapping)")
+    if mixed:
+        if profile.zero.stage:
+            from memsave.zero import ZeroOptimizer
+
+            ZeroOptimizer.check(optimizer, profile.zero.stage)  # before the cast, for the same reason
+        cast_parameters(model, compute_dtype(prec))
+    reduce_dtype = reduce_dtype_for(prec)
     sync_module_states(model, mesh)
     if profile.zero.stage == 0:
-        if units is not None:
-            raise NotImplementedError(
-                "units= has no effect with zero.stage = 0 (plain data parallel buckets by size); "
-                "drop it or choose a ZeRO stage"
-            )
-        engine = DataParallelEngine(model, mesh, bucket_mb=profile.zero.bucket_mb)
+        engine = DataParallelEngine(model, mesh, bucket_mb=profile.zero.bucket_mb, reduce_dtype=reduce_dtype)
         swap_class(model, engine)
-        wrapped: tuple[nn.Module, MemsaveOptimizer] = (model, DataParallelOptimizer(optimizer, engine))
+        wrapped: tuple[nn.Module, MemsaveOptimizer] = (
+            model, DataParallelOptimizer(optimizer, engine, mixed_precision=mixed, scaler=scaler))
     else:
         from memsave.zero import shard  # layer 3; imported here so stage 0 users never load it
 
-        wrapped = shard(model, optimizer, stage=profile.zero.stage, mesh=mesh, units=units, config=profile.zero)
+        wrapped = shard(model, optimizer, stage=profile.zero.stage, mesh=mesh, units=units, config=profile.zero,
+                        mixed_precision=mixed, scaler=scaler, reduce_dtype=reduce_dtype)
     if mesh.device.type == "cpu" and profile.zero.host_mmap_threshold_mb > 0:  # only once nothing can fail
         mdist.configure_host_memory(mmap_threshold=int(profile.zero.host_mmap_threshold_mb * 2**20))
     return wrapped

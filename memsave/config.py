@@ -104,7 +104,7 @@ class PrecisionConfig(_Checked):
 
     compute: Literal["fp32", "bf16", "fp16"] = "fp32"
     master: Literal["fp32"] = "fp32"
-    reduce: Literal["fp32", "bf16", "fp16", "compute"] = "fp32"
+    reduce: Literal["fp32", "bf16", "fp16", "compute"] = "compute"
     loss_scale: str | float = "none"
 
     _section = "precision"

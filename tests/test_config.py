@@ -174,9 +174,8 @@ def test_offload_params_needs_stage_3() -> None:
 
 # -- memsave.wrap: what it refuses -----------------------------------------------------------------------------
 NOT_IMPLEMENTED = {
-    "bf16": ['precision.compute="bf16"'],
-    "fp16 dynamic": ['precision.compute="fp16"', 'precision.loss_scale="dynamic"'],
-    "fixed loss scale": ["precision.loss_scale=1024"],
+    "fp16 reduce under bf16": ['precision.compute="bf16"', 'precision.reduce="fp16"'],
+    "bf16 reduce under fp32": ['precision.reduce="bf16"'],
     "recompute full": ['recompute.policy="full"'],
     "recompute every:2": ['recompute.policy="every:2"'],
     "offload optimizer": ['offload.optimizer="cpu"'],

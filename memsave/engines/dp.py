@@ -10,6 +10,10 @@ left and waits for everything, so when ``loss.backward()`` returns the gradients
 [Note: bucket order] Buckets are launched strictly in index order, on every rank alike, so the collectives
 match across ranks even when gradients become ready in different orders or some are never produced.
 
+[Note: reduce dtype] With ``[precision] reduce = "fp32"`` under bf16/fp16 compute the buckets are fp32: a
+gradient cannot be a view of them, so the hook copies (casts) it into its bucket and drops it, and the
+averaged fp32 rows reach the fp32 master through :meth:`DataParallelEngine.grad_of` with no rounding.
+
 [Note: unused parameters] A parameter that got no gradient on this rank contributes zeros. A flag per
 parameter is all-reduced with the last bucket so every rank agrees which parameters were used anywhere:
 those used on some rank get the average as their gradient on every rank (so replicas stay identical); those
@@ -28,6 +32,7 @@ from torch import nn
 from memsave import dist as mdist
 from memsave.dist import Mesh
 from memsave.phases import MemoryCategory
+from memsave.precision import LossScaler, MixedPrecisionOptimizer
 from memsave.wrapped import MemsaveOptimizer
 
 __all__ = ["DataParallelEngine", "DataParallelOptimizer", "trainable_parameters"]
@@ -55,7 +60,8 @@ class _Bucket:
 class DataParallelEngine:
     """Bucketed, overlapped gradient averaging over the mesh's ``dp`` axis (see module docstring)."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh, *, bucket_mb: float) -> None:
+    def __init__(self, model: nn.Module, mesh: Mesh, *, bucket_mb: float,
+                 reduce_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.mesh = mesh
         self.group = mesh.dp_group
@@ -63,7 +69,7 @@ class DataParallelEngine:
         self.require_grad_sync = True
         named = trainable_parameters(model)
         self.param_names = {p: n for n, p in named}
-        self.buckets = self._make_buckets([p for _, p in reversed(named)], int(bucket_mb * 2**20))
+        self.buckets = self._make_buckets([p for _, p in reversed(named)], int(bucket_mb * 2**20), reduce_dtype)
         self._slot = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         # One byte per parameter: was its gradient produced on this rank? Reduced with the last bucket.
         self._used = torch.zeros(len(self._slot), dtype=torch.int32, device=mesh.device)
@@ -71,13 +77,17 @@ class DataParallelEngine:
         self._order = {p: k for k, p in enumerate(self._slot)}
         self._next_launch = 0
         self._callback_queued = False
+        # [Note: reduce dtype] buckets of another dtype than their parameters: which hold an averaged gradient,
+        # and whether they start the next backward from zero (set_to_none) or accumulate into what they hold
+        self._averaged: set[nn.Parameter] = set()
+        self._fresh = True
         self.num_syncs = 0  # completed gradient synchronizations (one per synchronizing backward)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._slot]
         if mesh.device.type == "cpu":
             self._hooks.append(model.register_forward_hook(lambda *_: mdist.after_forward()))
 
     @staticmethod
-    def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
+    def _make_buckets(params: list[nn.Parameter], cap_bytes: int, reduce_dtype: torch.dtype | None) -> list[_Bucket]:
         groups: list[list[nn.Parameter]] = [[]]
         size = 0
         for p in params:
@@ -95,7 +105,8 @@ class DataParallelEngine:
             for p in group:
                 offsets.append(total)
                 total += p.numel()
-            buffer = torch.zeros(total, dtype=group[0].dtype, device=group[0].device)
+            dtype = reduce_dtype if reduce_dtype is not None and group[0].is_floating_point() else group[0].dtype
+            buffer = torch.zeros(total, dtype=dtype, device=group[0].device)
             buckets.append(_Bucket(index, buffer, group, offsets, pending=len(group)))
         return buckets
 
@@ -115,6 +126,14 @@ class DataParallelEngine:
         """Make the parameter's gradient a view of its bucket (copying it there once), and mark it used."""
         p = bucket.params[i]
         view = bucket.view(i)
+        if view.dtype != p.dtype:  # [Note: reduce dtype]
+            if p.grad is not None:
+                view.copy_(p.grad) if self._fresh else view.add_(p.grad)
+                p.grad = None
+                self._used[self._order[p]] = 1
+            elif self._fresh:
+                view.zero_()
+            return
         if p.grad is None:
             view.zero_()
             return
@@ -151,17 +170,36 @@ class DataParallelEngine:
         self._used_handle.wait()
         used = self._used.tolist()
         for p, k in self._order.items():
+            bucket, i = self._slot[p]
+            if bucket.buffer.dtype != p.dtype:
+                if used[k]:
+                    self._averaged.add(p)
+                continue
             if used[k]:
                 if p.grad is None:  # used elsewhere only: the average is its gradient here too
-                    bucket, i = self._slot[p]
                     p.grad = bucket.view(i)
             else:
                 p.grad = None
+        self._fresh = False
         self._used.zero_()
         self._next_launch = 0
         self.num_syncs += 1
 
+    def grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The averaged gradient of ``p`` in the reduce dtype ([Note: reduce dtype]); ``p.grad`` otherwise."""
+        bucket, i = self._slot[p]  # type: ignore[index]
+        if bucket.buffer.dtype == p.dtype:
+            return p.grad
+        return bucket.view(i) if p in self._averaged else None
+
     def zero_grad(self, set_to_none: bool) -> None:
+        if set_to_none:
+            self._averaged.clear()
+            self._fresh = True
+        else:
+            for b in self.buckets:
+                if b.buffer.dtype != b.params[0].dtype:
+                    b.buffer.zero_()
         for p in self._slot:
             if set_to_none:
                 p.grad = None
@@ -185,37 +223,50 @@ class DataParallelEngine:
 
 
 class DataParallelOptimizer(MemsaveOptimizer):
-    """The user's optimizer, unchanged, stepping replicated parameters whose gradients the engine averaged."""
+    """The user's optimizer stepping replicated parameters whose gradients the engine averaged; under mixed
+    precision it steps fp32 masters through a :class:`MixedPrecisionOptimizer` (gradients are identical on
+    every rank after the all-reduce, so the overflow decision is the same everywhere without another one)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, engine: DataParallelEngine) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: DataParallelEngine, *,
+                 mixed_precision: bool = False, scaler: LossScaler | None = None) -> None:
         super().__init__(optimizer)
         self.engine = engine
+        self.mp = (MixedPrecisionOptimizer(optimizer, scaler=scaler, grad_of=engine.grad_of)
+                   if mixed_precision or scaler is not None else None)
+        self.scaler = scaler
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         before = self.engine.num_syncs
-        loss.backward(**kwargs)
+        (self.mp.scale(loss) if self.mp is not None else loss).backward(**kwargs)
         if self.engine.require_grad_sync and self.engine.num_syncs == before:
             # No gradient reached this rank's parameters, so no hook queued the sync; the peers still need it.
             self.engine._finalize_backward()
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         # Gradients are replicated after the all-reduce, so the local norm is the global one.
+        if self.mp is not None:
+            return self.mp.clip_grad_norm(max_norm, norm_type)
         params = [p for p in self.engine.param_names if p.grad is not None]  # registration order
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=True)
 
     def _step(self) -> None:
-        self.optimizer.step()
+        if self.mp is not None:
+            self.mp._step()
+        else:
+            self.optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad(set_to_none)
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        (self.mp if self.mp is not None else self.optimizer).zero_grad(set_to_none=set_to_none)
 
     def memory_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:
         yield from self.engine.memory_tensors()
+        if self.mp is not None:
+            yield from self.mp.master_tensors()
         yield from self._optimizer_state_tensors()
 
     def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
+        return (self.mp if self.mp is not None else self.optimizer).state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
+        (self.mp if self.mp is not None else self.optimizer).load_state_dict(state_dict)

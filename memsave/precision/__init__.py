@@ -2,6 +2,8 @@
 loss-scaled optimizer with fp32 master weights for models memsave does not wrap."""
 
 from memsave.precision.optimizer import MixedPrecisionOptimizer
+from memsave.precision.policy import DTYPES, cast_parameters, compute_dtype, reduce_dtype_for, scaler_for
 from memsave.precision.scaler import LossScaler
 
-__all__ = ["LossScaler", "MixedPrecisionOptimizer"]
+__all__ = ["DTYPES", "LossScaler", "MixedPrecisionOptimizer", "cast_parameters", "compute_dtype", "reduce_dtype_for",
+           "scaler_for"]

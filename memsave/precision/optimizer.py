@@ -19,7 +19,7 @@ optimizer's state, the masters and the scaler's state, so a resumed run continue
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -33,6 +33,12 @@ from memsave.wrapped import MemsaveOptimizer
 __all__ = ["MixedPrecisionOptimizer"]
 
 
+def _own_grad(p: torch.Tensor) -> torch.Tensor | None:
+    return p.grad
+
+_EXTRA_KEYS = ("master_params", "loss_scaler")  # what the state dict adds to the wrapped optimizer's
+
+
 class MixedPrecisionOptimizer(MemsaveOptimizer):
     """fp32 master weights and optional dynamic loss scaling around any ``torch.optim.Optimizer``.
 
@@ -40,10 +46,14 @@ class MixedPrecisionOptimizer(MemsaveOptimizer):
     group: the process group whose ranks must agree on skipping a step, when their gradients differ (each
         rank checks its own; one MAX all-reduce). None: decide locally, right when gradients are identical on
         every rank (a single process, or after torch DDP's all-reduce).
+    grad_of: where a model parameter's gradient is read (default ``p.grad``); engines that keep gradients
+        in another dtype than the parameter (fp32 reduction of bf16 gradients) hand them over here. An fp32
+        gradient becomes the master's ``.grad`` without a copy (and is unscaled in place).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, scaler: LossScaler | None = None,
-                 group: mdist.ProcessGroup | None = None) -> None:
+                 group: mdist.ProcessGroup | None = None,
+                 grad_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> None:
         super().__init__(optimizer)
         if optimizer.state:
             raise ValueError(f"optimizer already has state for {len(optimizer.state)} parameters; wrap it before "
@@ -51,6 +61,7 @@ class MixedPrecisionOptimizer(MemsaveOptimizer):
         if scaler is not None and not isinstance(scaler, LossScaler):
             raise ValueError(f"scaler must be a memsave.precision.LossScaler or None, got {type(scaler).__name__}")
         self.scaler, self.group = scaler, group
+        self._grad_of = grad_of if grad_of is not None else _own_grad
         self._pairs: list[tuple[nn.Parameter, torch.Tensor]] = []  # (master, model parameter)
         for g in optimizer.param_groups:
             masters = []
@@ -66,12 +77,21 @@ class MixedPrecisionOptimizer(MemsaveOptimizer):
         self.last_step_skipped = False
 
     @property
+    def unscaled(self) -> bool:
+        """Whether this step's gradients were already divided by the scale (by clip_grad_norm)."""
+        return self._checked is not None
+
+    @property
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
 
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call ``backward`` on (multiplied by the scale); starts a new step's gradients."""
         self._checked = None
-        (self.scaler.scale_loss(loss) if self.scaler is not None else loss).backward(**kwargs)
+        return self.scaler.scale_loss(loss) if self.scaler is not None else loss
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        self.scale(loss).backward(**kwargs)
 
     @torch.no_grad()
     def _unscale(self) -> bool:
@@ -79,15 +99,14 @@ class MixedPrecisionOptimizer(MemsaveOptimizer):
         if self._checked is None:
             grads = []
             for master, p in self._pairs:
-                if p.grad is None:
+                g = self._grad_of(p)
+                if g is None:
                     if master is not p:
                         master.grad = None
                     continue
                 if master is not p:
-                    master.grad = p.grad.float()
-                    grads.append(master.grad)
-                else:
-                    grads.append(p.grad)
+                    g = master.grad = g if g.dtype == torch.float32 else g.float()
+                grads.append(g)
             if self.scaler is not None:
                 self._checked = self.scaler.unscale_and_check(grads, self.group)
             else:
@@ -112,6 +131,9 @@ class MixedPrecisionOptimizer(MemsaveOptimizer):
                 for master, p in self._pairs:
                     if master is not p:
                         p.copy_(master)
+        for master, p in self._pairs:
+            if master is not p:
+                master.grad = None  # the fp32 gradients live from unscaling to the step only
         if self.scaler is not None:
             self.scaler.update(overflow)
         self._checked = None
@@ -128,22 +150,38 @@ class MixedPrecisionOptimizer(MemsaveOptimizer):
         self._checked = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(),
-                "master_params": [m.detach().clone() for m, _ in self._pairs],
+        """The wrapped optimizer's state dict (so a plain optimizer loads it), plus ``master_params`` (fp32, in
+        param-group order) and ``loss_scaler``."""
+        return {**self.optimizer.state_dict(),
+                        "master_params": [m.detach().clone() for m, _ in self._pairs],
                 "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        masters = state_dict["master_params"]
-        if len(masters) != len(self._pairs):
+        masters = state_dict.get("master_params")
+        if masters is not None and len(masters) != len(self._pairs):
             raise ValueError(f"state dict holds {len(masters)} master weights, this optimizer has {len(self._pairs)}")
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k not in _EXTRA_KEYS})
+        if masters is not None:  # else (a plain optimizer's state dict) the masters stay as they are
+            self.load_masters(masters)
+        if self.scaler is not None and state_dict.get("loss_scaler") is not None:
+            self.scaler.load_state_dict(state_dict["loss_scaler"])
+
+    @torch.no_grad()
+    def load_masters(self, masters: list[torch.Tensor]) -> None:
+        """Set the fp32 masters (param-group order) and cast them into the low-precision parameters."""
         for (master, p), saved in zip(self._pairs, masters):
             master.copy_(saved)
             if master is not p:
                 p.copy_(master)
-        if self.scaler is not None and state_dict.get("loss_scaler") is not None:
-            self.scaler.load_state_dict(state_dict["loss_scaler"])
+
+    def master_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:
+        """The fp32 masters that are copies (and their gradients while they exist)."""
+        for master, p in self._pairs:
+            if master is not p:
+                yield MemoryCategory.MASTER, master
+                if master.grad is not None:
+                    yield MemoryCategory.GRADS, master.grad
 
     def memory_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:
         for master, p in self._pairs:

@@ -9,6 +9,7 @@ from torch import nn
 
 from memsave.config import ZeroConfig
 from memsave.dist import Mesh
+from memsave.precision import LossScaler
 from memsave.wrapped import swap_class
 from memsave.zero.engine import ZeroEngine, default_units
 from memsave.zero.layout import ShardLayout
@@ -25,17 +26,23 @@ def shard(
     mesh: Mesh,
     units: Sequence[nn.Module] | None = None,
     config: ZeroConfig | None = None,
+    mixed_precision: bool = False,
+    scaler: LossScaler | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> tuple[nn.Module, ZeroOptimizer]:
     """Shard ``model`` and ``optimizer`` with ZeRO ``stage`` over ``mesh``'s dp axis, in place.
 
     The model must already be on ``mesh.device`` with identical values on every dp rank (``memsave.wrap``
     sees to both). ``units`` default to the blocks of the largest ``nn.ModuleList``; the root unit holds the
-    rest. Returns the model (class swapped, see :func:`memsave.wrapped.swap_class`) and a ZeroOptimizer.
+    rest. ``mixed_precision``: the parameters are already in a low-precision compute dtype; the optimizer
+    steps fp32 master shards (with ``scaler`` for fp16; a scaler alone also works on fp32 parameters).
+    ``reduce_dtype``: the dtype gradients are reduce-scattered and kept in (default: the parameters'). Returns the model (class swapped, see
+    :func:`memsave.wrapped.swap_class`) and a ZeroOptimizer.
     """
     cfg = config if config is not None else ZeroConfig(stage=stage)
     if cfg.stage != stage:
         raise ValueError(f"shard(stage={stage}) contradicts config.stage={cfg.stage}; pass one of them")
     ZeroOptimizer.check(optimizer, stage)  # before the model is touched: a refused wrap loses nothing
-    engine = ZeroEngine(model, mesh, cfg, units)
+    engine = ZeroEngine(model, mesh, cfg, units, reduce_dtype=reduce_dtype)
     swap_class(model, engine)
-    return model, ZeroOptimizer(optimizer, engine)
+    return model, ZeroOptimizer(optimizer, engine, mixed_precision=mixed_precision, scaler=scaler)

@@ -65,7 +65,8 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
 class ZeroEngine:
     """Shards a model's parameters into units and runs ZeRO stage 1, 2 or 3 over the mesh's dp axis."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh, config: ZeroConfig, units: Sequence[nn.Module] | None) -> None:
+    def __init__(self, model: nn.Module, mesh: Mesh, config: ZeroConfig, units: Sequence[nn.Module] | None, *,
+                 reduce_dtype: torch.dtype | None = None) -> None:
         if config.stage not in (1, 2, 3):
             raise ValueError(f"zero.stage={config.stage} is not a ZeRO stage; expected 1, 2 or 3")
         self.model, self.mesh, self.config, self.stage = model, mesh, config, config.stage
@@ -73,15 +74,18 @@ class ZeroEngine:
         # the static unit order on every rank, but how the two interleave depends on what each rank's backward
         # skips, so on one group they could pair up the wrong operations (a hang).
         self.group, self.dp_size = mesh.dp_group, mesh.dp_size
+        self.reduce_dtype = reduce_dtype  # None: the parameters' own dtype ([Note: reduce dtype] in unit.py)
         self.reduce_group = mesh.new_group("dp")
         self.require_grad_sync = True
         self.units = self._build_units(list(units) if units is not None else default_units(model))
         self.shard_of: dict[nn.Parameter, nn.Parameter] = {}
-        self.name_of: dict[nn.Parameter, str] = {}
+        self.name_of: dict[torch.Tensor, str] = {}
         for u in self.units:
             for n, p, s in zip(u.names, u.params, u.shards):
                 self.shard_of[p], self.name_of[s] = s, n
         self._unit_of = {p: u for u in self.units for p in u.params}
+        self._slot_of: dict[torch.Tensor, tuple[Unit, int]] = {s: (u, i) for u in self.units
+                                                               for i, s in enumerate(u.shards)}
         self._trainable = [p for u in self.units for i, p in enumerate(u.params) if i in u.trainable]
         self._used = torch.zeros(len(self._trainable), dtype=torch.int32, device=mesh.device)
         self._used_index = {p: k for k, p in enumerate(self._trainable)}
@@ -116,7 +120,7 @@ class ZeroEngine:
             ks = owners.get(p, set())
             groups[next(iter(ks)) + 1 if len(ks) == 1 else 0].append((name, p))  # shared or unowned -> root
         kw: dict[str, Any] = dict(stage=self.stage, group=self.group, reduce_group=self.reduce_group,
-                                  dp_rank=self.mesh.dp_rank, dp_size=self.dp_size)
+                                  dp_rank=self.mesh.dp_rank, dp_size=self.dp_size, reduce_dtype=self.reduce_dtype)
         units = [Unit("<root>", root, groups[0], is_root=True, **kw)]  # possibly empty-handed
         for k, m in enumerate(modules):
             if groups[k + 1]:
@@ -294,6 +298,11 @@ class ZeroEngine:
                 done.finish_param_gather(handle)
         for u, handle in inflight:
             u.finish_param_gather(handle)
+
+    def shard_grad(self, shard: torch.Tensor) -> torch.Tensor | None:
+        """The averaged gradient rows for an optimizer shard, in the reduce dtype (see :meth:`Unit.shard_grad`)."""
+        unit, i = self._slot_of[shard]
+        return unit.shard_grad(i)
 
     def zero_grad(self, set_to_none: bool) -> None:
         for u in self.units:

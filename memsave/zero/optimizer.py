@@ -20,6 +20,7 @@ from memsave import dist as mdist
 from memsave._logging import warn_once
 from memsave.optim import Adafactor
 from memsave.phases import MemoryCategory
+from memsave.precision import LossScaler, MixedPrecisionOptimizer
 from memsave.wrapped import MemsaveOptimizer
 from memsave.zero.engine import ZeroEngine
 from memsave.zero.layout import ShardLayout
@@ -53,11 +54,13 @@ class ZeroOptimizer(MemsaveOptimizer):
         if name not in _ELEMENTWISE and not isinstance(optimizer, Adafactor):
             warn_once(f"ZeRO assumes {name} updates each element independently; if it does not, results differ")
 
-    def __init__(self, optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: ZeroEngine, *, mixed_precision: bool = False,
+                 scaler: LossScaler | None = None) -> None:
         super().__init__(optimizer)
         self.check(optimizer, engine.stage)
         self.engine = engine
-        self._full_of: dict[nn.Parameter, nn.Parameter] = {}
+        self.scaler = scaler
+        self._full_of: dict[torch.Tensor, nn.Parameter] = {}
         for group in optimizer.param_groups:
             shards = []
             for p in group["params"]:
@@ -65,14 +68,21 @@ class ZeroOptimizer(MemsaveOptimizer):
                 self._full_of[shard] = p
                 shards.append(shard)
             group["params"] = shards
+        # Mixed precision: the optimizer steps fp32 master shards (4/N bytes per parameter), cast into the
+        # compute-dtype shards after the step; overflow is agreed over dp (each rank checks its own rows).
+        self.mp = (MixedPrecisionOptimizer(optimizer, scaler=scaler, group=engine.group, grad_of=engine.shard_grad)
+                   if mixed_precision or scaler is not None else None)
+        # what the optimizer steps (a shard, or its master) -> the full parameter
+        self._opt_full = ({m: self._full_of[s] for m, s in self.mp._pairs} if self.mp is not None
+                          else dict(self._full_of))
         if isinstance(optimizer, Adafactor):
             group_ = engine.group
-            optimizer.shard(lambda t: mdist.all_reduce(t, group_), {s: p.shape for s, p in self._full_of.items()})
+            optimizer.shard(lambda t: mdist.all_reduce(t, group_), {s: p.shape for s, p in self._opt_full.items()})
 
     # -- the step ------------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         before = self.engine.num_syncs
-        loss.backward(**kwargs)
+        (self.mp.scale(loss) if self.mp is not None else loss).backward(**kwargs)
         if self.engine.require_grad_sync and self.engine.num_syncs == before:
             self.engine._finalize_backward()  # no gradient reached this rank's parameters; peers still sync
 
@@ -81,8 +91,11 @@ class ZeroOptimizer(MemsaveOptimizer):
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip by the global norm of the full gradient, computed from the shards with one all-reduce."""
-        grads = self._shard_grads()
+        """Clip by the global norm of the full gradient, computed from the shards with one all-reduce (under
+        mixed precision: of the unscaled fp32 master gradients; inf, on every rank, when any overflowed)."""
+        if self.mp is not None and self.mp._unscale():
+            return torch.tensor(math.inf)
+        grads = [m.grad for m in self._opt_full if m.grad is not None] if self.mp is not None else self._shard_grads()
         device = self.engine.mesh.device
         if math.isinf(norm_type):
             local = torch.stack([g.abs().max() for g in grads if g.numel()]).max() if grads else torch.zeros(())
@@ -101,11 +114,18 @@ class ZeroOptimizer(MemsaveOptimizer):
         return norm
 
     def _step(self) -> None:
-        self.optimizer.step()
+        if self.mp is not None:
+            self.mp._step()  # or skips it, on every rank alike
+            if self.mp.last_step_skipped:
+                return
+        else:
+            self.optimizer.step()
         self.engine.gather_params_after_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad(set_to_none)
+        if self.mp is not None:
+            self.mp.zero_grad(set_to_none)
 
     # -- consolidated state dicts --------------------------------------------------------------------------
     @staticmethod
@@ -147,21 +167,25 @@ class ZeroOptimizer(MemsaveOptimizer):
         """The full optimizer state, in the plain optimizer's format (collective: call on every rank)."""
         sd = self.optimizer.state_dict()
         shards = [s for g in self.optimizer.param_groups for s in g["params"]]
-        for index, state in sd["state"].items():
+        for index, live in sd["state"].items():
             shard = shards[index]
-            full_param = self._full_of[shard]
+            full_param = self._opt_full[shard]
+            state = sd["state"][index] = dict(live)  # torch hands out the live per-parameter dicts
             for key in sorted(state):
                 if self._is_per_element(key, state[key], shard, full_param):
                     state[key] = self._gather_full(state[key], full_param)
+        if self.mp is not None:  # the format of MixedPrecisionOptimizer's, consolidated
+            sd["master_params"] = [self._gather_full(m.detach(), self._opt_full[m]) for m in shards]
+            sd["loss_scaler"] = self.scaler.state_dict() if self.scaler is not None else None
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full (plain-optimizer) state dict: every rank keeps its rows."""
         shards = [s for g in self.optimizer.param_groups for s in g["params"]]
-        sharded = {"param_groups": state_dict["param_groups"], "state": {}}
+        sharded: dict[str, Any] = {"param_groups": state_dict["param_groups"], "state": {}}
         for index, state in state_dict["state"].items():
             shard = shards[int(index)]
-            full_param = self._full_of[shard]
+            full_param = self._opt_full[shard]
             out = {}
             for key, value in state.items():
                 if self._is_per_element(key, value, full_param, full_param):
@@ -169,22 +193,41 @@ class ZeroOptimizer(MemsaveOptimizer):
                 else:  # never alias the caller's tensors (e.g. Adam's step, which is incremented in place)
                     out[key] = value.clone() if isinstance(value, torch.Tensor) else value
             sharded["state"][index] = out
-        self.optimizer.load_state_dict(sharded)
+        if self.mp is None:
+            self.optimizer.load_state_dict(sharded)
+            return
+        masters = state_dict.get("master_params")
+        if masters is not None:
+            sharded["master_params"] = [self._own_rows(m.to(s.device, torch.float32), self._opt_full[s]).clone()
+                                        for m, s in zip(masters, shards)]
+        sharded["loss_scaler"] = state_dict.get("loss_scaler")
+        self.mp.load_state_dict(sharded)
 
     @torch.no_grad()
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """The averaged full gradient of every trainable parameter, by name (collective; for checks/debugging)."""
         out: dict[str, torch.Tensor | None] = {}
-        flags = torch.tensor([s.grad is not None for s in self._full_of], dtype=torch.int32)
+        grads = {s: self.engine.shard_grad(s) for s in self._full_of}
+        flags = torch.tensor([g is not None for g in grads.values()], dtype=torch.int32)
         mdist.all_reduce(flags, self.engine.group)
+        master_of = {s: m for m, s in self.mp._pairs} if self.mp is not None else {}
         for (shard, p), has in zip(self._full_of.items(), flags.tolist()):
             if not p.requires_grad:
                 continue
             name = self.engine.name_of[shard]
-            grad = shard.grad if shard.grad is not None else torch.zeros_like(shard)
+            master = master_of.get(shard)
+            grad = grads[shard]
+            if master is not None and master is not shard and master.grad is not None:
+                grad = master.grad  # unscaled already (clip_grad_norm ran)
+            elif grad is None:
+                grad = torch.zeros_like(shard)
+            elif self.scaler is not None and not (master is shard and self.mp is not None and self.mp.unscaled):
+                grad = grad.float() / self.scaler.scale  # the user sees unscaled gradients
             out[name] = self._gather_full(grad, p) if has else None
         return out
 
     def memory_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:
         yield from self.engine.memory_tensors()
+        if self.mp is not None:
+            yield from self.mp.master_tensors()
         yield from self._optimizer_state_tensors()

@@ -8,6 +8,12 @@ Storage per stage (Ψ_u = the unit's parameter count, N = dp size, C = padded el
 - stage 3: ``flat_shard`` (C elements) is the only persistent copy of the parameters; ``full_flat`` (Ψ_u) is
   allocated between unshard and reshard.
 
+[Note: reduce dtype] Gradients are communicated in ``reduce_dtype`` (``[precision] reduce``). When it differs
+from the parameters' dtype (bf16 parameters, fp32 reduction), the staging buffer is in ``reduce_dtype`` (the
+cast happens while packing) and the averaged rows are kept in a ``flat_grad`` of that dtype at *every* stage
+(stage 1 too, beside its full low-precision ``p.grad``): a bf16 shard cannot carry an fp32 ``.grad``, so the
+rows are handed to the fp32 master through :meth:`Unit.shard_grad` instead, with no rounding in between.
+
 [Note: stage-3 storage] Each parameter's ``.data`` is a view of ``full_flat`` while UNSHARDED. To reshard we
 shrink ``full_flat``'s *storage* to 0 bytes instead of dropping it: views autograd saved during forward (e.g.
 ``weight.t()`` for a matmul) keep pointing at that storage, and see the right values again once it is
@@ -35,6 +41,7 @@ class Unit:
     def __init__(
         self, name: str, module: nn.Module, params: list[tuple[str, nn.Parameter]], *, stage: int,
         group: mdist.ProcessGroup, reduce_group: mdist.ProcessGroup, dp_rank: int, dp_size: int, is_root: bool,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         # Staging buffers are allocated per collective and dropped right after: measured, a pool that keeps
         # them (the root's is 2x its parameters) raised ZeRO-2/3 peak RSS by 30-80 MiB on the bench GPT.
@@ -54,6 +61,10 @@ class Unit:
                 "one dtype: cast the model, or pass units= that separate them"
             )
         self.dtype, self.device = next(iter(dtypes))
+        self.reduce_dtype = reduce_dtype if reduce_dtype is not None else self.dtype
+        # the averaged rows live in flat_grad (not in rows of p.grad): stages 2-3, or a reduce dtype of its own
+        self._sharded_grads = stage >= 2 or self.reduce_dtype != self.dtype
+        self._shard_grads: list[torch.Tensor | None] = [None] * len(self.params)  # see shard_grad()
         self.param_layout = ShardLayout([p.shape for p in self.params], dp_size)
         self.grad_layout = ShardLayout([self.params[i].shape for i in self.trainable], dp_size)
         self.state = ShardedState.UNSHARDED
@@ -66,7 +77,8 @@ class Unit:
                 self._init_stage3()
             self.shards = [self._make_shard(i) for i in range(len(self.params))]
         self.flat_grad = (
-            torch.zeros(self.grad_layout.chunk_numel, dtype=self.dtype, device=self.device) if stage >= 2 else None
+            torch.zeros(self.grad_layout.chunk_numel, dtype=self.reduce_dtype, device=self.device)
+            if self._sharded_grads else None
         )
 
     # -- storage -------------------------------------------------------------------------------------------
@@ -156,7 +168,7 @@ class Unit:
                 "time before zero_grad(); run the earlier backwards inside model.no_sync() (or use stage 2)"
             )
         layout = self.grad_layout
-        staging = torch.empty(layout.padded_numel, dtype=self.dtype, device=self.device)
+        staging = torch.empty(layout.padded_numel, dtype=self.reduce_dtype, device=self.device)
         had_grad = []
         for j, i in enumerate(self.trainable):
             g = self.params[i].grad
@@ -167,10 +179,10 @@ class Unit:
             if self.stage >= 2:
                 self.params[i].grad = None  # free the full gradient as soon as it is staged
         staging.div_(self.world)  # pre-divide, as DDP does
-        if self.stage >= 2 and not self.reduced_since_zero_grad:
+        if self._sharded_grads and not self.reduced_since_zero_grad:
             out = self.flat_grad  # reduce straight into the persistent shard
         else:
-            out = torch.empty(layout.chunk_numel, dtype=self.dtype, device=self.device)
+            out = torch.empty(layout.chunk_numel, dtype=self.reduce_dtype, device=self.device)
         assert out is not None
         self._reduce = (mdist.reduce_scatter_into(out, staging, self.reduce_group, async_op=True), out, staging)
         return had_grad
@@ -183,7 +195,7 @@ class Unit:
         handle, out, _staging = self._reduce  # the tuple kept the staging buffer alive while in flight
         handle.wait()
         self._reduce = None
-        if self.stage >= 2:
+        if self._sharded_grads:
             assert self.flat_grad is not None
             if out is not self.flat_grad:
                 self.flat_grad.add_(out)
@@ -200,17 +212,28 @@ class Unit:
         on some rank (else its grad stays None, so the optimizer skips it as it would under DDP)."""
         for j, i in enumerate(self.trainable):
             shard = self.shards[i]
+            grad: torch.Tensor | None
             if not used[j]:
-                shard.grad = None
+                grad = None
                 if self.stage == 1:
                     self.params[i].grad = None
-            elif self.stage == 1:
-                grad = self.params[i].grad
-                assert grad is not None  # wait_reduce allocated it
-                shard.grad = self._own_rows(grad, i)
+            elif not self._sharded_grads:
+                full = self.params[i].grad
+                assert full is not None  # wait_reduce allocated it
+                grad = self._own_rows(full, i)
             else:
                 assert self.flat_grad is not None
-                shard.grad = self.grad_layout.shard_view(self.flat_grad, j, self.rank).view_as(shard)
+                grad = self.grad_layout.shard_view(self.flat_grad, j, self.rank).view_as(shard)
+            self._shard_grads[i] = grad
+            shard.grad = grad if grad is None or grad.dtype == shard.dtype else None  # [Note: reduce dtype]
+
+    def shard_grad(self, i: int) -> torch.Tensor | None:
+        """The averaged gradient rows of parameter ``i`` (in ``reduce_dtype``), or None; equals the shard's
+        ``.grad`` unless the dtypes differ ([Note: reduce dtype])."""
+        shard = self.shards[i]
+        if shard.grad is not None or self.reduce_dtype == shard.dtype:
+            return shard.grad  # the user may have replaced or dropped it
+        return self._shard_grads[i]
 
     def zero_grad(self, set_to_none: bool) -> None:
         for i in self.trainable:
@@ -218,11 +241,11 @@ class Unit:
             if set_to_none:
                 shard.grad = None
                 p.grad = None
+                self._shard_grads[i] = None
             else:
-                if shard.grad is not None:
-                    shard.grad.zero_()
-                if p.grad is not None:
-                    p.grad.zero_()
+                for g in (shard.grad, p.grad, self._shard_grads[i]):
+                    if g is not None:
+                        g.zero_()
         self.reduced_since_zero_grad = False  # everything kept is zero now: the next reduce starts afresh
 
     # -- stages 1-2: after the optimizer step ----------------------------------------------------------------

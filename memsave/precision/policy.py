@@ -1,0 +1,52 @@
+"""The ``[precision]`` policy: compute dtype, the loss scaler it asks for, and the parameter cast.
+
+Under ``compute = "bf16" | "fp16"`` every floating-point *parameter* is stored and computed in that dtype
+(frozen ones too; so a unit's flat buffers keep one dtype), gradients are produced and communicated in it
+(``reduce = "compute"``), and the optimizer steps fp32 master copies (``master = "fp32"``), sharded by ZeRO
+stage like its state. Buffers keep their dtype: running statistics, position indices and the like stay as the
+model made them, as under FSDP2's ``MixedPrecisionPolicy``; a model that must run a part in fp32 (a norm, the
+loss) upcasts there itself, as it would under autocast.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from memsave.config import PrecisionConfig
+from memsave.precision.scaler import LossScaler
+
+__all__ = ["DTYPES", "cast_parameters", "compute_dtype", "reduce_dtype_for", "scaler_for"]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_dtype(cfg: PrecisionConfig) -> torch.dtype:
+    return DTYPES[cfg.compute]
+
+
+def reduce_dtype_for(cfg: PrecisionConfig) -> torch.dtype | None:
+    """The dtype gradients are communicated (and kept sharded) in; None: the compute dtype."""
+    if cfg.reduce in ("compute", cfg.compute):
+        return None
+    return DTYPES[cfg.reduce]
+
+
+def scaler_for(cfg: PrecisionConfig) -> LossScaler | None:
+    """``loss_scale = "dynamic"``: a dynamic scaler; a number: a fixed scale (overflowed steps still skip);
+    ``"none"``: no scaling."""
+    if cfg.loss_scale == "none":
+        return None
+    if cfg.loss_scale == "dynamic":
+        return LossScaler()
+    scale = float(cfg.loss_scale)
+    return LossScaler(scale, dynamic=False, min_scale=scale, max_scale=scale)
+
+
+@torch.no_grad()
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Store every floating-point parameter of ``model`` in ``dtype``, keeping the Parameter objects (so an
+    optimizer built over them still holds them)."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
