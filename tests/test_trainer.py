@@ -151,6 +151,25 @@ def case_errors(mesh: memsave.Mesh) -> None:
         trainer.fit()
 
 
+def case_fp16_scale_is_logged(mesh: memsave.Mesh) -> None:
+    """fp16 with a dynamic scale: overflowed steps are skipped on every rank, and each log line says so."""
+    model, opt = _wrapped("zero2-fp16", mesh, lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3))
+    assert opt.scaler is not None
+    opt.scaler.scale = 2.0**18  # overflows fp16 gradients: the first steps must be skipped, the scale halved
+    logs: list[LogRecord] = []
+    cfg = TrainConfig(steps=8, batch_size=2, seq_len=SEQ, log_every=1, grad_clip=1.0)
+    Trainer(model, opt, mesh=mesh, config=cfg, train_data=_data(mesh, 2), on_log=logs.append).fit()
+    if not mesh.is_main:  # logs go to rank 0; the scaler must agree everywhere
+        assert opt.scaler.num_skipped >= 1
+        return
+    scales = [r.loss_scale for r in logs]
+    skipped = [r.skipped_steps for r in logs]
+    assert skipped[0] == 1 and skipped == sorted(skipped) and skipped[-1] < 8, skipped
+    assert all(s is not None for s in scales) and scales[0] == 2.0**17, scales
+    assert opt.scaler.num_skipped == skipped[-1] and opt.scaler.scale == scales[-1]
+    assert "scale" in logs[0].format() and "skipped" in logs[0].format()
+
+
 def _all_cases(profiles: tuple[str, ...]) -> dict[str, Any]:
     mesh = memsave.init()
     out: dict[str, Any] = {"end_to_end": {p: case_end_to_end(mesh, p) for p in profiles}}
@@ -159,6 +178,7 @@ def _all_cases(profiles: tuple[str, ...]) -> dict[str, Any]:
     out["losses_fall"] = case_losses_fall(mesh)
     out["logging"] = case_logging(mesh)
     case_errors(mesh)
+    case_fp16_scale_is_logged(mesh)
     return out
 
 
