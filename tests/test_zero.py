@@ -111,6 +111,8 @@ def case_clip_accumulate_state_dict(stage: int, rank: int, world: int, mesh: mem
     assert acct.bytes.get(MemoryCategory.PARAMS_GATHERED.value, 0) == 0, acct.bytes
     # consolidated optimizer state loads into a plain optimizer and matches DDP's
     sd = opt.state_dict()
+    for shard, st in opt.optimizer.state.items():  # consolidating must leave the live state sharded
+        assert st["exp_avg"].shape == shard.shape and st["exp_avg_sq"].shape == shard.shape, (stage, shard.shape)
     plain = torch.optim.AdamW(param_groups(copy.deepcopy(ddp.module)), lr=1e-2)
     plain.load_state_dict(sd)
     ref_sd = ddp_opt.state_dict()
