@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from memsave import dist as mdist
+from memsave._logging import warn_once
 from memsave.config import Profile, load_profile
 from memsave.dist import Mesh
 from memsave.engines.dp import DataParallelEngine, DataParallelOptimizer
@@ -127,6 +128,9 @@ def wrap(
     if (mixed or scaler is not None) and optimizer.state:  # before the cast: a refused wrap changes nothing
         raise ValueError(f"optimizer already has state for {len(optimizer.state)} parameters; memsave.wrap must "
                          "come before the first step (load a checkpoint with optimizer.load_state_dict after wrapping)")
+    if prec.compute == "fp16" and mesh.device.type == "cpu":
+        warn_once('[precision] compute = "fp16" on CPU: torch runs fp16 matmuls on most CPUs through a slow '
+                  "fallback (measured on this project's CI CPU: a matmul 100x slower than in fp32); bf16 is the fast half precision on CPUs")
     if mixed:
         if profile.zero.stage:
             from memsave.zero import ZeroOptimizer

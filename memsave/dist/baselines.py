@@ -4,6 +4,13 @@ memsave does not build on these; they are what it is compared against. They live
 is the only layer that touches ``torch.distributed``. Each returns ``(model, optimizer, holder)``: the model
 to call, an optimizer with ``step`` / ``zero_grad``, and an object whose ``memory_tensors()`` lists what the
 baseline keeps (local shards for FSDP2), so its bytes are counted like memsave's.
+
+[Note: FSDP2 mixed precision] Under ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, ...)`` FSDP2 keeps the
+*sharded* parameters in their original dtype (fp32: they are the master copy the optimizer steps), casts them to
+``param_dtype`` for the all-gather, and frees the bf16 unsharded parameters on reshard. Gradients are
+reduce-scattered in ``reduce_dtype`` and the sharded ``.grad`` is cast back to the parameter's dtype (fp32). So
+its model state per rank is 4/N params + 4/N grads + 8/N Adam = 16 bytes/param / N whatever ``reduce_dtype``
+is, the fp32 stage-3 figure, while memsave's zero3-bf16 keeps bf16 shards beside fp32 masters (also 16/N).
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
@@ -66,11 +73,15 @@ def _torch_zero(model: nn.Module, make_opt: OptimizerFactory, blocks: list[nn.Mo
     return ddp, opt, _Holder(model, [opt.optim])
 
 
-def _fsdp2(reshard_after_forward: bool) -> Callable[..., tuple]:
+def _fsdp2(reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy | None = None) -> Callable[..., tuple]:
+    """FSDP2 as torchtitan applies it: ``fully_shard`` on each block, then on the root (bottom-up); with
+    ``mp_policy`` on every one of them (see [Note: FSDP2 mixed precision])."""
+    policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()  # torch's default: no casts
+
     def build(model: nn.Module, make_opt: OptimizerFactory, blocks: list[nn.Module]) -> tuple:
         for block in blocks:
-            fully_shard(block, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, reshard_after_forward=reshard_after_forward)
+            fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        fully_shard(model, reshard_after_forward=reshard_after_forward, mp_policy=policy)
         opt = make_opt(list(model.parameters()))
         return model, opt, _Holder(model, [opt])
 
@@ -82,6 +93,8 @@ BASELINES: dict[str, Callable[..., tuple]] = {
     "torch-zero1": _torch_zero,
     "fsdp2": _fsdp2(True),
     "fsdp2-noreshard": _fsdp2(False),
+    "fsdp2-bf16": _fsdp2(True, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)),
+    "fsdp2-bf16-fp32reduce": _fsdp2(True, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
 }
 
 

@@ -186,5 +186,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+            # in fp32 whatever the compute dtype (a no-op in fp32): a bf16 softmax over the vocabulary loses the
+            # loss's low bits, as Hugging Face's models avoid the same way
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
         return CausalLMOutput(loss=loss, logits=logits)
