@@ -1,14 +1,16 @@
 """``memsave.wrap``: apply a profile to a user's model and optimizer.
 
 Transforms apply in one documented order (torchtitan's): tensor parallel, then recompute, then ZeRO / data
-parallel, then the pipeline schedule. Today the data-parallel engines (stage 0: DDP-style; stages 1-3: ZeRO)
-are built; the other transforms raise ``NotImplementedError`` until they land, rather than being ignored.
+parallel, then the pipeline schedule. Today recomputation and the data-parallel engines (stage 0: DDP-style;
+stages 1-3: ZeRO) are built; the other transforms raise ``NotImplementedError`` until they land, rather than
+being ignored.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,6 +20,7 @@ from memsave._logging import warn_once
 from memsave.config import Profile, load_profile
 from memsave.dist import Mesh
 from memsave.engines.dp import DataParallelEngine, DataParallelOptimizer
+from memsave.models.units import default_units
 from memsave.precision import cast_parameters, compute_dtype, reduce_dtype_for, scaler_for
 from memsave.wrapped import MemsaveModule, MemsaveOptimizer, swap_class
 
@@ -41,10 +44,6 @@ def _check_supported(profile: Profile) -> None:
         )
     if (p.offload.optimizer, p.offload.params, p.offload.activations) != ("none", "none", "none"):
         raise NotImplementedError(f"profile {p.name!r}: [offload] is not implemented yet; set its tiers to \"none\"")
-    if p.recompute.policy != "none":
-        raise NotImplementedError(
-            f"profile {p.name!r}: [recompute] policy={p.recompute.policy!r} is not implemented yet; use \"none\""
-        )
 
 
 @torch.no_grad()
@@ -88,6 +87,7 @@ def wrap(
     *,
     mesh: Mesh | None = None,
     units: Sequence[nn.Module] | None = None,
+    example_inputs: Any = None,
 ) -> tuple[nn.Module, MemsaveOptimizer]:
     """Wrap ``model`` and its ``optimizer`` for training under ``profile``.
 
@@ -98,8 +98,11 @@ def wrap(
             any param groups).
         profile: a preset name (``"ddp"``, ``"zero3"``, ...), a path to a TOML file, or a :class:`Profile`.
         mesh: the layout from :func:`memsave.init`; ``None`` means dp over the whole default process group.
-        units: the modules that communicate (and later recompute / offload) together; default: the blocks of
-            the model's largest ``nn.ModuleList`` plus the root.
+        units: the modules that communicate, and are recomputed, together (later: offloaded); default: the
+            blocks of the model's largest ``nn.ModuleList`` plus the root (the root is never recomputed).
+        example_inputs: for a ``[recompute] policy = "budget:<size>"`` only: one batch like the training
+            ones (dict of keyword arguments, tuple of positional ones, or a tensor) or a callable running one
+            forward; each rank measures the activations of its own (see :func:`memsave.recompute.apply`).
 
     Returns:
         ``(model, optimizer)``: the same model object and a :class:`~memsave.wrapped.MemsaveOptimizer` with
@@ -114,14 +117,23 @@ def wrap(
         )
     profile = load_profile(profile)
     _check_supported(profile)
+    if profile.recompute.policy.startswith("budget:") and example_inputs is None:
+        raise ValueError(
+            f"profile {profile.name!r}: [recompute] policy={profile.recompute.policy!r} measures the activations "
+            "of one forward: pass example_inputs= (one training batch) to memsave.wrap, or call "
+            "memsave.recompute.apply(units, policy, model=model, example_inputs=...) yourself before wrapping"
+        )
     mesh = mesh if mesh is not None else default_mesh()
     _prepare_model(model, mesh)
     _check_optimizer_params(model, optimizer)
-    if profile.zero.stage == 0 and units is not None:
+    recompute = profile.recompute.policy != "none"
+    if profile.zero.stage == 0 and units is not None and not recompute:
         raise NotImplementedError(
-            "units= has no effect with zero.stage = 0 (plain data parallel buckets by size); "
-            "drop it or choose a ZeRO stage"
+            "units= has no effect with zero.stage = 0 and no [recompute] (plain data parallel buckets by size); "
+            "drop it, choose a ZeRO stage or a recompute policy"
         )
+    if recompute and profile.zero.stage == 3:
+        _check_not_nested(model, units if units is not None else default_units(model))
     prec = profile.precision
     mixed = prec.compute != "fp32"
     scaler = scaler_for(prec)
@@ -139,6 +151,41 @@ def wrap(
         cast_parameters(model, compute_dtype(prec))
     reduce_dtype = reduce_dtype_for(prec)
     sync_module_states(model, mesh)
+    # The documented order: recompute, then ZeRO / DP (whose hooks on a unit then run outside the recomputed
+    # region: [Note: hooks stay outside the recomputed region] in memsave/recompute/checkpoint.py).
+    plan = None
+    if recompute:
+        from memsave import recompute as mrecompute  # layer 3; imported here so other users never load it
+
+        plan = mrecompute.apply(units, profile.recompute, model=model, example_inputs=example_inputs)
+    try:
+        wrapped = _wrap_data_parallel(model, optimizer, profile, mesh, units, mixed, scaler, reduce_dtype)
+    except BaseException:
+        if plan is not None:  # a refused wrap leaves the model as it was
+            mrecompute.remove(plan)
+        raise
+    if mesh.device.type == "cpu" and profile.zero.host_mmap_threshold_mb > 0:  # only once nothing can fail
+        mdist.configure_host_memory(mmap_threshold=int(profile.zero.host_mmap_threshold_mb * 2**20))
+    return wrapped
+
+
+def _check_not_nested(model: nn.Module, units: Sequence[nn.Module]) -> None:
+    """Stage 3 gathers in hooks on each unit; inside another recomputed unit those hooks would run again during
+    its recomputation (extra gathers, out of order), so recomputed units must not contain one another."""
+    for outer in units:
+        for inner in units:
+            if inner is not outer and any(inner is m for m in outer.modules()):
+                names = {id(m): n for n, m in model.named_modules()}
+                raise NotImplementedError(
+                    f"[recompute] with zero.stage = 3 is not implemented for nested units: {names.get(id(inner))!r} "
+                    f"is inside {names.get(id(outer))!r}, so its gather hooks would run again when the outer unit is "
+                    "recomputed; pass units= that do not contain one another"
+                )
+
+
+def _wrap_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, profile: Profile, mesh: Mesh,
+                        units: Sequence[nn.Module] | None, mixed: bool, scaler: Any,
+                        reduce_dtype: torch.dtype | None) -> tuple[nn.Module, MemsaveOptimizer]:
     if profile.zero.stage == 0:
         engine = DataParallelEngine(model, mesh, bucket_mb=profile.zero.bucket_mb, reduce_dtype=reduce_dtype)
         swap_class(model, engine)
@@ -149,6 +196,4 @@ def wrap(
 
         wrapped = shard(model, optimizer, stage=profile.zero.stage, mesh=mesh, units=units, config=profile.zero,
                         mixed_precision=mixed, scaler=scaler, reduce_dtype=reduce_dtype)
-    if mesh.device.type == "cpu" and profile.zero.host_mmap_threshold_mb > 0:  # only once nothing can fail
-        mdist.configure_host_memory(mmap_threshold=int(profile.zero.host_mmap_threshold_mb * 2**20))
     return wrapped

@@ -176,8 +176,6 @@ def test_offload_params_needs_stage_3() -> None:
 NOT_IMPLEMENTED = {
     "fp16 reduce under bf16": ['precision.compute="bf16"', 'precision.reduce="fp16"'],
     "bf16 reduce under fp32": ['precision.reduce="bf16"'],
-    "recompute full": ['recompute.policy="full"'],
-    "recompute every:2": ['recompute.policy="every:2"'],
     "offload optimizer": ['offload.optimizer="cpu"'],
     "offload params": ["zero.stage=3", 'offload.params="cpu"'],
     "offload activations": ['offload.activations="cpu"'],
@@ -217,6 +215,12 @@ def _wrap_refusals() -> dict:
         out["notimpl", case] = _outcome(wrap, m, torch.optim.AdamW(m.parameters()), load_profile("ddp", overrides),
                                         mesh=mesh)
         out["untouched", case] = type(m) is ToyLM and _num_hooks(m) == 0
+    # recompute works through wrap (tests/test_recompute.py); budget:<size> needs a batch to measure
+    for stage in ("ddp", "zero3"):
+        m = copy.deepcopy(base)
+        profile = load_profile(stage, ['recompute.policy="budget:1MiB"'])
+        out["budget without inputs", stage] = _outcome(wrap, m, torch.optim.AdamW(m.parameters()), profile, mesh=mesh)
+        out["budget untouched", stage] = type(m) is ToyLM and _num_hooks(m) == 0 and "forward" not in m.blocks[0].__dict__
     for stage in ("ddp", "zero1", "zero3"):
         bad = {
             "a string": "adamw",
@@ -267,6 +271,14 @@ def test_wrap_refuses_techniques_not_built_yet(refusals: dict, case: str) -> Non
     setting = NOT_IMPLEMENTED[case][-1].split("=")[0].split(".")[0]  # the section it names
     assert f"[{setting}]" in message, message
     assert refusals["untouched", case], "a refused wrap must leave the model as it was"
+
+
+@pytest.mark.parametrize("stage", ["ddp", "zero3"])
+def test_wrap_recompute_budget_needs_example_inputs(refusals: dict, stage: str) -> None:
+    kind, message = refusals["budget without inputs", stage]
+    assert kind == "ValueError", (kind, message)
+    assert "[recompute] policy='budget:1MiB'" in message and "example_inputs=" in message, message
+    assert refusals["budget untouched", stage], "a refused wrap must leave the model as it was"
 
 
 @pytest.mark.parametrize("stage", ["ddp", "zero1", "zero3"])

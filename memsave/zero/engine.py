@@ -30,21 +30,13 @@ from torch.autograd.profiler import record_function
 from memsave import dist as mdist
 from memsave.config import ZeroConfig
 from memsave.dist import Mesh
+from memsave.models.units import default_units  # re-exported: it lives in layer 0, shared with recompute/
 from memsave.phases import MemoryCategory
 from memsave.zero.unit import Unit
 
 __all__ = ["ZeroEngine", "default_units"]
 
 _REDUCES_IN_FLIGHT = 2
-
-
-def default_units(model: nn.Module) -> list[nn.Module]:
-    """The blocks of the model's largest ``nn.ModuleList`` (by parameter count); none if it has no list."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    if not lists:
-        return []
-    biggest = max(lists, key=lambda ml: sum(p.numel() for p in ml.parameters()))
-    return list(biggest)
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:

@@ -1,0 +1,323 @@
+"""Activation recomputation: bit-exact losses and gradients against no recomputation (dropout on), the bytes
+each policy keeps for backward, and the same under memsave.wrap with DDP and ZeRO-1/2/3 on 2 ranks.
+
+Saved bytes are counted with ``memsave.recompute.measure_saved_bytes`` (saved-tensor hooks, distinct
+storages, parameters excluded). On the tiny GPT (B=2, T=64, d=64) one block's input is 2*64*64*4 = 32 KiB.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import memsave
+from memsave import recompute
+from memsave.models import GPT, gpt_config
+from tests.harness import run_ranks
+from tests.toy import hf_gpt2
+
+B, T = 2, 64
+POLICIES = ("full", "every:2", "selective")
+
+
+def _gpt(dropout: float = 0.1, n_layer: int = 2) -> GPT:
+    torch.manual_seed(0)
+    return GPT(gpt_config("tiny", dropout=dropout, n_layer=n_layer))
+
+
+def _batch(step: int, rows: int = B, vocab: int = 256, seq: int = T) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, vocab, (rows, seq + 1), generator=g)
+    return {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+
+
+def _train(model: nn.Module, steps: int = 2, batch=_batch) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Losses and the gradients of the last step; the same RNG stream for every run (dropout masks)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(1)
+    losses: list[torch.Tensor] = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = model(**batch(step)).loss
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        losses.append(loss.detach())
+    return losses, grads
+
+
+def _assert_bitwise(run: tuple, ref: tuple, what: str) -> None:
+    (losses, grads), (ref_losses, ref_grads) = run, ref
+    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert torch.equal(a, b), f"{what}: loss of step {i} differs: {a.item()!r} != {b.item()!r}"
+    assert grads.keys() == ref_grads.keys(), what
+    for n, g in grads.items():
+        assert torch.equal(g, ref_grads[n]), f"{what}: gradient of {n} differs by {(g - ref_grads[n]).abs().max()}"
+
+
+# -- single process: exactness ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("policy", [*POLICIES, "budget:300KiB"])
+def test_recompute_is_bitwise_exact_with_dropout(policy: str) -> None:
+    base = _gpt(dropout=0.1)
+    ref = _train(copy.deepcopy(base))
+    model = copy.deepcopy(base)
+    keys, cls = list(model.state_dict()), type(model.blocks[0])
+    plan = recompute.apply(None, policy, model=model, example_inputs=_batch(0) if "budget" in policy else None)
+    expected = {"full": 2, "every:2": 1, "selective": 2, "budget:300KiB": 2}[policy]
+    assert len(plan.units) == expected and plan.names[0] == "blocks.0", plan
+    assert all(recompute.is_recomputed(u) for u in plan.units)
+    assert type(model.blocks[0]) is cls and list(model.state_dict()) == keys  # same object, class and keys
+    _assert_bitwise(_train(model), ref, policy)
+    assert recompute.remove(model.blocks) == expected
+    assert not any("forward" in b.__dict__ for b in model.blocks)
+
+
+def test_every_k_recomputes_units_0_k_2k() -> None:
+    model = _gpt(n_layer=5)
+    plan = recompute.apply(list(model.blocks), "every:2", model=model)
+    assert plan.names == ("blocks.0", "blocks.2", "blocks.4")
+    recompute.remove(plan)
+    assert recompute.apply(list(model.blocks), memsave.config.RecomputeConfig(policy="every:3")).names == (
+        "units[0]", "units[3]")
+
+
+def test_hooks_on_a_unit_run_once_and_no_grad_skips_the_checkpoint() -> None:
+    model = _gpt()
+    calls = {"pre": 0, "post": 0}
+    block = model.blocks[1]
+    block.register_forward_pre_hook(lambda *_: calls.__setitem__("pre", calls["pre"] + 1))
+    block.register_forward_hook(lambda *_: calls.__setitem__("post", calls["post"] + 1))
+    recompute.apply(None, "full", model=model)
+    model(**_batch(0)).loss.backward()
+    assert calls == {"pre": 1, "post": 1}, "recomputation must not re-run the unit's own hooks"
+    with torch.no_grad():
+        out = model(**_batch(0))
+    assert out.loss.grad_fn is None and calls["pre"] == 2
+
+
+def test_save_ops_override_and_bad_arguments() -> None:
+    base = _gpt(dropout=0.0)
+    ref = _train(copy.deepcopy(base), steps=1)
+    model = copy.deepcopy(base)
+    recompute.apply(None, "selective", model=model, save_ops=[torch.ops.aten.mm.default])
+    _assert_bitwise(_train(model, steps=1), ref, "selective, save_ops=[mm]")
+    with pytest.raises(ValueError, match="already recomputed"):
+        recompute.apply(None, "full", model=model)
+    with pytest.raises(ValueError, match=r"OpOverload.*aten\.mm\.default"):
+        recompute.apply(None, "selective", model=_gpt(), save_ops=[torch.ops.aten.mm])
+    with pytest.raises(ValueError, match='save_ops= applies to the "selective"'):
+        recompute.apply(None, "full", model=_gpt(), save_ops=[torch.ops.aten.mm.default])
+    with pytest.raises(ValueError, match=r"recompute\.policy.*'sometimes'"):
+        recompute.apply(None, "sometimes", model=_gpt())
+    with pytest.raises(ValueError, match="not a submodule"):
+        recompute.apply([nn.Linear(2, 2)], "full", model=_gpt())
+
+
+# -- models without a ModuleList, keyword arguments, dataclass and ModelOutput outputs -------------------------
+@dataclasses.dataclass
+class _Pair:
+    y: torch.Tensor
+    aux: tuple[torch.Tensor, int]
+
+
+class _KwBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor, *, scale: torch.Tensor, debug: bool = False) -> _Pair:
+        h = self.drop(torch.tanh(self.fc(x))) * scale  # `debug` collides with checkpoint's own keyword
+        return _Pair(y=x + h, aux=(h.sum(), 3))
+
+
+class _KwNet(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = _KwBlock(d), _KwBlock(d)
+        self.scale = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.a(x, scale=self.scale, debug=True)
+        q = self.b(p.y, scale=self.scale * 2)
+        return (q.y.square().mean() + p.aux[0] * 1e-3) * p.aux[1]
+
+
+def test_sequential_with_explicit_units_and_keyword_dataclass_units() -> None:
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 8))
+    x = torch.randn(4, 8)
+
+    def run(m: nn.Module) -> tuple:
+        torch.manual_seed(2)
+        loss = m(x).square().mean()
+        loss.backward()
+        return [loss.detach()], {n: p.grad for n, p in m.named_parameters()}
+
+    ref = run(copy.deepcopy(seq))
+    with pytest.raises(ValueError, match=r"no units to recompute.*units="):
+        recompute.apply(None, "full", model=copy.deepcopy(seq))
+    m = copy.deepcopy(seq)
+    plan = recompute.apply([m[0], m[3]], "full", model=m)
+    assert plan.names == ("0", "3")
+    _assert_bitwise(run(m), ref, "nn.Sequential, units=[0, 3]")
+
+    net = _KwNet()
+    x = torch.randn(3, 16)
+    ref = run(copy.deepcopy(net))
+    for policy in POLICIES:
+        m = copy.deepcopy(net)
+        recompute.apply([m.a, m.b], policy, model=m)
+        _assert_bitwise(run(m), ref, f"keyword arguments, dataclass outputs, {policy}")
+
+
+def test_hf_gpt2_keyword_forward_and_model_output() -> None:
+    pytest.importorskip("transformers")
+    base = hf_gpt2()
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def batch(step: int) -> dict[str, torch.Tensor]:  # no KV cache: a replayed forward must not see its own keys
+        return {"input_ids": ids, "labels": ids, "use_cache": False}
+
+    ref = _train(copy.deepcopy(base), batch=batch)
+    for policy in POLICIES:
+        model = copy.deepcopy(base)
+        plan = recompute.apply(None, policy, model=model)
+        assert plan.names[0] == "transformer.h.0"
+        _assert_bitwise(_train(model, batch=batch), ref, f"HF GPT-2, {policy}")
+
+
+# -- saved bytes per policy ------------------------------------------------------------------------------------
+def _saved(policy: str, budget_batch: dict | None = None) -> recompute.SavedBytes:
+    model = _gpt(dropout=0.1)
+    recompute.apply(None, policy, model=model, example_inputs=budget_batch)
+    batch = _batch(0)
+    return recompute.measure_saved_bytes(lambda: model(**batch), list(model.blocks), model=model)
+
+
+def test_saved_activation_bytes_per_policy() -> None:
+    x_bytes = B * T * 64 * 4  # one block's input: (B, T, d) fp32
+    s = {p: _saved(p) for p in ("none", *POLICIES)}
+    for p, r in s.items():
+        print(f"{p:>10}: per unit {r.units}, outside {r.outside}, total {r.total} B")
+    none, full, every2, sel = s["none"], s["full"], s["every:2"], s["selective"]
+    assert none.inputs == full.inputs == (x_bytes, x_bytes)
+    assert full.units == full.inputs, "a fully recomputed unit keeps only its input"
+    assert full.outside == none.outside  # what lies outside the units is untouched
+    assert full.total == none.total - sum(none.units) + sum(full.units)  # no unit saves another's storage here
+    assert every2.units == (full.units[0], none.units[1])
+    assert all(f < s_ < n for f, s_, n in zip(full.units, sel.units, none.units)), (full.units, sel.units, none.units)
+    assert full.total < sel.total < none.total and full.total < every2.total < none.total
+    # the estimate used by budget: from the none measurement, recomputing both blocks, is what full measures
+    assert none.estimate({0, 1}) == full.total and none.estimate({0}) == every2.total
+    # budget: recompute whole units, largest first, until it fits; the measurement then honours the budget
+    one_block = none.estimate({0})  # fits with one block recomputed, not with none
+    b = _saved(f"budget:{one_block}B", _batch(0))
+    assert b.total <= one_block and b.units == every2.units
+    tight = _saved(f"budget:{full.total}B", _batch(0))
+    assert tight.total <= full.total and tight.units == full.units
+
+
+def test_budget_refuses_what_cannot_fit_and_needs_inputs() -> None:
+    model = _gpt()
+    minimum = _saved("full").total
+    with pytest.raises(ValueError, match=rf"budget of 1.00 KiB \(1024 B\) cannot be met.*keeps .*\({minimum} B\)"):
+        recompute.apply(None, "budget:1KiB", model=model, example_inputs=_batch(0))
+    with pytest.raises(ValueError, match="example_inputs="):
+        recompute.apply(None, "budget:1GiB", model=model)
+    assert not any(recompute.is_recomputed(b) for b in model.blocks)
+    plan = recompute.apply(None, "budget:1GiB", model=model, example_inputs=lambda: model(**_batch(0)))
+    assert plan.units == () and plan.measured is not None and plan.estimated_bytes == plan.measured.total
+
+
+# -- under memsave.wrap: DDP and ZeRO-1/2/3 on 2 ranks ---------------------------------------------------------
+def _wrapped_run(profile: str, policy: str, rank: int, world: int, model: nn.Module, batch) -> dict:
+    from memsave.dist import COMM_STATS
+    from memsave.phases import ShardedState
+
+    mesh = memsave.init()
+    overrides = [f'recompute.policy="{policy}"'] if policy != "none" else []
+    model, opt = memsave.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                              memsave.load_profile(profile, overrides), mesh=mesh)
+    torch.manual_seed(10 + rank)  # each rank its own dropout masks, the same with and without recompute
+    losses, gathers, resharded = [], [], True
+    for step in range(2):
+        local = {k: v.chunk(world)[rank] if isinstance(v, torch.Tensor) else v for k, v in batch(step).items()}
+        with COMM_STATS.measure() as comm:
+            loss = model(**local).loss
+            opt.backward(loss)
+        gathers.append((comm.calls["all_gather"], comm.bytes["all_gather"]))
+        if profile.startswith("zero3"):
+            resharded &= all(u.state is ShardedState.SHARDED for u in model.memsave_engine.units)
+        grads = (opt.full_grads() if profile != "ddp" else
+                 {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    params = {k: v.clone() for k, v in model.state_dict().items()}
+    # numpy, not tensors: tensors cross the process boundary as shared memory that dies with the child
+    return {"losses": [t.numpy() for t in losses], "grads": {k: v.numpy() for k, v in grads.items() if v is not None},
+            "params": {k: v.numpy() for k, v in params.items()}, "gathers": gathers, "resharded": resharded,
+            "recomputed": [recompute.is_recomputed(b) for b in model.modules() if b is not model]}
+
+
+def _wrap_cases(world: int) -> dict:
+    rank = memsave.init().dp_rank
+    out: dict = {}
+    gpt = _gpt(dropout=0.1)
+    for profile in ("ddp", "zero1", "zero2", "zero3"):
+        for policy in ("none", *POLICIES):
+            out[profile, policy] = _wrapped_run(profile, policy, rank, world, copy.deepcopy(gpt),
+                                                lambda step: _batch(step, rows=2 * world))
+    out["zero3-recompute"] = _wrapped_run("zero3-recompute", "none", rank, world, copy.deepcopy(gpt),
+                                          lambda step: _batch(step, rows=2 * world))
+    hf = hf_gpt2()
+    ids = torch.randint(0, 64, (2 * world, 16), generator=torch.Generator().manual_seed(0))
+    for policy in ("none", "full", "selective"):
+        out["hf zero3", policy] = _wrapped_run("zero3", policy, rank, world, copy.deepcopy(hf),
+                                               lambda step: {"input_ids": ids, "labels": ids, "use_cache": False})
+    return out
+
+
+@pytest.fixture(scope="module")
+def wrapped() -> list[dict]:
+    return run_ranks(_wrap_cases, 2, 2, timeout=150)
+
+
+def _flatten(run: dict) -> tuple:
+    return [torch.from_numpy(a) for a in run["losses"]], {
+        **{f"grad {k}": torch.from_numpy(v) for k, v in run["grads"].items()},
+        **{f"param {k}": torch.from_numpy(v) for k, v in run["params"].items()}}
+
+
+@pytest.mark.parametrize("profile", ["ddp", "zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_wrap_recompute_is_bitwise_exact(wrapped: list[dict], profile: str, policy: str) -> None:
+    for rank, out in enumerate(wrapped):
+        run, ref = out[profile, policy], out[profile, "none"]
+        _assert_bitwise(_flatten(run), _flatten(ref), f"{profile} {policy} rank {rank}")
+        assert sum(run["recomputed"]) == (1 if policy == "every:2" else 2)
+        assert not any(ref["recomputed"])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_zero3_recompute_adds_no_gather_and_reshards(wrapped: list[dict], policy: str) -> None:
+    for out in wrapped:
+        run, ref = out["zero3", policy], out["zero3", "none"]
+        assert run["gathers"] == ref["gathers"], "recomputation must reuse the gather of the unit's backward"
+        assert run["resharded"] and ref["resharded"], "every unit SHARDED after backward"
+
+
+def test_zero3_recompute_preset_and_hf_gpt2_under_zero3(wrapped: list[dict]) -> None:
+    assert memsave.load_profile("zero3-recompute").recompute.policy == "full"
+    for out in wrapped:
+        _assert_bitwise(_flatten(out["zero3-recompute"]), _flatten(out["zero3", "full"]), "zero3-recompute preset")
+        for policy in ("full", "selective"):
+            run, ref = out["hf zero3", policy], out["hf zero3", "none"]
+            _assert_bitwise(_flatten(run), _flatten(ref), f"HF GPT-2 zero3 {policy}")
+            assert run["gathers"] == ref["gathers"] and run["resharded"]
