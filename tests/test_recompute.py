@@ -117,6 +117,26 @@ def test_save_ops_override_and_bad_arguments() -> None:
         recompute.apply([nn.Linear(2, 2)], "full", model=_gpt())
 
 
+def test_selective_policy_never_saves_random_ops() -> None:
+    """[Note: random ops are recomputed] in memsave/recompute/policy.py."""
+    aten = torch.ops.aten
+    q = torch.zeros(1, 1, 4, 2)
+    pol = recompute.SelectivePolicy([*recompute.DEFAULT_SAVE_OPS, aten.bernoulli_.float])
+    assert pol.saves(aten.mm.default, (q, q), {}) and pol.saves(aten.addmm.default, (q, q, q), {})
+    flash = aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert flash in recompute.DEFAULT_SAVE_OPS
+    assert pol.saves(flash, (q, q, q), {}) and pol.saves(flash, (q, q, q, 0.0), {})
+    assert not pol.saves(flash, (q, q, q, 0.1), {}) and not pol.saves(flash, (q, q, q), {"dropout_p": 0.1})
+    assert not pol.saves(aten.bernoulli_.float, (q, 0.5), {}), "a random op is recomputed even when listed"
+    assert not pol.saves(aten.gelu.default, (q,), {})
+    # ... and listing the dropout op keeps the recomputation exact
+    base = _gpt(dropout=0.1)
+    ref = _train(copy.deepcopy(base), steps=1)
+    model = copy.deepcopy(base)
+    recompute.apply(None, "selective", model=model, save_ops=pol.save_ops)
+    _assert_bitwise(_train(model, steps=1), ref, "selective, bernoulli_ listed")
+
+
 # -- models without a ModuleList, keyword arguments, dataclass and ModelOutput outputs -------------------------
 @dataclasses.dataclass
 class _Pair:
@@ -236,20 +256,25 @@ def test_budget_refuses_what_cannot_fit_and_needs_inputs() -> None:
 
 
 # -- under memsave.wrap: DDP and ZeRO-1/2/3 on 2 ranks ---------------------------------------------------------
-def _wrapped_run(profile: str, policy: str, rank: int, world: int, model: nn.Module, batch) -> dict:
+def _wrapped_run(profile: str, policy: str, rank: int, world: int, model: nn.Module, batch,
+                 overrides: tuple[str, ...] = ()) -> dict:
     from memsave.dist import COMM_STATS
     from memsave.phases import ShardedState
 
+    def local(step: int) -> dict:
+        return {k: v.chunk(world)[rank] if isinstance(v, torch.Tensor) else v for k, v in batch(step).items()}
+
     mesh = memsave.init()
-    overrides = [f'recompute.policy="{policy}"'] if policy != "none" else []
+    overrides = (*overrides, f'recompute.policy="{policy}"') if policy != "none" else overrides
     model, opt = memsave.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                              memsave.load_profile(profile, overrides), mesh=mesh)
+                              memsave.load_profile(profile, overrides), mesh=mesh,
+                              example_inputs=local(0) if policy.startswith("budget") else None)
     torch.manual_seed(10 + rank)  # each rank its own dropout masks, the same with and without recompute
     losses, gathers, resharded = [], [], True
     for step in range(2):
-        local = {k: v.chunk(world)[rank] if isinstance(v, torch.Tensor) else v for k, v in batch(step).items()}
+        local_batch = local(step)
         with COMM_STATS.measure() as comm:
-            loss = model(**local).loss
+            loss = model(**local_batch).loss
             opt.backward(loss)
         gathers.append((comm.calls["all_gather"], comm.bytes["all_gather"]))
         if profile.startswith("zero3"):
@@ -274,6 +299,14 @@ def _wrap_cases(world: int) -> dict:
         for policy in ("none", *POLICIES):
             out[profile, policy] = _wrapped_run(profile, policy, rank, world, copy.deepcopy(gpt),
                                                 lambda step: _batch(step, rows=2 * world))
+    # budget through wrap: 1.2 MiB fits with one of the two blocks recomputed (see the saved-bytes test)
+    out["zero3", "budget:1.2MiB"] = _wrapped_run("zero3", "budget:1.2MiB", rank, world, copy.deepcopy(gpt),
+                                                  lambda step: _batch(step, rows=2 * world))
+    # stage 3's schedule knobs: no prefetch, parameters kept from forward to backward
+    for knob in ("zero.prefetch=0", "zero.reshard_after_forward=false"):
+        for policy in ("none", "full"):
+            out["zero3", knob, policy] = _wrapped_run("zero3", policy, rank, world, copy.deepcopy(gpt),
+                                                      lambda step: _batch(step, rows=2 * world), (knob,))
     out["zero3-recompute"] = _wrapped_run("zero3-recompute", "none", rank, world, copy.deepcopy(gpt),
                                           lambda step: _batch(step, rows=2 * world))
     hf = hf_gpt2()
@@ -311,6 +344,17 @@ def test_zero3_recompute_adds_no_gather_and_reshards(wrapped: list[dict], policy
         run, ref = out["zero3", policy], out["zero3", "none"]
         assert run["gathers"] == ref["gathers"], "recomputation must reuse the gather of the unit's backward"
         assert run["resharded"] and ref["resharded"], "every unit SHARDED after backward"
+
+
+def test_zero3_recompute_budget_and_schedule_knobs(wrapped: list[dict]) -> None:
+    for out in wrapped:
+        run, ref = out["zero3", "budget:1.2MiB"], out["zero3", "none"]
+        _assert_bitwise(_flatten(run), _flatten(ref), "zero3 budget:1.2MiB")
+        assert sum(run["recomputed"]) == 1 and run["gathers"] == ref["gathers"] and run["resharded"]
+        for knob in ("zero.prefetch=0", "zero.reshard_after_forward=false"):
+            run, ref = out["zero3", knob, "full"], out["zero3", knob, "none"]
+            _assert_bitwise(_flatten(run), _flatten(ref), f"zero3 {knob} full")
+            assert run["gathers"] == ref["gathers"] and run["resharded"], knob
 
 
 def test_zero3_recompute_preset_and_hf_gpt2_under_zero3(wrapped: list[dict]) -> None:
