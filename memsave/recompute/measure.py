@@ -17,7 +17,7 @@ it saves (held in the checkpoint's cache; see recompute/policy.py).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,10 +41,10 @@ class SavedBytes:
     inputs: tuple[int, ...]
     outside: int
     total: int
-    # storage keys -> bytes, to estimate other recompute choices (see estimate)
-    _unit_keys: tuple[dict[int, int], ...] = ()
-    _input_keys: tuple[dict[int, int], ...] = ()
-    _outside_keys: dict[int, int] | None = None
+    # storage -> bytes, to estimate other recompute choices (see estimate)
+    _unit_keys: tuple[dict[int, int], ...] = field(default=(), repr=False, compare=False)
+    _input_keys: tuple[dict[int, int], ...] = field(default=(), repr=False, compare=False)
+    _outside_keys: dict[int, int] | None = field(default=None, repr=False, compare=False)
 
     def estimate(self, recomputed: set[int] | frozenset[int]) -> int:
         """Total saved bytes if the units at ``recomputed`` indices were fully recomputed and the others not
@@ -137,7 +137,8 @@ def measure_saved_bytes(run: Callable[[], Any], units: Sequence[nn.Module], *,
                                           u.register_forward_hook(post, always_call=True))]
     _ACTIVE.append(rec)
     try:
-        with torch.random.fork_rng(), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             out = run()
         result = rec.result()
         del out

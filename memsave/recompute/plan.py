@@ -108,12 +108,13 @@ def _choose_for_budget(policy: RecomputePolicy, units: Sequence[nn.Module], name
             break
         chosen.add(i)
         estimate = measured.estimate(chosen)
-    log = get_logger()
-    log.info("[recompute] %s: measured %s of saved activations with nothing recomputed (%s outside the units); "
-             "recomputing %d of %d units, largest first, to fit: %s -> estimated %s",
-             policy, format_bytes(measured.total), format_bytes(measured.outside), len(chosen), len(units),
-             ", ".join(f"{names[i]} ({format_bytes(measured.units[i])} -> {format_bytes(measured.inputs[i])})"
-                       for i in sorted(chosen)) or "none needed", format_bytes(estimate))
+    get_logger().info(
+        "[recompute] policy=%s: one forward saves %s of activations (%s of them outside the units); recomputing "
+        "%d of %d units, the largest savers first, until the estimate fits the budget of %s: %s; estimated %s",
+        policy, format_bytes(measured.total), format_bytes(measured.outside), len(chosen), len(units),
+        format_bytes(budget), ", ".join(f"{names[i]} (keeps {format_bytes(measured.inputs[i])} instead of "
+                                        f"{format_bytes(measured.units[i])})" for i in sorted(chosen)) or "none needed",
+        format_bytes(estimate))
     return sorted(chosen), measured, estimate
 
 

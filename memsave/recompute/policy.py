@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -77,13 +77,17 @@ class RecomputePolicy:
         rest) or "budget" (recompute whole units, largest first, until the saved activations fit).
     every: K for "every".
     budget_bytes: the activation budget for "budget", in bytes.
+    text: the policy as the user wrote it (for messages).
     """
 
     kind: Literal["none", "full", "every", "selective", "budget"]
     every: int = 0
     budget_bytes: int = 0
+    text: str = field(default="", compare=False)
 
     def __str__(self) -> str:
+        if self.text:
+            return self.text
         if self.kind == "every":
             return f"every:{self.every}"
         if self.kind == "budget":
@@ -99,11 +103,11 @@ def parse_policy(policy: str | RecomputeConfig | RecomputePolicy) -> RecomputePo
     text = policy.policy if isinstance(policy, RecomputeConfig) else RecomputeConfig(policy=policy).policy
     kind, _, arg = text.partition(":")
     if kind == "every":
-        return RecomputePolicy(kind="every", every=int(arg))
+        return RecomputePolicy(kind="every", every=int(arg), text=text)
     if kind == "budget":
-        return RecomputePolicy(kind="budget", budget_bytes=parse_size(arg))
+        return RecomputePolicy(kind="budget", budget_bytes=parse_size(arg), text=text)
     assert kind in ("none", "full", "selective"), text  # RecomputeConfig validated the string
-    return RecomputePolicy(kind=kind)  # type: ignore[arg-type]
+    return RecomputePolicy(kind=kind, text=text)  # type: ignore[arg-type]
 
 
 def _draws_random_numbers(func: Any, args: tuple, kwargs: dict) -> bool:

@@ -14,6 +14,11 @@ between units, e.g. tied embeddings). At stage 3 it is gathered when the model's
 its gradients are reduced at the very end of backward: its parameters are used at both ends of forward and at
 the start of backward, so freeing it in between would only cost an extra gather. Its reduce-scatter is last.
 
+[Note: recomputed units] Units recomputed by ``memsave.recompute`` need nothing from this engine: its hooks sit
+on the unit module itself, so they run around the checkpoint, never inside the replayed forward, and the
+pre-backward gather on a unit's outputs fires before the replay; keep stage-3 hooks on the unit module, not on
+its submodules (see [Note: hooks stay outside the recomputed region] in memsave/recompute/checkpoint.py).
+
 [Note: unused parameters] As in the DP engine, one flag per trainable parameter is all-reduced at the end of
 backward; a parameter that got no gradient on any rank keeps ``grad = None`` so the optimizer skips it.
 """
