@@ -4,7 +4,7 @@ ZeRO-1/2/3 sharding, offload, activation recomputation, mixed precision and memo
 ``torch.distributed``. See README.md for the quickstart and ``memsave.wrap`` for the entry point.
 """
 
-from memsave import memory, optim, precision, zero
+from memsave import memory, optim, precision, recompute, zero
 from memsave.api import wrap
 from memsave.config import Profile, list_presets, load_profile
 from memsave.dist import Mesh, init
@@ -34,6 +34,7 @@ __all__ = [
     "memory",
     "optim",
     "precision",
+    "recompute",
     "report",
     "wrap",
     "zero",

@@ -61,9 +61,10 @@ def _demo_worker(opts: DemoOptions) -> dict[str, Any]:
     num_params = model.num_parameters()
     opt_cfg = opts.profile.optimizer
     optimizer = build_optimizer(model.parameters(), opt_cfg)
-    wrapped, mopt = wrap(model, optimizer, opts.profile, mesh=mesh)
     data = {split: TokenBatches(seq_len=cfg.seq_len, batch_size=cfg.batch_size, dp_rank=mesh.dp_rank,
                                 dp_size=mesh.dp_size, split=split, seed=cfg.seed) for split in ("train", "val")}
+    # the first micro-batch is what a "budget:<size>" recompute policy measures activations on
+    wrapped, mopt = wrap(model, optimizer, opts.profile, mesh=mesh, example_inputs=data["train"].batch(0))
     if mesh.is_main:
         print(f"memsave demo: GPT {opts.size} ({num_params:,} parameters), profile {opts.profile.name}, "
               f"{mesh.world_size} processes on {mesh.device.type}; {cfg.steps} steps x {cfg.micro_batches} "
