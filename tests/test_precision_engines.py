@@ -160,9 +160,19 @@ def case_bytes_and_state_dict(profile: str, mesh: memsave.Mesh) -> None:
         assert torch.equal(model2.state_dict()[k], v), (profile, k)
 
 
+def case_recompute_composes(profile: str, mesh: memsave.Mesh) -> None:
+    """bf16 compute with full / selective recomputation equals bf16 without it, bit for bit."""
+    bf16 = ('precision.compute="bf16"',)
+    ref, ref_norm = _run(profile, mesh, bf16, 3)
+    for policy in ("full", "selective"):
+        losses, norm = _run(profile, mesh, (*bf16, f'recompute.policy="{policy}"'), 3)
+        assert losses == ref and norm == ref_norm, (profile, policy, losses, ref)
+
+
 def _all_cases(world: int) -> str:
     mesh = memsave.init()
     for profile in PROFILES:
+        case_recompute_composes(profile, mesh)
         case_tracks_fp32(profile, mesh)
         case_overflow_on_one_rank(profile, mesh)
         case_bytes_and_state_dict(profile, mesh)
