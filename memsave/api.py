@@ -42,8 +42,15 @@ def _check_supported(profile: Profile) -> None:
             "implemented: gradients are communicated in the compute dtype or in fp32; set reduce = \"compute\" "
             'or "fp32"'
         )
-    if (p.offload.optimizer, p.offload.params, p.offload.activations) != ("none", "none", "none"):
-        raise NotImplementedError(f"profile {p.name!r}: [offload] is not implemented yet; set its tiers to \"none\"")
+    if (p.offload.optimizer, p.offload.params) != ("none", "none"):
+        raise NotImplementedError(f"profile {p.name!r}: [offload] optimizer / params are not implemented yet; set "
+                                  'them to "none" (activations = "cpu" is)')
+    if p.offload.activations != "none" and p.recompute.compress != "none":
+        raise NotImplementedError(
+            f"profile {p.name!r}: [offload] activations = {p.offload.activations!r} together with [recompute] "
+            f"compress = {p.recompute.compress!r} is not implemented: only the innermost saved-tensor hooks apply, "
+            "so one of them would be silently ignored; choose one"
+        )
 
 
 @torch.no_grad()
@@ -124,6 +131,10 @@ def wrap(
             "memsave.recompute.apply(units, policy, model=model, example_inputs=...) yourself before wrapping"
         )
     mesh = mesh if mesh is not None else default_mesh()
+    if profile.recompute.compress != "none":  # before anything changes: a refused wrap changes nothing
+        from memsave.recompute.compress import check_compress
+
+        check_compress(profile.recompute.compress, mesh.device)
     _prepare_model(model, mesh)
     _check_optimizer_params(model, optimizer)
     recompute = profile.recompute.policy != "none"
@@ -164,9 +175,29 @@ def wrap(
         if plan is not None:  # a refused wrap leaves the model as it was
             mrecompute.remove(plan)
         raise
+    _wrap_saved_tensors(model, profile, mesh)  # last: its hooks are the outermost around the root's forward
     if mesh.device.type == "cpu" and profile.zero.host_mmap_threshold_mb > 0:  # only once nothing can fail
         mdist.configure_host_memory(mmap_threshold=int(profile.zero.host_mmap_threshold_mb * 2**20))
     return wrapped
+
+
+def _wrap_saved_tensors(model: nn.Module, profile: Profile, mesh: Mesh) -> None:
+    """``[recompute] compress`` and ``[offload] activations``: the root's whole forward (the ZeRO / DP hooks on it
+    included) runs under saved-tensor hooks; inside recomputed units the checkpoint's own hooks take over
+    ([Note: compression inside a recomputed unit] in memsave/recompute/compress.py)."""
+    from memsave.offload import forward_under, offload_saved
+
+    kind = profile.recompute.compress
+    if kind != "none":
+        from memsave.recompute.compress import compress_saved
+
+        model.memsave_saved_tensors = forward_under(model, lambda: compress_saved(kind, model))  # type: ignore[assignment]
+    elif profile.offload.activations == "cpu":
+        if mesh.device.type != "cuda":
+            warn_once(f"profile {profile.name!r}: " + "[offload] activations = \"cpu\" on a "
+                      f"{mesh.device.type} device: saved activations already live in host memory, nothing is moved")
+            return
+        model.memsave_saved_tensors = forward_under(model, lambda: offload_saved(model))  # type: ignore[assignment]
 
 
 def _check_not_nested(model: nn.Module, units: Sequence[nn.Module]) -> None:

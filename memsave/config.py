@@ -153,9 +153,13 @@ class RecomputeConfig(_Checked):
     """``[recompute]``: activation recomputation (Chen et al., 2016).
 
     policy: "none", "full", "every:K", "selective" or "budget:<size>" (e.g. "budget:2GiB").
+    compress: "none", "bf16" or "fp8": fp32 activations kept for backward are stored in that dtype and restored
+        for backward (Gist, Jain et al., 2018): about half (bf16) or a quarter (fp8) of their bytes, gradients
+        no longer exact. See memsave/recompute/compress.py.
     """
 
     policy: str = "none"
+    compress: Literal["none", "bf16", "fp8"] = "none"
 
     _section = "recompute"
 

@@ -1,6 +1,13 @@
 """Layer 3: activation recomputation (Chen et al., 2016). ``memsave.recompute.apply`` is the hand-composed entry."""
 
 from memsave.recompute.checkpoint import RecomputedForward, is_recomputed
+from memsave.recompute.compress import (
+    COMPRESS_DTYPES,
+    CompressionStats,
+    SavedTensorCompressor,
+    check_compress,
+    compress_saved,
+)
 from memsave.recompute.measure import SavedBytes, measure_saved_bytes
 from memsave.recompute.plan import RecomputePlan, apply, format_bytes, remove
 from memsave.recompute.policy import (
@@ -12,13 +19,18 @@ from memsave.recompute.policy import (
 )
 
 __all__ = [
+    "COMPRESS_DTYPES",
     "DEFAULT_SAVE_OPS",
+    "CompressionStats",
     "RecomputePlan",
     "RecomputePolicy",
     "RecomputedForward",
     "SavedBytes",
+    "SavedTensorCompressor",
     "SelectivePolicy",
     "apply",
+    "check_compress",
+    "compress_saved",
     "format_bytes",
     "is_recomputed",
     "measure_saved_bytes",
