@@ -28,6 +28,7 @@ from memsave.config import Profile, list_presets, load_profile
 from memsave.models import GPT, TokenBatches, gpt_config
 from memsave.models.gpt import GPT_SIZES
 from memsave.optim import build_optimizer
+from memsave.recompute.plan import PLAN_ATTR
 from memsave.trainer import TrainConfig, Trainer, cosine_schedule
 
 __all__ = ["DemoOptions", "main"]
@@ -70,6 +71,10 @@ def _demo_worker(opts: DemoOptions) -> dict[str, Any]:
               f"{mesh.world_size} processes on {mesh.device.type}; {cfg.steps} steps x {cfg.micro_batches} "
               f"micro-batches x {cfg.batch_size} rows x {cfg.seq_len} tokens per rank; {opt_cfg.name} "
               f"lr {opt_cfg.lr:g}", flush=True)
+        # memsave.recompute.apply leaves its plan on the model it was given (memsave/recompute/plan.py: PLAN_ATTR)
+        plan = getattr(model, PLAN_ATTR, None) or getattr(wrapped, PLAN_ATTR, None)
+        if plan is not None and plan.policy.kind == "budget":
+            print(plan.summary, flush=True)
     trainer = Trainer(
         wrapped, mopt, mesh=mesh, config=cfg, train_data=data["train"], eval_data=data["val"],
         lr_schedule=cosine_schedule(min(opt_cfg.warmup_steps, cfg.steps), cfg.steps, opt_cfg.min_lr_ratio),

@@ -9,7 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from memsave.bench import BenchOptions, comm_elements, format_table, formula_bytes, precision_label, run_bench
+from memsave.bench import (
+    BenchOptions,
+    comm_elements,
+    format_recompute_table,
+    format_table,
+    formula_bytes,
+    precision_label,
+    run_bench,
+    run_recompute_bench,
+)
 from memsave.models import GPT, gpt_config
 
 PSI, N = 1200, 4
@@ -102,3 +111,28 @@ def test_bench_tiny_mixed_precision(tmp_path: Path) -> None:
     assert z2["comm_elems_over_psi"] == pytest.approx(2.0, rel=1e-3)
     table = format_table(list(rows.values()))
     assert "precision" in table.splitlines()[0] and "bf16/fp32-reduce" in table
+
+
+def test_recompute_bench_tiny(tmp_path: Path) -> None:
+    """`memsave bench --recompute` on the tiny GPT: every policy trains to the same losses as no recomputation
+    (no dropout), full recomputation keeps only the blocks' inputs like torch's per-block checkpoint, memsave's
+    selective keeps what torch's selective checkpointing keeps, and a budget fits its measured activations."""
+    opts = BenchOptions(size="tiny", seq_len=64, batch_size=2, steps=2, warmup=1, nproc=1)
+    names = ["none", "full", "selective", "budget:700KiB", "torch-full", "torch-selective"]
+    rows = {r["name"]: r for r in run_recompute_bench(names, opts, timeout_s=120)}
+    none = rows["none"]
+    assert none["vs_ref_activations"] == 1.0 and none["reference"] == "none"
+    for r in rows.values():
+        assert r["final_loss_diff"] == 0.0, r["name"]
+        assert r["losses"] == none["losses"], r["name"]
+        cats = r["peak_by_category"]
+        assert cats["Parameter"] == 4 * r["params"] and cats["Optstate"] >= 8 * r["params"], (r["name"], cats)
+        assert r["peak_total"] >= sum(cats[c] for c in ("Parameter", "Optstate")) and r["peak_rss"] > 0
+    assert rows["full"]["saved_activation_bytes"] == rows["torch-full"]["saved_activation_bytes"]
+    assert rows["selective"]["saved_activation_bytes"] == rows["torch-selective"]["saved_activation_bytes"]
+    assert (rows["full"]["saved_activation_bytes"] < rows["budget:700KiB"]["saved_activation_bytes"] <= 700 * 1024
+            < rows["selective"]["saved_activation_bytes"] < none["saved_activation_bytes"])
+    assert rows["budget:700KiB"]["plan"]["summary"].startswith("recompute policy budget:700KiB")
+    assert rows["full"]["peak_by_category"]["Activation"] <= none["peak_by_category"]["Activation"]
+    table = format_recompute_table(list(rows.values()))
+    assert table.splitlines()[0].startswith("policy") and "torch-selective" in table and "reference" not in table

@@ -17,6 +17,7 @@ from torch import nn
 import memsave
 from memsave import recompute
 from memsave.models import GPT, gpt_config
+from memsave.recompute.plan import PLAN_ATTR
 from tests.harness import run_ranks
 from tests.toy import hf_gpt2
 
@@ -253,6 +254,65 @@ def test_budget_refuses_what_cannot_fit_and_needs_inputs() -> None:
     assert not any(recompute.is_recomputed(b) for b in model.blocks)
     plan = recompute.apply(None, "budget:1GiB", model=model, example_inputs=lambda: model(**_batch(0)))
     assert plan.units == () and plan.measured is not None and plan.estimated_bytes == plan.measured.total
+
+
+def _plan_and_measure(budget: int, **gpt: object) -> tuple[recompute.RecomputePlan, recompute.SavedBytes]:
+    model = _gpt(**gpt)  # type: ignore[arg-type]
+    plan = recompute.apply(None, f"budget:{budget}B", model=model, example_inputs=_batch(0))
+    assert getattr(model, PLAN_ATTR) is plan and plan.summary.startswith("recompute policy budget:")
+    batch = _batch(0)
+    return plan, recompute.measure_saved_bytes(lambda: model(**batch), list(model.blocks), model=model)
+
+
+def _options(n_layer: int = 4) -> recompute.SavedBytes:
+    """The budget planner's measurement of the 4-block tiny GPT without dropout (CPU flash attention): there a
+    block costs ~19 MFLOP-equivalents forward and ~4 of them are what selective recomputation re-runs."""
+    model = _gpt(dropout=0.0, n_layer=n_layer)
+    measured = recompute.apply(None, "budget:1GiB", model=model, example_inputs=_batch(0)).measured
+    assert measured is not None and len(measured.costs) == n_layer
+    assert all(0 < c.selective < c.forward / 2 for c in measured.costs), measured.costs
+    return measured
+
+
+def test_budget_prefers_selective_when_it_fits() -> None:
+    m = _options()
+    every = set(range(4))
+    all_selective = m.estimate(set(), every)
+    assert m.estimate(every) < all_selective < m.estimate({0}) < m.total  # one full block does not fit
+    plan, after = _plan_and_measure(all_selective, dropout=0.0, n_layer=4)
+    assert plan.kinds == ("selective",) * 4 and plan.estimated_bytes == all_selective
+    assert after.total == plan.estimated_bytes <= all_selective
+    assert "selective for blocks.0-3" in plan.summary
+    # a looser budget needs fewer units: the planner does not recompute more than the fit needs
+    plan, after = _plan_and_measure((all_selective + m.total) // 2, dropout=0.0, n_layer=4)
+    assert set(plan.kinds) == {"selective"} and 0 < len(plan.units) < 4 and after.total <= (all_selective + m.total) // 2
+
+
+def test_budget_recomputes_fully_where_needed_and_the_measurement_fits() -> None:
+    m = _options()
+    every = set(range(4))
+    full, all_selective = m.estimate(every), m.estimate(set(), every)
+    for budget in (full, (full + all_selective) // 2, all_selective - 1):
+        plan, after = _plan_and_measure(budget, dropout=0.0, n_layer=4)
+        assert "full" in plan.kinds, (budget, plan.kinds)
+        assert after.total == plan.estimated_bytes <= budget, (budget, plan.kinds, after.total)
+    plan, _ = _plan_and_measure(full, dropout=0.0, n_layer=4)
+    assert plan.kinds == ("full",) * 4
+    # with dropout the tiny GPT's attention runs the math path, whose softmax and masks make selective
+    # recomputation cost ~60% of a block's forward: one full block is cheaper than two selective ones
+    plan, after = _plan_and_measure(_saved("every:2").total, dropout=0.1)
+    assert plan.kinds == ("full",) and after.total <= _saved("every:2").total
+
+
+def test_plan_summary_and_attribute_for_every_policy() -> None:
+    model = _gpt()
+    plan = recompute.apply(None, "every:2", model=model)
+    assert plan.kinds == ("full",) and plan.summary == "recompute policy every:2: full for blocks.0"
+    assert model.memsave_recompute_plan is plan
+    recompute.remove(plan, model=model)
+    assert not hasattr(model, PLAN_ATTR)
+    plan = recompute.apply(None, "selective", model=model)
+    assert plan.summary == "recompute policy selective: selective for blocks.0-1"
 
 
 # -- under memsave.wrap: DDP and ZeRO-1/2/3 on 2 ranks ---------------------------------------------------------
