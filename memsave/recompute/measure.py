@@ -233,7 +233,10 @@ def measure_saved_bytes(run: Callable[[], Any], units: Sequence[nn.Module], *,
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         rec.saved(t)
-        return t
+        # Not ``t`` itself: a saved *output* of an op returned as is makes a cycle through autograd's C++ graph
+        # (tensor -> grad_fn -> saved tensor -> tensor) that Python's collector cannot see, and every
+        # measurement leaked a whole forward's activations. The graph is never run backward; values suffice.
+        return t.detach()
 
     handles = [h for u in units for h in (u.register_forward_pre_hook(pre, with_kwargs=True),
                                           u.register_forward_hook(post, always_call=True))]
@@ -253,6 +256,9 @@ def measure_saved_bytes(run: Callable[[], Any], units: Sequence[nn.Module], *,
         _ACTIVE.pop()
         for h in handles:
             h.remove()
+        # the saved tensors were kept only while counting; a dispatch mode object may outlive this call (torch
+        # keeps a reference to the last mode it ran), so do not let it hold a whole forward's activations
+        rec.keep.clear()
     return result
 
 
