@@ -244,6 +244,23 @@ def test_saved_activation_bytes_per_policy() -> None:
     assert tight.total <= full.total and tight.units == full.units
 
 
+def test_measurement_frees_what_it_counted() -> None:
+    """A saved op output (tanh saves its own result) must not outlive the measurement: the pack hook once
+    returned the tensor itself, which made an autograd cycle and leaked a whole forward per measurement."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    unit = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    refs: list[weakref.ref] = []
+    unit[1].register_forward_hook(lambda m, a, out: refs.append(weakref.ref(out)))
+    x = torch.randn(4, 8)
+    saved = recompute.measure_saved_bytes(lambda: unit(x).sum(), [unit], model=unit)
+    assert saved.units == (2 * 4 * 8 * 4,)  # the input x (for the weight gradient) and tanh's output
+    gc.collect()
+    assert refs and refs[0]() is None
+
+
 def test_budget_refuses_what_cannot_fit_and_needs_inputs() -> None:
     model = _gpt()
     minimum = _saved("full").total
