@@ -1,0 +1,288 @@
+// memsave memory report page: draws memsave.report/2 data (embedded as JSON) as inline SVG. No libraries,
+// no network. After drawing, body[data-rendered] = the number of charts drawn; an error in a chart is shown in
+// the page and in body[data-error] (the inline handler before this script catches uncaught ones).
+"use strict";
+(function () {
+  var NS = "http://www.w3.org/2000/svg";
+  var COLORS = {
+    params: "#4e79a7", params_gathered: "#a0cbe8", grads: "#f28e2b", master: "#ffbe7d",
+    optimizer_state: "#59a14f", activations: "#e15759", buffers: "#b07aa1", comm: "#9c755f",
+    offload_host: "#76b7b2", offload_disk: "#bab0ac"
+  };
+  var OFF_DEVICE = ["offload_host", "offload_disk"];
+  var PHASES = ["forward", "backward", "optimizer", "idle"];
+  var W = 960, H = 320, M = { l: 78, r: 16, t: 22, b: 46 };
+
+  function fmt(n) {
+    var units = ["B", "KiB", "MiB", "GiB", "TiB"], i = 0, sign = n < 0 ? "-" : "";
+    n = Math.abs(n);
+    while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+    return sign + (i === 0 ? String(Math.round(n)) : n.toFixed(1)) + " " + units[i];
+  }
+  function el(tag, attrs, parent, text) {
+    var svg = ["svg", "g", "path", "rect", "line", "polyline", "circle", "text", "title"].indexOf(tag) >= 0;
+    var node = svg ? document.createElementNS(NS, tag) : document.createElement(tag);
+    Object.keys(attrs || {}).forEach(function (k) { node.setAttribute(k, attrs[k]); });
+    if (text !== undefined) node.textContent = text;
+    if (parent) parent.appendChild(node);
+    return node;
+  }
+  function tip(node, text) { el("title", {}, node, text); return node; }
+  function get(bytes, cat) { return (bytes && bytes[cat]) || 0; }
+  function onDevice(cats) { return cats.filter(function (c) { return OFF_DEVICE.indexOf(c) < 0; }); }
+  function offDevice(cats) { return cats.filter(function (c) { return OFF_DEVICE.indexOf(c) >= 0; }); }
+  function total(bytes, cats) { return onDevice(cats).reduce(function (s, c) { return s + get(bytes, c); }, 0); }
+  function breakdown(bytes, cats) {
+    return cats.filter(function (c) { return get(bytes, c) > 0; })
+      .map(function (c) { return "  " + c + ": " + fmt(get(bytes, c)); }).join("\n");
+  }
+  function peakLabel(p) {
+    return "peak " + fmt(p.total) + " \u00b7 step " + p.step + " \u00b7 " + p.phase + (p.unit ? " \u00b7 " + p.unit : "");
+  }
+  // y axis: ticks at a round number of the largest binary unit below the maximum
+  function yScale(max) {
+    max = Math.max(max, 1);
+    var unit = 1; while (max / unit >= 1024) unit *= 1024;
+    var raw = max / unit / 5, mag = Math.pow(10, Math.floor(Math.log10(raw)));
+    var step = [1, 2, 2.5, 5, 10].map(function (f) { return f * mag; }).filter(function (s) { return s >= raw; })[0] * unit;
+    var top = Math.ceil(max / step) * step, ticks = [];
+    for (var v = 0; v <= top + step / 2; v += step) ticks.push(v);
+    return { top: top, ticks: ticks, y: function (b) { return M.t + (H - M.t - M.b) * (1 - b / top); } };
+  }
+  function axes(svg, ys, yLabel) {
+    ys.ticks.forEach(function (v) {
+      el("line", { x1: M.l, x2: W - M.r, y1: ys.y(v), y2: ys.y(v), class: "grid" }, svg);
+      el("text", { x: M.l - 6, y: ys.y(v) + 4, class: "tick", "text-anchor": "end" }, svg, fmt(v));
+    });
+    el("text", { x: 14, y: M.t + (H - M.t - M.b) / 2, class: "axis-label", transform: "rotate(-90 14 " +
+      (M.t + (H - M.t - M.b) / 2) + ")", "text-anchor": "middle" }, svg, yLabel);
+  }
+  function newSvg(parent, label) {
+    return el("svg", { viewBox: "0 0 " + W + " " + H, class: "chart", role: "img", "aria-label": label }, parent);
+  }
+
+  // (a) one rank's timeline: stacked areas by category, phase bands, peak, RSS and estimate lines
+  function drawTimeline(parent, report, rank) {
+    var tl = rank.timeline, cats = report.categories, stack = onDevice(cats), n = tl.length;
+    var est = report.estimate, cuda = report.run.device === "cuda";
+    var svg = newSvg(parent, "memory timeline of rank " + rank.rank);
+    var max = Math.max(rank.peak.total, est ? est.peak_total : 0);
+    tl.forEach(function (s) {
+      max = Math.max(max, total(s.bytes, cats), s.rss, s.device_allocated);
+      offDevice(cats).forEach(function (c) { max = Math.max(max, get(s.bytes, c)); });
+    });
+    var ys = yScale(max), span = Math.max(n - 1, 1);
+    var x = function (i) { return M.l + (W - M.l - M.r) * (n === 1 ? 0.5 : i / span); };
+    var half = (W - M.l - M.r) / span / 2;
+    // phase bands: one rectangle per run of consecutive samples in the same phase
+    for (var i = 0, j; i < n; i = j) {
+      for (j = i; j < n && tl[j].phase === tl[i].phase; j++);
+      var x0 = Math.max(M.l, x(i) - half), x1 = Math.min(W - M.r, x(j - 1) + half);
+      tip(el("rect", { x: x0, y: M.t, width: Math.max(x1 - x0, 1), height: H - M.t - M.b,
+        class: "phase-band phase-" + tl[i].phase, "data-phase": tl[i].phase }, svg), tl[i].phase + ", step " + tl[i].step);
+    }
+    axes(svg, ys, cuda ? "device memory" : "memory");
+    // stacked areas, bottom to top in the report's category order
+    var base = tl.map(function () { return 0; });
+    stack.forEach(function (c) {
+      var top = tl.map(function (s, k) { return base[k] + get(s.bytes, c); });
+      var pts = top.map(function (v, k) { return x(k) + "," + ys.y(v); });
+      var low = base.map(function (v, k) { return x(k) + "," + ys.y(v); }).reverse();
+      if (n === 1) { pts = [x(0) - half + "," + ys.y(top[0]), x(0) + half + "," + ys.y(top[0])];
+        low = [x(0) + half + "," + ys.y(base[0]), x(0) - half + "," + ys.y(base[0])]; }
+      tip(el("path", { d: "M" + pts.join("L") + "L" + low.join("L") + "Z", fill: COLORS[c],
+        class: "area", "data-category": c }, svg), c);
+      base = top;
+    });
+    function line(values, cls, color, label) {
+      var pts = values.map(function (v, k) { return x(k) + "," + ys.y(v); }).join(" ");
+      tip(el("polyline", { points: pts, class: cls, stroke: color || "", fill: "none" }, svg), label);
+    }
+    line(tl.map(function (s) { return s.rss; }), "rss-line", "", "process RSS");
+    if (tl.some(function (s) { return s.device_allocated > 0; })) {
+      line(tl.map(function (s) { return s.device_allocated; }), "device-line", "", "device allocated");
+    }
+    offDevice(cats).forEach(function (c) {
+      line(tl.map(function (s) { return get(s.bytes, c); }), "offload-line", COLORS[c], c + " (not on the device)");
+    });
+    if (est) {
+      el("line", { x1: M.l, x2: W - M.r, y1: ys.y(est.peak_total), y2: ys.y(est.peak_total), class: "estimate-line" }, svg);
+      el("text", { x: W - M.r - 4, y: ys.y(est.peak_total) - 4, class: "line-label", "text-anchor": "end" }, svg,
+        "estimate " + fmt(est.peak_total));
+    }
+    // step boundaries on the x axis
+    tl.forEach(function (s, k) {
+      if (k > 0 && s.step === tl[k - 1].step) return;
+      el("line", { x1: x(k) - half, x2: x(k) - half, y1: M.t, y2: H - M.b + 6, class: "step-line" }, svg);
+      el("text", { x: x(k) - half + 3, y: H - M.b + 16, class: "tick" }, svg, "step " + s.step);
+    });
+    el("text", { x: (W + M.l) / 2, y: H - 8, class: "axis-label", "text-anchor": "middle" }, svg,
+      "sample (" + n + " samples over " + (n ? tl[n - 1].t.toFixed(2) : 0) + " s); bands: phase");
+    // the peak: the sample with the highest in-memory total, labelled with the report's peak when it is this one
+    var best = 0;
+    tl.forEach(function (s, k) { if (total(s.bytes, cats) > total(tl[best].bytes, cats)) best = k; });
+    var s0 = tl[best], t0 = total(s0.bytes, cats), px = x(best), py = ys.y(t0);
+    var label = t0 === rank.peak.total ? peakLabel(rank.peak) : peakLabel({ total: t0, step: s0.step, phase: s0.phase,
+      unit: s0.unit }) + " (sampled; report peak " + fmt(rank.peak.total) + ")";
+    var g = el("g", { class: "peak-marker" }, svg);
+    el("line", { x1: px, x2: px, y1: py, y2: H - M.b, class: "peak-line" }, g);
+    el("circle", { cx: px, cy: py, r: 5 }, g);
+    el("text", { x: Math.min(Math.max(px, M.l + 150), W - M.r - 150), y: Math.max(py - 9, M.t + 10),
+      "text-anchor": "middle", class: "peak-label" }, g, label);
+    tip(g, label + "\n" + breakdown(s0.bytes, cats));
+    // hover columns: one per sample, with its figures as title text
+    var hover = el("g", { class: "hover" }, svg);
+    tl.forEach(function (s, k) {
+      tip(el("rect", { x: x(k) - half, y: M.t, width: 2 * half, height: H - M.t - M.b, class: "hover-col" }, hover),
+        "t " + s.t.toFixed(3) + " s \u00b7 step " + s.step + " \u00b7 " + s.phase + (s.unit ? " \u00b7 " + s.unit : "") +
+        " \u00b7 " + s.event + "\nin memory " + fmt(total(s.bytes, cats)) + "\n" + breakdown(s.bytes, cats) +
+        "\nRSS " + fmt(s.rss) + (s.device_allocated ? "\ndevice allocated " + fmt(s.device_allocated) : ""));
+    });
+  }
+
+  // (b, c) stacked bars: groups of bars, each bar = {label, bytes, estimate}; off-device tiers beside, unstacked
+  function drawBars(parent, cats, groups, label) {
+    var svg = newSvg(parent, label), stack = onDevice(cats), off = offDevice(cats);
+    var bars = [];
+    groups.forEach(function (g) { g.bars.forEach(function (b) { bars.push(b); }); });
+    var max = Math.max.apply(null, bars.map(function (b) {
+      return Math.max(total(b.bytes, cats), Math.max.apply(null, [0].concat(off.map(function (c) { return get(b.bytes, c); }))));
+    }));
+    var ys = yScale(max);
+    axes(svg, ys, "peak memory");
+    var slots = bars.length + groups.length, slot = (W - M.l - M.r) / Math.max(slots, 1);
+    var bw = Math.min(slot * 0.8, 90), start = 0;  // a group: half a slot of gap, one slot per bar, half a slot
+    groups.forEach(function (g) {
+      g.bars.forEach(function (b, k) {
+        var bx = M.l + (start + 1 + k) * slot - bw / 2, base = 0, sum = total(b.bytes, cats);
+        stack.forEach(function (c) {
+          var v = get(b.bytes, c);
+          if (v <= 0) return;
+          tip(el("rect", { x: bx, y: ys.y(base + v), width: bw, height: ys.y(base) - ys.y(base + v), fill: COLORS[c],
+            class: "bar" + (b.estimate ? " estimate" : ""), "data-category": c }, svg),
+            g.label + " \u00b7 " + b.label + "\n" + c + ": " + fmt(v) + " (" + (100 * v / Math.max(sum, 1)).toFixed(0) + "%)");
+          base += v;
+        });
+        var ox = bx + bw + 2;
+        off.forEach(function (c) {
+          var v = get(b.bytes, c);
+          if (v <= 0) return;
+          tip(el("rect", { x: ox, y: ys.y(v), width: Math.max(bw / 6, 4), height: ys.y(0) - ys.y(v), fill: COLORS[c],
+            class: "bar offdevice", "data-category": c }, svg), g.label + " \u00b7 " + b.label + "\n" + c + " (not on the device): " + fmt(v));
+          ox += Math.max(bw / 6, 4) + 1;
+        });
+        el("text", { x: bx + bw / 2, y: ys.y(sum) - 4, class: "tick", "text-anchor": "middle" }, svg, fmt(sum));
+        el("text", { x: bx + bw / 2, y: H - M.b + 14, class: "tick", "text-anchor": "middle" }, svg, b.label);
+      });
+      el("text", { x: M.l + (start + (g.bars.length + 1) / 2) * slot, y: H - M.b + 30, class: "group-label",
+        "text-anchor": "middle" }, svg, g.label);
+      start += g.bars.length + 1;
+    });
+  }
+
+  function estimateBar(report) {
+    return report.estimate ? [{ label: "estimate", bytes: report.estimate.bytes, estimate: true }] : [];
+  }
+  function maxRank(report) {
+    return report.ranks.reduce(function (a, r) { return r.peak.total > a.peak.total ? r : a; });
+  }
+
+  // (b) the run's table: per rank, each category now / peak, the estimate; then the process figures
+  function drawTables(parent, report) {
+    var cats = report.categories, est = report.estimate, cuda = report.run.device === "cuda";
+    var table = el("table", { class: "bytes" }, parent), head = el("tr", {}, el("thead", {}, table));
+    el("th", {}, head, "category");
+    report.ranks.forEach(function (r) { el("th", { colspan: 2 }, head, "rank " + r.rank + ": now / peak"); });
+    if (est) el("th", {}, head, "estimate (N=" + est.world_size + ")");
+    var body = el("tbody", {}, table);
+    function row(name, now, peak, e, cls) {
+      var tr = el("tr", { class: cls || "" }, body);
+      var th = el("th", {}, tr, name);
+      if (COLORS[name]) th.insertBefore(el("span", { class: "swatch", style: "background:" + COLORS[name] }), th.firstChild);
+      report.ranks.forEach(function (r) { el("td", {}, tr, fmt(now(r))); el("td", {}, tr, fmt(peak(r))); });
+      if (est) el("td", {}, tr, e === null ? "" : fmt(e));
+    }
+    cats.forEach(function (c) {
+      row(c, function (r) { return get(r.current, c); }, function (r) { return get(r.category_peak, c); },
+        est ? get(est.bytes, c) : null, OFF_DEVICE.indexOf(c) >= 0 ? "offdevice" : "");
+    });
+    row("in memory (peak: the peak sample)", function (r) { return total(r.current, cats); },
+      function (r) { return r.peak.total; }, est ? est.peak_total : null, "total");
+    var proc = el("table", { class: "process" }, parent), ph = el("tr", {}, el("thead", {}, proc));
+    var cols = ["rank", "accounted now", "peak (step, phase, unit)", "RSS", "peak RSS"];
+    if (cuda) cols = cols.concat(["device allocated", "device peak", "reserved", "peak reserved"]);
+    cols.push(cuda ? "unaccounted (allocated \u2212 accounted)" : "unaccounted (RSS \u2212 accounted)");
+    cols.forEach(function (c) { el("th", {}, ph, c); });
+    var pb = el("tbody", {}, proc);
+    report.ranks.forEach(function (r) {
+      var p = r.process, now = total(r.current, cats), tr = el("tr", {}, pb);
+      var cells = [String(r.rank), fmt(now), peakLabel(r.peak).replace("peak ", ""), fmt(p.rss), fmt(p.peak_rss)];
+      if (cuda) cells = cells.concat([fmt(p.device_allocated), fmt(p.device_peak), fmt(p.device_reserved), fmt(p.device_peak_reserved)]);
+      cells.push(fmt((cuda ? p.device_allocated : p.rss) - now));
+      cells.forEach(function (c) { el("td", {}, tr, c); });
+    });
+    if (est && est.notes.length) {
+      var ul = el("ul", { class: "notes" }, parent);
+      est.notes.forEach(function (n) { el("li", {}, ul, n); });
+    }
+  }
+
+  function legend(parent, cats) {
+    var div = el("div", { class: "legend" }, parent);
+    cats.forEach(function (c) {
+      var item = el("span", { class: "legend-item" + (OFF_DEVICE.indexOf(c) >= 0 ? " offdevice" : "") }, div);
+      el("span", { class: "swatch", style: "background:" + COLORS[c] }, item);
+      item.appendChild(document.createTextNode(c + (OFF_DEVICE.indexOf(c) >= 0 ? " (other tier, not stacked)" : "")));
+    });
+    [["rss", "process RSS"], ["device", "device allocated"], ["estimate", "estimated peak"], ["peak", "measured peak"]]
+      .concat(PHASES.map(function (p) { return ["phase-" + p, p + " phase"]; }))
+      .forEach(function (l) { var item = el("span", { class: "legend-item" }, div);
+        el("span", { class: "key key-" + l[0] }, item); item.appendChild(document.createTextNode(l[1])); });
+  }
+
+  var drawn = 0, main = document.getElementById("report");
+  function attempt(what, fn) {
+    try { fn(); drawn++; } catch (err) {
+      var msg = what + ": " + (err && err.stack ? err.stack : err);
+      document.body.dataset.error = (document.body.dataset.error ? document.body.dataset.error + "\n" : "") + msg;
+      el("pre", { class: "error" }, main, msg);
+    }
+  }
+  var reports = JSON.parse(document.getElementById("report-data").textContent);
+  var allCats = Object.keys(COLORS).filter(function (c) {
+    return reports.some(function (r) { return r.categories.indexOf(c) >= 0; });
+  });
+  legend(main, allCats);
+  if (reports.length > 1) {
+    var cmp = el("section", { class: "comparison" }, main);
+    el("h2", {}, cmp, "Comparison: each run's peak (the rank with the highest peak) beside its estimate");
+    attempt("comparison", function () {
+      drawBars(cmp, allCats, reports.map(function (rep) {
+        var r = maxRank(rep);
+        return { label: rep.run.name, bars: [{ label: "rank " + r.rank, bytes: r.peak.bytes, estimate: false }]
+          .concat(estimateBar(rep)) };
+      }), "peak memory of each run");
+    });
+  }
+  reports.forEach(function (rep) {
+    var sec = el("section", { class: "run" }, main), run = rep.run;
+    el("h2", {}, sec, run.name + (run.profile ? " (" + run.profile + ")" : ""));
+    el("p", { class: "meta" }, sec, run.world_size + " rank(s) on " + run.device + (run.model ? " \u00b7 " + run.model : "") +
+      (run.num_params ? " \u00b7 " + run.num_params.toLocaleString("en-US") + " parameters" : "") + " \u00b7 " + run.created);
+    attempt(run.name + " bars", function () {
+      drawBars(sec, rep.categories, rep.ranks.map(function (r) {
+        return { label: "rank " + r.rank, bars: [{ label: "peak", bytes: r.peak.bytes, estimate: false }] };
+      }).concat(rep.estimate ? [{ label: "estimate", bars: estimateBar(rep) }] : []), "peak memory per rank");
+    });
+    rep.ranks.forEach(function (r) {
+      if (!r.timeline.length) return;
+      el("h3", {}, sec, "rank " + r.rank + ": memory over time");
+      attempt(run.name + " rank " + r.rank + " timeline", function () { drawTimeline(sec, rep, r); });
+    });
+    if (rep.ranks.every(function (r) { return !r.timeline.length; })) {
+      el("p", { class: "meta" }, sec, "No timeline: this report was taken without a memory tracker.");
+    }
+    drawTables(sec, rep);
+  });
+  document.body.dataset.rendered = String(drawn);
+})();
