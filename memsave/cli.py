@@ -184,11 +184,51 @@ def _run_profiles(args: argparse.Namespace, extra: Sequence[str]) -> int:
     return 0
 
 
+# -- memsave report ------------------------------------------------------------------------------------------
+def _add_report(sub: Any) -> None:
+    p = sub.add_parser(
+        "report", help="print saved memory reports and render them as one HTML page",
+        description="Load memory report JSON files (memsave.report/2, or /1 converted), validate them, print "
+        "each as a text table and, with --html, write one self-contained page (timelines, tables and, for "
+        "several files, a comparison of their peaks).",
+    )
+    p.add_argument("files", nargs="+", type=Path, metavar="FILE", help="report JSON files")
+    p.add_argument("--html", type=Path, default=None, metavar="OUT.html", help="write the HTML page here")
+    p.add_argument("--json", type=Path, default=None, metavar="OUT.json",
+                   help="write the (validated, v2) report here; one FILE only")
+    p.add_argument("--text", action="store_true", help="print the text tables (the default without --html/--json)")
+    p.add_argument("--title", default="memsave memory report", help="title of the HTML page")
+
+
+def _run_report(args: argparse.Namespace, extra: Sequence[str]) -> int:
+    from memsave.memory.html import write_html
+    from memsave.memory.schema import format_text, load_report, save_report
+
+    if extra:
+        raise UsageError(f"unrecognized arguments: {' '.join(extra)}")
+    if args.json is not None and len(args.files) != 1:
+        raise UsageError(f"--json writes one report; {len(args.files)} files were given")
+    for f in args.files:
+        if not f.is_file():
+            raise UsageError(f"{f}: no such file")
+    reports = [load_report(f) for f in args.files]  # ValueError names the file and the field
+    if args.text or (args.html is None and args.json is None):
+        print("\n\n".join(format_text(r) for r in reports))
+    if args.json is not None:
+        save_report(reports[0], args.json)
+        print(f"memory report written to {args.json}")
+    if args.html is not None:
+        write_html(reports, args.html, title=args.title)
+        print(f"HTML report ({len(reports)} run{'s' if len(reports) > 1 else ''}) written to {args.html}")
+    return 0
+
+
 Command = tuple[str, Callable[[Any], None], Callable[[argparse.Namespace, Sequence[str]], int]]
 _COMMANDS: list[Command] = [
     ("demo", _add_demo, _run_demo),
     ("bench", bench.add_parser, bench.run_command),
     ("profiles", _add_profiles, _run_profiles),
+    ("report", _add_report, _run_report),
 ]
 
 
