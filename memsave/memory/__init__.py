@@ -8,7 +8,9 @@ from memsave.memory.accounting import (
     peak_rss_bytes,
     rss_bytes,
 )
+from memsave.memory.html import render_html
 from memsave.memory.report import MemoryReport, RankMemory, report
+from memsave.memory.schema import load_report, save_report, validate_report
 
 __all__ = [
     "HoldsMemory",
@@ -17,7 +19,11 @@ __all__ = [
     "RankMemory",
     "account",
     "default_tensors",
+    "load_report",
     "peak_rss_bytes",
+    "render_html",
     "report",
     "rss_bytes",
+    "save_report",
+    "validate_report",
 ]
