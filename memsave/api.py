@@ -17,7 +17,7 @@ from torch import nn
 
 from memsave import dist as mdist
 from memsave._logging import warn_once
-from memsave.config import Profile, load_profile
+from memsave.config import OffloadConfig, Profile, load_profile
 from memsave.dist import Mesh
 from memsave.engines.dp import DataParallelEngine, DataParallelOptimizer
 from memsave.models.units import default_units
@@ -42,9 +42,6 @@ def _check_supported(profile: Profile) -> None:
             "implemented: gradients are communicated in the compute dtype or in fp32; set reduce = \"compute\" "
             'or "fp32"'
         )
-    if (p.offload.optimizer, p.offload.params) != ("none", "none"):
-        raise NotImplementedError(f"profile {p.name!r}: [offload] optimizer / params are not implemented yet; set "
-                                  'them to "none" (activations = "cpu" is)')
     if p.offload.activations != "none" and p.recompute.compress != "none":
         raise NotImplementedError(
             f"profile {p.name!r}: [offload] activations = {p.offload.activations!r} together with [recompute] "
@@ -131,6 +128,13 @@ def wrap(
             "memsave.recompute.apply(units, policy, model=model, example_inputs=...) yourself before wrapping"
         )
     mesh = mesh if mesh is not None else default_mesh()
+    offload = None
+    if (profile.offload.optimizer, profile.offload.params) != ("none", "none"):  # before anything changes
+        from memsave.zero.offload import check_offload, effective_offload
+
+        offload = effective_offload(profile, mesh.device)
+        if offload is not None:
+            check_offload(optimizer, offload, mesh.dp_size)
     if profile.recompute.compress != "none":  # before anything changes: a refused wrap changes nothing
         from memsave.recompute.compress import check_compress
 
@@ -170,7 +174,7 @@ def wrap(
 
         plan = mrecompute.apply(units, profile.recompute, model=model, example_inputs=example_inputs)
     try:
-        wrapped = _wrap_data_parallel(model, optimizer, profile, mesh, units, mixed, scaler, reduce_dtype)
+        wrapped = _wrap_data_parallel(model, optimizer, profile, mesh, units, mixed, scaler, reduce_dtype, offload)
     except BaseException:
         if plan is not None:  # a refused wrap leaves the model as it was
             mrecompute.remove(plan)
@@ -216,7 +220,8 @@ def _check_not_nested(model: nn.Module, units: Sequence[nn.Module]) -> None:
 
 def _wrap_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, profile: Profile, mesh: Mesh,
                         units: Sequence[nn.Module] | None, mixed: bool, scaler: Any,
-                        reduce_dtype: torch.dtype | None) -> tuple[nn.Module, MemsaveOptimizer]:
+                        reduce_dtype: torch.dtype | None,
+                        offload: OffloadConfig | None = None) -> tuple[nn.Module, MemsaveOptimizer]:
     if profile.zero.stage == 0:
         engine = DataParallelEngine(model, mesh, bucket_mb=profile.zero.bucket_mb, reduce_dtype=reduce_dtype)
         swap_class(model, engine)
@@ -226,5 +231,5 @@ def _wrap_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, prof
         from memsave.zero import shard  # layer 3; imported here so stage 0 users never load it
 
         wrapped = shard(model, optimizer, stage=profile.zero.stage, mesh=mesh, units=units, config=profile.zero,
-                        mixed_precision=mixed, scaler=scaler, reduce_dtype=reduce_dtype)
+                        mixed_precision=mixed, scaler=scaler, reduce_dtype=reduce_dtype, offload=offload)
     return wrapped

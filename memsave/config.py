@@ -120,13 +120,18 @@ class PrecisionConfig(_Checked):
 
 @dataclass(frozen=True, kw_only=True)
 class OffloadConfig(_Checked):
-    """``[offload]``: where state lives when it is not on the compute device.
+    """``[offload]``: where state lives when it is not on the compute device (ZeRO-Offload, Ren et al., 2021;
+    ZeRO-Infinity, Rajbhandari et al., 2021).
 
-    optimizer / params: "none", "cpu" (host memory) or "disk" (files under ``path``).
+    optimizer: "none", "cpu" (pinned host memory, on a CUDA device; on CPU nothing moves) or "disk" (files under
+        ``path``): where the optimizer state of ZeRO's shards lives between steps (zero.stage >= 1).
+    params: "none", "cpu" or "disk": where stage 3 keeps its parameter shards (not implemented yet but "cpu" on a
+        CPU device, where nothing moves).
     activations: "none" or "cpu": saved activations moved to host memory between forward and backward.
-    fraction: share of the optimizer state that is offloaded, 0..1.
-    path: folder for the disk tier.
-    prefetch: units brought back ahead of use.
+    fraction: share of the optimizer state that is offloaded, 0..1 (whole chunks; the rest stays in memory).
+    path: folder for the disk tier (a run-unique subfolder is created in it and removed on close).
+    prefetch: chunks of optimizer state read ahead while one is stepped; 0 = synchronous.
+    chunk_mb: optimizer state per chunk in MiB; the step holds ``prefetch + 2`` chunks in memory.
     """
 
     optimizer: Literal["none", "cpu", "disk"] = "none"
@@ -135,6 +140,7 @@ class OffloadConfig(_Checked):
     fraction: float = 1.0
     path: str = ""
     prefetch: int = 2
+    chunk_mb: float = 1.0
 
     _section = "offload"
 
@@ -145,7 +151,9 @@ class OffloadConfig(_Checked):
         if "disk" in (self.optimizer, self.params) and not self.path:
             raise _bad("offload.path", self.path, 'a folder when optimizer or params = "disk"')
         if self.prefetch < 0:
-            raise _bad("offload.prefetch", self.prefetch, "a count of units >= 0")
+            raise _bad("offload.prefetch", self.prefetch, "a count of chunks >= 0")
+        if not self.chunk_mb > 0:
+            raise _bad("offload.chunk_mb", self.chunk_mb, "a positive size in MiB")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from memsave.config import ZeroConfig
+from memsave.config import OffloadConfig, ZeroConfig
 from memsave.dist import Mesh
 from memsave.precision import LossScaler
 from memsave.wrapped import swap_class
@@ -29,6 +29,7 @@ def shard(
     mixed_precision: bool = False,
     scaler: LossScaler | None = None,
     reduce_dtype: torch.dtype | None = None,
+    offload: OffloadConfig | None = None,
 ) -> tuple[nn.Module, ZeroOptimizer]:
     """Shard ``model`` and ``optimizer`` with ZeRO ``stage`` over ``mesh``'s dp axis, in place.
 
@@ -36,13 +37,18 @@ def shard(
     sees to both). ``units`` default to the blocks of the largest ``nn.ModuleList``; the root unit holds the
     rest. ``mixed_precision``: the parameters are already in a low-precision compute dtype; the optimizer
     steps fp32 master shards (with ``scaler`` for fp16; a scaler alone also works on fp32 parameters).
-    ``reduce_dtype``: the dtype gradients are reduce-scattered and kept in (default: the parameters'). Returns the model (class swapped, see
+    ``reduce_dtype``: the dtype gradients are reduce-scattered and kept in (default: the parameters'). ``offload``: the
+    optimizer state goes to its tier (see memsave/zero/offload.py; None or optimizer = "none": it stays). Returns the model (class swapped, see
     :func:`memsave.wrapped.swap_class`) and a ZeroOptimizer.
     """
     cfg = config if config is not None else ZeroConfig(stage=stage)
     if cfg.stage != stage:
         raise ValueError(f"shard(stage={stage}) contradicts config.stage={cfg.stage}; pass one of them")
     ZeroOptimizer.check(optimizer, stage)  # before the model is touched: a refused wrap loses nothing
+    if offload is not None and offload.optimizer != "none":
+        from memsave.zero.offload import check_offload
+
+        check_offload(optimizer, offload, mesh.dp_size)
     engine = ZeroEngine(model, mesh, cfg, units, reduce_dtype=reduce_dtype)
     swap_class(model, engine)
-    return model, ZeroOptimizer(optimizer, engine, mixed_precision=mixed_precision, scaler=scaler)
+    return model, ZeroOptimizer(optimizer, engine, mixed_precision=mixed_precision, scaler=scaler, offload=offload)

@@ -18,6 +18,7 @@ from torch import nn
 
 from memsave import dist as mdist
 from memsave._logging import warn_once
+from memsave.config import OffloadConfig
 from memsave.optim import Adafactor
 from memsave.phases import MemoryCategory
 from memsave.precision import LossScaler, MixedPrecisionOptimizer
@@ -55,7 +56,7 @@ class ZeroOptimizer(MemsaveOptimizer):
             warn_once(f"ZeRO assumes {name} updates each element independently; if it does not, results differ")
 
     def __init__(self, optimizer: torch.optim.Optimizer, engine: ZeroEngine, *, mixed_precision: bool = False,
-                 scaler: LossScaler | None = None) -> None:
+                 scaler: LossScaler | None = None, offload: OffloadConfig | None = None) -> None:
         super().__init__(optimizer)
         self.check(optimizer, engine.stage)
         self.engine = engine
@@ -78,6 +79,16 @@ class ZeroOptimizer(MemsaveOptimizer):
         if isinstance(optimizer, Adafactor):
             group_ = engine.group
             optimizer.shard(lambda t: mdist.all_reduce(t, group_), {s: p.shape for s, p in self._opt_full.items()})
+        # [offload] optimizer: the state of this rank's shards streamed from its tier (memsave/zero/offload.py)
+        self.offloaded = None
+        if offload is not None and offload.optimizer != "none":
+            from memsave.zero.offload import build_offloaded_state
+
+            if self.mp is not None:
+                raise NotImplementedError(
+                    f"[offload] optimizer = {offload.optimizer!r} with mixed precision or a loss scaler is not "
+                    "implemented: the fp32 master weights would have to be offloaded with the state")
+            self.offloaded = build_offloaded_state(optimizer, engine, offload)
 
     # -- the step ------------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -118,6 +129,8 @@ class ZeroOptimizer(MemsaveOptimizer):
             self.mp._step()  # or skips it, on every rank alike
             if self.mp.last_step_skipped:
                 return
+        elif self.offloaded is not None:
+            self.offloaded.step()
         else:
             self.optimizer.step()
         self.engine.gather_params_after_step()
@@ -167,6 +180,9 @@ class ZeroOptimizer(MemsaveOptimizer):
         """The full optimizer state, in the plain optimizer's format (collective: call on every rank)."""
         sd = self.optimizer.state_dict()
         shards = [s for g in self.optimizer.param_groups for s in g["params"]]
+        if self.offloaded is not None:  # the state of every shard is in the offload store, in the plain format
+            local = self.offloaded.local_state()
+            sd["state"] = {i: local[s] for i, s in enumerate(shards) if s in local}
         for index, live in sd["state"].items():
             shard = shards[index]
             full_param = self._opt_full[shard]
@@ -195,6 +211,9 @@ class ZeroOptimizer(MemsaveOptimizer):
             sharded["state"][index] = out
         if self.mp is None:
             self.optimizer.load_state_dict(sharded)
+            if self.offloaded is not None:  # into the store: the live optimizer holds no offloaded state
+                self.offloaded.load_local_state({s: self.optimizer.state.pop(s) for s in shards
+                                                 if s in self.optimizer.state})
             return
         masters = state_dict.get("master_params")
         if masters is not None:
@@ -231,3 +250,14 @@ class ZeroOptimizer(MemsaveOptimizer):
         if self.mp is not None:
             yield from self.mp.master_tensors()
         yield from self._optimizer_state_tensors()
+        if self.offloaded is not None:
+            yield from self.offloaded.memory_tensors()  # the window buffers and the chunks kept in memory
+
+    def offloaded_bytes(self) -> dict[str, int]:
+        """Optimizer-state bytes held off the device now, by tier (``"host"``, ``"disk"``)."""
+        return self.offloaded.offloaded_bytes() if self.offloaded is not None else {"host": 0, "disk": 0}
+
+    def close(self) -> None:
+        """Release the offload tier (its files are removed); the optimizer cannot step afterwards."""
+        if self.offloaded is not None:
+            self.offloaded.close()

@@ -1,0 +1,423 @@
+"""Optimizer state off the device, streamed through a small window in fixed-size chunks (ZeRO-Offload, Ren et
+al., 2021; ZeRO-Infinity, Rajbhandari et al., 2021).
+
+The tensors an optimizer steps (ZeRO's row shards) are cut into row *pieces*, and consecutive pieces are packed
+into *chunks* of about ``chunk_bytes`` of state. An elementwise optimizer (SGD, Adam, AdamW, ...) gives the same
+update on any row slice of a tensor as on the whole tensor, so each chunk is stepped on its own: the user's
+optimizer instance is pointed at the chunk's pieces (sub-parameters sharing the shards' storage, gradients
+sharing the gradient's), its per-element state entries are views of a window buffer the chunk's region was read
+into, and after the step the buffer is written back. ``param_groups`` keep their dicts (hyperparameters, LR
+schedulers), only their ``params`` lists are swapped during the step and restored after it. Step hooks run once
+per step, around all chunks.
+
+[Note: chunk pipeline] With ``prefetch = P >= 1`` there are ``P + 2`` window buffers; chunk ``k`` uses buffer
+``k % (P + 2)``. While chunk ``k`` steps, the reads of chunks ``k+1 .. k+P`` are in flight and the writes of
+``k-1`` and ``k-2`` may be. The read of chunk ``k+P`` goes into the buffer of chunk ``k-2``, so it is issued
+only after that chunk's write has completed: a buffer is reused only after the write that last read it. The
+in-memory chunks (``fraction < 1``) step first, in one call, while the first reads are in flight. Every read
+and write is waited before :meth:`OffloadedState.step` returns, so nothing touches a buffer between steps.
+``P = 0`` is synchronous: read, step, write, wait, one chunk at a time (the "prefetch off" baseline).
+
+[Note: failed I/O] A chunk's state has two regions and a current one; the new state is written to the other
+and becomes current only once the write succeeded, and the chunk's parameters are copied aside before its step
+and put back if the write fails. A failed read skips the chunk. Either way the step stops with the error once
+the transfers in flight are done, and every chunk's parameters and state agree (before or after the step; the
+state's ``step`` count says which), so nothing half-written is ever read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from memsave.offload.tiers import Handle, Tier, aligned_empty, round_up
+from memsave.phases import MemoryCategory
+
+__all__ = ["OffloadedState", "state_bytes_per_element"]
+
+_ENTRY_ALIGN = 64
+
+
+@dataclasses.dataclass
+class _Piece:
+    """Rows ``[start, stop)`` of one stepped tensor (``shard``), as a sub-parameter sharing its storage."""
+
+    shard: torch.Tensor
+    group: int
+    start: int
+    stop: int
+    sub: nn.Parameter
+    keys: list[str] = dataclasses.field(default_factory=list)  # state key order; empty: no state yet
+    scalars: dict[str, Any] = dataclasses.field(default_factory=dict)  # entries kept in memory (``step``)
+    entries: list[tuple[str, torch.dtype, int]] = dataclasses.field(default_factory=list)  # (key, dtype, offset)
+    state: dict[str, Any] | None = None  # in-memory chunks: the whole state dict
+
+
+@dataclasses.dataclass
+class _Chunk:
+    index: int
+    group_file: str
+    pieces: list[_Piece]
+    offloaded: bool
+    regions: list[Any] = dataclasses.field(default_factory=list)  # two slots ([Note: failed I/O])
+    region_bytes: int = 0  # bytes of the current layout
+    slot: int = -1  # the region holding the current state; -1: none yet
+
+    @property
+    def numel(self) -> int:
+        return sum(p.sub.numel() for p in self.pieces)
+
+
+def state_bytes_per_element(optimizer: torch.optim.Optimizer, group: dict[str, Any], dtype: torch.dtype) -> int:
+    """Bytes of per-element state the optimizer keeps for a tensor of ``dtype`` under ``group``'s
+    hyperparameters, found by stepping a fresh instance on a 2-element probe (e.g. 8 for fp32 AdamW)."""
+    probe = nn.Parameter(torch.zeros(2, dtype=dtype))
+    probe.grad = torch.zeros(2, dtype=dtype)
+    make: Any = type(optimizer)
+    twin = make([{**{k: v for k, v in group.items() if k != "params"}, "params": [probe]}])
+    twin.step()
+    return sum(v.element_size() for v in twin.state[probe].values()
+               if isinstance(v, torch.Tensor) and v.shape == probe.shape)
+
+
+def _raw_step(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.Optimizer], Any]:
+    """The optimizer class's ``step`` without torch's hook wrapper (hooks run once, see :func:`_hooked`)."""
+    step = type(optimizer).step
+    return step.__wrapped__ if getattr(step, "hooked", False) else step  # type: ignore[attr-defined]
+
+
+def _hooked(optimizer: torch.optim.Optimizer, body: Callable[[], None]) -> None:
+    """Run ``body`` (several raw steps) between the optimizer's step pre- and post-hooks, once each, as one
+    ``optimizer.step()`` would; tell an LR scheduler built on it that it stepped."""
+    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+    for pre in itertools.chain(_global_optimizer_pre_hooks.values(), optimizer._optimizer_step_pre_hooks.values()):
+        pre(optimizer, (optimizer,), {})
+    body()
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+    for post in itertools.chain(optimizer._optimizer_step_post_hooks.values(), _global_optimizer_post_hooks.values()):
+        post(optimizer, (optimizer,), {})
+
+
+class OffloadedState:
+    """The state of ``optimizer``'s tensors, chunked, a ``fraction`` of it on ``tier``.
+
+    Args:
+        optimizer: the user's instance; its ``param_groups`` hold the tensors to step (ZeRO's shards).
+        tier: where offloaded chunks live (:class:`~memsave.offload.tiers.DiskTier` or ``HostTier``).
+        group_of: the file a tensor's chunks go to (memsave: its ZeRO unit), and ``names`` for messages.
+        fraction: share of the elements whose state is offloaded (whole chunks, in order).
+        prefetch: chunks read ahead ([Note: chunk pipeline]); 0 is synchronous.
+        chunk_bytes: state bytes per chunk (the window holds ``prefetch + 2`` of them).
+        bytes_per_element: per-element state bytes (:func:`state_bytes_per_element`), for sizes.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, tier: Tier, *, group_of: Callable[[torch.Tensor], str],
+                 names: dict[torch.Tensor, str], fraction: float, prefetch: int, chunk_bytes: int,
+                 bytes_per_element: int, device: torch.device) -> None:
+        self.optimizer, self.tier, self.prefetch, self.device, self.names = optimizer, tier, prefetch, device, names
+        per_elem = max(bytes_per_element, 1)
+        chunk_numel = max(1, chunk_bytes // per_elem)
+        self.pieces_of: dict[torch.Tensor, list[_Piece]] = {}
+        pieces: list[tuple[str, _Piece]] = []
+        for gi, g in enumerate(optimizer.param_groups):
+            for shard in g["params"]:
+                rows = shard.shape[0]
+                row_numel = math.prod(shard.shape[1:])
+                step = max(1, chunk_numel // max(row_numel, 1))
+                own = self.pieces_of.setdefault(shard, [])
+                for start in range(0, max(rows, 1), step):
+                    stop = min(rows, start + step)
+                    sub = nn.Parameter(shard.detach()[start:stop], requires_grad=shard.requires_grad)
+                    own.append(_Piece(shard, gi, start, stop, sub))
+                    pieces.append((group_of(shard), own[-1]))
+        total = sum(p.sub.numel() for _, p in pieces)
+        self.chunks: list[_Chunk] = []
+        offloaded = 0
+        for gfile, piece in pieces:  # consecutive pieces of one file packed up to chunk_numel elements
+            last = self.chunks[-1] if self.chunks else None
+            if last is None or last.group_file != gfile or last.numel + piece.sub.numel() > chunk_numel:
+                last = _Chunk(len(self.chunks), gfile, [], offloaded=False)
+                self.chunks.append(last)
+            last.pieces.append(piece)
+        for c in self.chunks:  # whole chunks, in order, while the offloaded share stays nearest to fraction
+            if c.numel and offloaded + c.numel / 2 <= fraction * total:
+                c.offloaded = True
+                offloaded += c.numel
+        self.window_bytes = round_up(max((self._layout_bytes(c, per_elem) for c in self.chunks if c.offloaded),
+                                         default=0))
+        self._buffers: list[torch.Tensor] = []
+        self._snapshots: list[torch.Tensor] = []
+        self._raw = _raw_step(optimizer)
+
+    @staticmethod
+    def _layout_bytes(chunk: _Chunk, per_elem: int) -> int:
+        return sum(p.sub.numel() * per_elem + _ENTRY_ALIGN * 4 for p in chunk.pieces)  # <= 4 entries a piece
+
+    # -- stepping ------------------------------------------------------------------------------------------
+    def _call(self, pieces: list[_Piece]) -> None:
+        """One raw optimizer step over ``pieces`` (their state already in ``optimizer.state``)."""
+        groups = self.optimizer.param_groups
+        saved = [g["params"] for g in groups]
+        try:
+            for g in groups:
+                g["params"] = []
+            for p in pieces:
+                groups[p.group]["params"].append(p.sub)
+            self._raw(self.optimizer)
+        finally:
+            for g, params in zip(groups, saved):
+                g["params"] = params
+
+    def _attach(self, piece: _Piece, buf: torch.Tensor | None) -> bool:
+        """Point the piece at its gradient rows and its state (from ``buf`` when offloaded); False: no grad."""
+        grad = piece.shard.grad
+        if grad is None:
+            return False
+        piece.sub.grad = grad[piece.start : piece.stop]
+        if buf is None:
+            state = piece.state
+        elif piece.keys:
+            views = {k: self._view(buf, piece, dtype, off) for k, dtype, off in piece.entries}
+            state = {k: views[k] if k in views else piece.scalars[k] for k in piece.keys}
+        else:
+            state = None
+        if state:
+            self.optimizer.state[piece.sub] = state
+        return True
+
+    @staticmethod
+    def _view(buf: torch.Tensor, piece: _Piece, dtype: torch.dtype, offset: int) -> torch.Tensor:
+        nbytes = piece.sub.numel() * torch.empty((), dtype=dtype).element_size()
+        return buf[offset : offset + nbytes].view(dtype).view(piece.sub.shape)
+
+    def _detach(self, piece: _Piece) -> dict[str, Any]:
+        piece.sub.grad = None
+        return self.optimizer.state.pop(piece.sub, {})
+
+    def _pack(self, chunk: _Chunk, states: list[dict[str, Any] | None], buf: torch.Tensor) -> None:
+        """Record each piece's state layout and put its per-element entries into ``buf`` (regions allocated on
+        first use, or again if the layout grew). ``None``: the piece was not stepped, keep what ``buf`` holds."""
+        full: list[dict[str, Any]] = []
+        for piece, state in zip(chunk.pieces, states):
+            if state is None and piece.keys:
+                views = {k: self._view(buf, piece, dt, off) for k, dt, off in piece.entries}
+                state = {k: views[k] if k in views else piece.scalars[k] for k in piece.keys}
+            full.append(state or {})
+        layout: list[tuple[list[str], list[tuple[str, torch.dtype, int]], dict[str, Any]]] = []
+        offset = 0
+        for piece, state in zip(chunk.pieces, full):
+            entries, scalars = [], {}
+            for key, value in state.items():
+                if self._per_element(value, piece):
+                    entries.append((key, value.dtype, offset))
+                    offset += round_up(value.numel() * value.element_size(), _ENTRY_ALIGN)
+                else:
+                    scalars[key] = value
+            layout.append((list(state), entries, scalars))
+        if offset > buf.numel():
+            raise NotImplementedError(
+                f"{type(self.optimizer).__name__} keeps {offset} bytes of per-element state for offload chunk "
+                f"{chunk.index}, more than the {buf.numel()} its probe step predicted; offload supports optimizers "
+                "whose per-element state is fixed after their first step (SGD, Adam, AdamW, ...)")
+        if all(entries == piece.entries for piece, (_, entries, _) in zip(chunk.pieces, layout)):
+            sources = full  # the usual case: the optimizer updated the buffer's views in place
+        else:  # a new layout: copy out first, the old entries may overlap the new ones
+            sources = [{k: v.clone() for k, v in s.items() if self._per_element(v, p)}
+                       for p, s in zip(chunk.pieces, full)]
+        for piece, (keys, entries, scalars), source in zip(chunk.pieces, layout, sources):
+            for key, dtype, off in entries:
+                view = self._view(buf, piece, dtype, off)
+                if source[key].data_ptr() != view.data_ptr():
+                    view.copy_(source[key])
+            piece.keys, piece.entries, piece.scalars = keys, entries, scalars
+        if offset > chunk.region_bytes or not chunk.regions:
+            chunk.regions = [self.tier.allocate(chunk.group_file, max(offset, 1)) for _ in range(2)]
+            chunk.region_bytes = offset
+            chunk.slot = -1
+
+    def _ensure_buffers(self) -> None:
+        if not self._buffers and self.window_bytes:
+            n = self.prefetch + 2 if self.prefetch else 1
+            self._buffers = [aligned_empty(self.window_bytes, self.device) for _ in range(n)]
+            if self.tier.kind == "disk":
+                most = max(c.numel for c in self.chunks if c.offloaded)
+                self._snapshots = [torch.empty(most * 8, dtype=torch.uint8) for _ in range(n)]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One optimizer step over every chunk ([Note: chunk pipeline]); hooks once around it."""
+        _hooked(self.optimizer, self._step_chunks)
+
+    def _step_chunks(self) -> None:
+        self._ensure_buffers()
+        active = [c for c in self.chunks if any(p.shard.grad is not None for p in c.pieces)]
+        memory = [c for c in active if not c.offloaded]
+        remote = [c for c in active if c.offloaded]
+        nbuf = max(len(self._buffers), 1)
+        reads: dict[int, Handle] = {}
+        writes: dict[int, tuple[Handle, _Chunk, list[Any]]] = {}
+        error: BaseException | None = None
+
+        def issue_read(k: int) -> None:
+            if k < len(remote) and remote[k].slot >= 0:
+                self._finish_write(writes, k - nbuf)  # the buffer's previous chunk is written back
+                reads[k] = self.tier.read_async(remote[k].regions[remote[k].slot], self._buffers[k % nbuf])
+
+        try:
+            for k in range(self.prefetch):
+                issue_read(k)
+            if memory:
+                pieces = [p for c in memory for p in c.pieces if self._attach(p, None)]
+                self._call(pieces)
+                for p in pieces:
+                    p.state = self._detach(p)
+            for k, chunk in enumerate(remote):
+                issue_read(k + self.prefetch) if self.prefetch else issue_read(k)
+                if k in reads:
+                    reads.pop(k).wait()
+                buf = self._buffers[k % nbuf]
+                self._finish_write(writes, k - 2)  # bounds the write-behind (also the snapshot reuse)
+                writes[k] = self._step_one(chunk, buf, k % nbuf)
+                if not self.prefetch:
+                    self._finish_write(writes, k)
+        except BaseException as exc:
+            error = exc
+        for k in sorted(writes):  # drain: every transfer done before returning ([Note: failed I/O])
+            try:
+                self._finish_write(writes, k)
+            except BaseException as exc:
+                error = error or exc
+        for handle in reads.values():
+            try:
+                handle.wait()
+            except BaseException:
+                pass  # a read ahead of a stopped step: its chunk was not stepped
+        self.tier.drain()
+        if error is not None:
+            raise error
+
+    def _step_one(self, chunk: _Chunk, buf: torch.Tensor, index: int) -> tuple[Handle, _Chunk, list[Any]]:
+        stepped = [p for p in chunk.pieces if self._attach(p, buf if chunk.slot >= 0 else None)]
+        undo: list[Any] = [(chunk.regions, chunk.region_bytes, chunk.slot)]
+        if self._snapshots:  # [Note: failed I/O]: the parameters as they were, and the scalar entries
+            snap, offset = self._snapshots[index], 0
+            for p in stepped:
+                n = p.sub.numel() * p.sub.element_size()
+                snap[offset : offset + n].view(p.sub.dtype).view(p.sub.shape).copy_(p.sub)
+                undo.append((p, offset, {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                         for k, v in p.scalars.items()}, list(p.keys), list(p.entries)))
+                offset += n
+        self._call(stepped)
+        states: dict[int, dict[str, Any]] = {id(p): self._detach(p) for p in stepped}
+        self._pack(chunk, [states.get(id(p)) for p in chunk.pieces], buf)
+        target = 1 - chunk.slot if chunk.slot >= 0 else 0
+        return self.tier.write_async(chunk.regions[target], buf), chunk, [target, undo, index]
+
+    def _finish_write(self, writes: dict[int, tuple[Handle, _Chunk, list[Any]]], k: int) -> None:
+        if k not in writes:
+            return
+        handle, chunk, (target, undo, index) = writes.pop(k)
+        try:
+            handle.wait()
+        except BaseException:
+            snap = self._snapshots[index] if self._snapshots else None
+            chunk.regions, chunk.region_bytes, chunk.slot = undo[0]
+            for piece, offset, scalars, keys, entries in undo[1:]:  # back to the state before this step
+                assert snap is not None
+                n = piece.sub.numel() * piece.sub.element_size()
+                piece.sub.copy_(snap[offset : offset + n].view(piece.sub.dtype).view(piece.sub.shape))
+                piece.scalars, piece.keys, piece.entries = scalars, keys, entries
+            raise
+        chunk.slot = target
+
+    # -- consolidated state --------------------------------------------------------------------------------
+    def _read_sync(self, chunk: _Chunk) -> torch.Tensor:
+        buf = aligned_empty(round_up(max(chunk.region_bytes, 1)), self.device)
+        self.tier.read_async(chunk.regions[chunk.slot], buf).wait()
+        self.tier.drain()
+        return buf
+
+    def local_state(self) -> dict[torch.Tensor, dict[str, Any]]:
+        """Every stepped tensor's state as the plain optimizer would hold it (per-element entries whole)."""
+        parts: dict[int, list[dict[str, Any]]] = {}
+        for chunk in self.chunks:
+            buf = self._read_sync(chunk) if chunk.offloaded and chunk.slot >= 0 else None
+            for p in chunk.pieces:
+                if chunk.offloaded:
+                    if not p.keys or buf is None:
+                        continue
+                    st = {k: self._view(buf, p, dt, off).clone() for k, dt, off in p.entries} | p.scalars
+                    parts.setdefault(id(p), []).append({k: st[k] for k in p.keys})
+                elif p.state:
+                    parts.setdefault(id(p), []).append(p.state)
+        out: dict[torch.Tensor, dict[str, Any]] = {}
+        for shard, pieces in self.pieces_of.items():
+            states = [parts[id(p)][0] for p in pieces if id(p) in parts]
+            if len(states) != len(pieces):
+                continue  # never stepped (a partial set can only follow a failed step: see [Note: failed I/O])
+            first = states[0]
+            out[shard] = {k: (torch.cat([s[k] for s in states]) if self._per_element(v, pieces[0])
+                              else (v.clone() if isinstance(v, torch.Tensor) else v)) for k, v in first.items()}
+        return out
+
+    @staticmethod
+    def _per_element(value: Any, piece: _Piece) -> bool:
+        return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == piece.sub.shape
+
+    @torch.no_grad()
+    def load_local_state(self, states: dict[torch.Tensor, dict[str, Any]]) -> None:
+        """Replace the state by ``states`` (tensor -> its plain-optimizer state; absent: no state)."""
+        for chunk in self.chunks:
+            per_piece: list[dict[str, Any] | None] = []
+            for p in chunk.pieces:
+                st = states.get(p.shard)
+                if not st:
+                    per_piece.append(None)
+                    continue
+                rows = p.shard.shape[0]
+                per_piece.append({k: v[p.start : p.stop].clone() if isinstance(v, torch.Tensor) and v.dim() > 0
+                                  and v.shape[0] == rows and v.shape == p.shard.shape else
+                                  (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()})
+            if not chunk.offloaded:
+                for p, st in zip(chunk.pieces, per_piece):
+                    p.state = st
+                continue
+            for p in chunk.pieces:
+                p.keys, p.entries, p.scalars = [], [], {}
+            if all(s is None for s in per_piece):
+                chunk.slot = -1
+                continue
+            buf = aligned_empty(max(self.window_bytes, 1), self.device)
+            self._pack(chunk, per_piece, buf)
+            target = 1 - chunk.slot if chunk.slot >= 0 else 0
+            self.tier.write_async(chunk.regions[target], buf).wait()
+            self.tier.drain()
+            chunk.slot = target
+
+    # -- accounting and lifetime ---------------------------------------------------------------------------
+    def offloaded_bytes(self) -> dict[str, int]:
+        held = sum(c.region_bytes for c in self.chunks if c.offloaded and c.slot >= 0)
+        return {"host": held if self.tier.kind == "host" else 0, "disk": held if self.tier.kind == "disk" else 0}
+
+    def memory_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:
+        for b in self._buffers:
+            yield MemoryCategory.OPTIMIZER_STATE, b
+        for s in self._snapshots:
+            yield MemoryCategory.COMM, s
+        for c in self.chunks:
+            for p in c.pieces:
+                for v in itertools.chain((p.state or {}).values(), p.scalars.values()):
+                    if isinstance(v, torch.Tensor):
+                        yield MemoryCategory.OPTIMIZER_STATE, v
+
+    def close(self) -> None:
+        self.tier.close()
+        self._buffers, self._snapshots = [], []

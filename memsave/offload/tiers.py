@@ -1,0 +1,297 @@
+"""Where offloaded state lives: files on local storage (the disk tier) or pinned host memory (the host tier).
+
+ZeRO-Offload (Ren et al., 2021) moves optimizer state to host memory; ZeRO-Infinity (Rajbhandari et al., 2021)
+also to NVMe, read and written in large aligned blocks by a pool of I/O threads. A tier here stores *regions*:
+byte ranges of a fixed size that a window buffer (``uint8``, on the compute device) is read into and written
+from, asynchronously. The chunked optimizer step of :mod:`memsave.offload.state` decides what a region holds.
+
+- :class:`DiskTier`: one file per *group* (memsave uses one per ZeRO unit) in a run-unique folder under
+  ``[offload] path``; regions are 4 KiB aligned, read and written with ``os.preadv`` / ``os.pwritev`` (they
+  release the GIL) from a thread pool, with ``O_DIRECT`` where the file system takes it (no page cache: the
+  state really leaves memory, and the copy costs no CPU time; buffered I/O otherwise, said once). CPU only.
+- :class:`HostTier`: pinned host tensors, copied to and from device window buffers on a side CUDA stream.
+
+[Note: offload files] The folder is ``<path>/memsave-offload-<host>-<pid>-<random>-rank<r>``; its ``OWNER``
+file names the process. Nothing in it is ever reopened by another run: the state in it is valid only inside
+the process that wrote it (which keeps the index of its regions in memory), so a crashed run's leftovers can
+never be mistaken for valid state. They are removed by ``close()``, by a ``weakref.finalize`` at garbage
+collection or interpreter exit, or, after a crash, by the next run that uses the same ``path`` on the same host
+(its ``OWNER`` process no longer exists).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import json
+import os
+import shutil
+import socket
+import uuid
+import weakref
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from memsave._logging import get_logger, warn_once
+
+__all__ = ["ALIGN", "DiskTier", "Handle", "HostTier", "Tier", "aligned_empty", "check_disk_path", "round_up"]
+
+ALIGN = 4096  # O_DIRECT wants buffer addresses, file offsets and lengths aligned to the logical block size
+PREFIX = "memsave-offload-"
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    return -(-n // align) * align
+
+
+def aligned_empty(nbytes: int, device: torch.device) -> torch.Tensor:
+    """An uninitialized ``uint8`` buffer of ``nbytes`` whose address is ``ALIGN``-aligned (CPU), or a plain one."""
+    if device.type != "cpu":
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    skip = (-raw.data_ptr()) % ALIGN
+    return raw[skip : skip + nbytes]  # the view keeps the allocation alive
+
+
+class Handle(Protocol):
+    def wait(self) -> None:
+        """Block until the transfer is done (the buffer's bytes are usable), raising its error if it failed."""
+        ...
+
+
+class _Done:
+    def wait(self) -> None:
+        return None
+
+
+class _FutureHandle:
+    def __init__(self, future: concurrent.futures.Future[None]) -> None:
+        self.future = future
+
+    def wait(self) -> None:
+        self.future.result()
+
+
+class Tier(Protocol):
+    kind: str
+
+    def allocate(self, group: str, nbytes: int) -> Any: ...
+    def read_async(self, region: Any, buf: torch.Tensor) -> Handle: ...
+    def write_async(self, region: Any, buf: torch.Tensor) -> Handle: ...
+    def drain(self) -> None: ...
+    def close(self) -> None: ...
+    def describe(self, region: Any) -> str: ...
+
+
+# -- disk -------------------------------------------------------------------------------------------------------
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale(root: Path) -> None:
+    """Remove the folders of runs on this host whose process is gone ([Note: offload files])."""
+    host = socket.gethostname()
+    for d in root.glob(PREFIX + "*"):
+        try:
+            owner = json.loads((d / "OWNER").read_text())
+        except (OSError, ValueError):
+            continue  # not ours to judge
+        if owner.get("host") == host and isinstance(owner.get("pid"), int) and not _pid_alive(owner["pid"]):
+            shutil.rmtree(d, ignore_errors=True)
+            get_logger().info("removed the offload folder %s left by a run that ended without closing it", d)
+
+
+def check_disk_path(path: str, needed_bytes: int) -> Path:
+    """Create ``path`` if needed, check it is a writable folder with room for ``needed_bytes``; else ValueError
+    naming ``offload.path``, the value and what is needed."""
+    root = Path(path).expanduser()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".{PREFIX}probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        probe.write_bytes(b"\0" * 16)
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"profile key 'offload.path' = {path!r} is not a writable folder ({exc}); choose a folder "
+                         "on local storage this process can write") from exc
+    free = shutil.disk_usage(root).free
+    if free < needed_bytes:
+        raise ValueError(
+            f"profile key 'offload.path' = {path!r} has {free / 2**20:,.1f} MiB free, and offloading needs "
+            f"{needed_bytes / 2**20:,.1f} MiB (two slots per chunk of optimizer state, every local rank); free "
+            "space, choose another folder or lower offload.fraction")
+    return root
+
+
+def _bytes_view(buf: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU ``uint8`` tensor, for ``os.preadv`` / ``os.pwritev``."""
+    return memoryview(buf.numpy()).cast("B")  # type: ignore[arg-type]
+
+
+def _full_io(fn: Any, fd: int, view: memoryview, offset: int) -> None:
+    """``os.preadv`` / ``os.pwritev`` until every byte moved (a short transfer is retried, 0 bytes is an error)."""
+    done = 0
+    while done < len(view):
+        n = fn(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO if fn is os.preadv else errno.ENOSPC,
+                          f"{'read' if fn is os.preadv else 'write'} stopped after {done} of {len(view)} bytes")
+        done += n
+
+
+def _close_dir(folder: Path, fds: dict[str, int], pool: concurrent.futures.ThreadPoolExecutor) -> None:
+    pool.shutdown(wait=True)
+    for fd in fds.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+class DiskTier:
+    """Regions in files under a run-unique folder of ``path`` ([Note: offload files]); asynchronous aligned I/O
+    on ``threads`` threads, ``O_DIRECT`` when ``direct`` (None: where the file system supports it)."""
+
+    kind = "disk"
+
+    def __init__(self, path: str, *, rank: int, needed_bytes: int, direct: bool | None = None,
+                 threads: int = 2) -> None:
+        root = check_disk_path(path, needed_bytes)
+        _remove_stale(root)
+        self.folder = root / f"{PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}-rank{rank}"
+        self.folder.mkdir()
+        (self.folder / "OWNER").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        self._fds: dict[str, int] = {}
+        self._ends: dict[str, int] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="memsave-offload")
+        self._finalizer = weakref.finalize(self, _close_dir, self.folder, self._fds, self._pool)
+        self.direct = self._probe_direct() if direct is None else direct
+        self.allocated_bytes = 0
+
+    def _probe_direct(self) -> bool:
+        if not hasattr(os, "O_DIRECT"):
+            warn_once("[offload] disk tier: O_DIRECT is not available on this platform; using buffered I/O "
+                      "(the page cache holds a copy of the state that is written)")
+            return False
+        probe = self.folder / "probe"
+        try:
+            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+            try:
+                _full_io(os.pwritev, fd, _bytes_view(aligned_empty(ALIGN, torch.device("cpu"))), 0)
+            finally:
+                os.close(fd)
+            return True
+        except OSError as exc:
+            warn_once(f"[offload] disk tier: {str(self.folder.parent)!r} does not take O_DIRECT ({exc}); using "
+                      "buffered I/O (the page cache holds a copy of the state that is written)")
+            return False
+        finally:
+            probe.unlink(missing_ok=True)
+
+    def _fd(self, group: str) -> int:
+        if group not in self._fds:
+            flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.direct else 0)
+            self._fds[group] = os.open(self.folder / f"{group}.state", flags, 0o600)
+            self._ends[group] = 0
+        return self._fds[group]
+
+    def allocate(self, group: str, nbytes: int) -> tuple[str, int, int]:
+        """A new region of ``nbytes`` (rounded up to ``ALIGN``) at the end of ``group``'s file."""
+        self._fd(group)
+        size = round_up(nbytes)
+        offset = self._ends[group]
+        self._ends[group] = offset + size
+        self.allocated_bytes += size
+        return group, offset, size
+
+    def _io(self, write: bool, region: tuple[str, int, int], buf: torch.Tensor) -> None:
+        group, offset, size = region
+        view = _bytes_view(buf[:size])
+        try:
+            _full_io(os.pwritev if write else os.preadv, self._fds[group], view, offset)
+        except OSError as exc:
+            raise OSError(exc.errno, f"offload: {'writing' if write else 'reading'} {size} bytes at offset "
+                          f"{offset} of {self.describe(region)} failed: {exc.strerror or exc}") from exc
+
+    def read_async(self, region: tuple[str, int, int], buf: torch.Tensor) -> Handle:
+        return _FutureHandle(self._pool.submit(self._io, False, region, buf))
+
+    def write_async(self, region: tuple[str, int, int], buf: torch.Tensor) -> Handle:
+        return _FutureHandle(self._pool.submit(self._io, True, region, buf))
+
+    def drain(self) -> None:
+        return None  # every handle is waited by its owner
+
+    def describe(self, region: Any) -> str:
+        return str(self.folder / f"{region[0]}.state")
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+# -- host (pinned memory, CUDA) -----------------------------------------------------------------------------------
+class _EventHandle:
+    def __init__(self, event: Any) -> None:
+        self.event = event
+
+    def wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self.event)  # the compute stream waits; the host does not
+
+
+class HostTier:
+    """Regions in pinned host memory; copies on one side stream ([Note: host tier ordering] below).
+
+    [Note: host tier ordering] Reads (host -> device window buffer) and writes (device buffer -> host) are
+    issued on one side stream, so they run in issue order. Before either, the side stream waits for the compute
+    stream's work queued so far: a read must not overwrite a window buffer the previous chunk's step may still
+    read, and a write must see the step's updates. The compute stream waits on the read's event before the step
+    uses the buffer. A window buffer is reused only for a read issued after the write of its previous chunk, so
+    stream order alone keeps it safe; the host regions are read on the host only after :meth:`drain`.
+    """
+
+    kind = "host"
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise NotImplementedError(f"the host tier moves state off a CUDA device; on {device.type} it already "
+                                      "lives in host memory")
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.allocated_bytes = 0
+
+    def allocate(self, group: str, nbytes: int) -> torch.Tensor:
+        self.allocated_bytes += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> Handle:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        event = torch.cuda.Event()
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            event.record(self.stream)
+        return _EventHandle(event)
+
+    def read_async(self, region: torch.Tensor, buf: torch.Tensor) -> Handle:
+        return self._copy(buf[: region.numel()], region)
+
+    def write_async(self, region: torch.Tensor, buf: torch.Tensor) -> Handle:
+        self._copy(region, buf[: region.numel()])
+        return _Done()  # reuse of buf is ordered by the stream ([Note: host tier ordering])
+
+    def drain(self) -> None:
+        self.stream.synchronize()
+
+    def describe(self, region: Any) -> str:
+        return "pinned host memory"
+
+    def close(self) -> None:
+        self.drain()

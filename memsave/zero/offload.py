@@ -1,0 +1,127 @@
+"""``[offload] optimizer``: ZeRO's optimizer state on the host tier or on disk (ZeRO-Offload, Ren et al., 2021;
+ZeRO-Infinity, Rajbhandari et al., 2021).
+
+What moves where, by device:
+
+- ``optimizer = "disk"`` on CPU: the state of a ``fraction`` of this rank's shards lives in files under
+  ``[offload] path`` (one per ZeRO unit) and is streamed through a window of ``prefetch + 2`` chunks during the
+  step (:mod:`memsave.offload.state`). On CUDA: not implemented (it needs pinned bounce buffers).
+- ``optimizer = "cpu"`` on CUDA: the state lives in pinned host memory and is streamed to the device in chunks
+  on a side stream; the step runs on the device. On CPU there is nothing to move: said once, no offload.
+- ``params = "cpu"`` on CPU: nothing to move, said once. ``params`` otherwise: not implemented yet.
+
+Offload needs an elementwise optimizer (each chunk is stepped alone) and fp32 parameters without a loss scaler
+(the fp32 master copies of mixed precision would have to be offloaded with the state); anything else is
+refused before the model is touched.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from memsave._logging import warn_once
+from memsave.config import OffloadConfig, Profile
+from memsave.offload import DiskTier, HostTier, OffloadedState, check_disk_path, state_bytes_per_element
+from memsave.offload.tiers import Tier
+from memsave.optim import Adafactor
+from memsave.zero.engine import ZeroEngine
+
+__all__ = ["build_offloaded_state", "check_offload", "effective_offload", "estimate_state_bytes"]
+
+ELEMENTWISE = {"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop", "Adadelta", "ASGD", "Rprop"}
+
+
+def effective_offload(profile: Profile, device: torch.device) -> OffloadConfig | None:
+    """The ``[offload]`` settings that move something on ``device`` (None: nothing moves); refuses what is not
+    implemented and says once what is ignored on this hardware."""
+    off = profile.offload
+    name = profile.name
+    if off.params == "disk" or (off.params == "cpu" and device.type == "cuda"):
+        raise NotImplementedError(
+            f"profile {name!r}: [offload] params = {off.params!r} is not implemented yet (optimizer state offload "
+            'is); set params = "none"')
+    if off.params == "cpu":
+        warn_once(f'profile {name!r}: [offload] params = "cpu" on a {device.type} device: the parameters already '
+                  "live in host memory, nothing is moved")
+    if off.optimizer == "none":
+        return None
+    if profile.zero.stage == 0:
+        raise NotImplementedError(
+            f"profile {name!r}: [offload] optimizer = {off.optimizer!r} with zero.stage = 0 is not implemented: "
+            "offload streams ZeRO's optimizer shards; use zero.stage = 1, 2 or 3")
+    if off.optimizer == "cpu" and device.type != "cuda":
+        warn_once(f'profile {name!r}: [offload] optimizer = "cpu" on a {device.type} device: the optimizer state '
+                  'already lives in host memory, nothing is moved (optimizer = "disk" moves it to files)')
+        return None
+    if off.optimizer == "disk" and device.type != "cpu":
+        raise NotImplementedError(
+            f"profile {name!r}: [offload] optimizer = \"disk\" on a {device.type} device is not implemented (it "
+            'needs pinned bounce buffers between the files and the device); use optimizer = "cpu"')
+    prec = profile.precision
+    if prec.compute != "fp32" or prec.loss_scale != "none":
+        raise NotImplementedError(
+            f"profile {name!r}: [offload] optimizer = {off.optimizer!r} with [precision] compute = "
+            f"{prec.compute!r}, loss_scale = {prec.loss_scale!r} is not implemented: the fp32 master weights would "
+            "have to be offloaded with the optimizer state; use compute = \"fp32\" and no loss scale")
+    return off
+
+
+def estimate_state_bytes(optimizer: torch.optim.Optimizer, dp_size: int) -> tuple[int, int]:
+    """``(bytes per element, this rank's per-element state bytes)`` of ``optimizer`` under ZeRO on ``dp_size``."""
+    per_elem, total = 0, 0
+    for g in optimizer.param_groups:
+        probed: dict[torch.dtype, int] = {}
+        for p in g["params"]:
+            if p.dtype not in probed:
+                probed[p.dtype] = state_bytes_per_element(optimizer, g, p.dtype)
+            b = probed[p.dtype]
+            per_elem = max(per_elem, b)
+            rows = p.shape[0] if p.dim() else 1
+            total += b * (-(-rows // dp_size)) * (p.numel() // max(rows, 1))
+    return per_elem, total
+
+
+def check_offload(optimizer: torch.optim.Optimizer, off: OffloadConfig, dp_size: int) -> None:
+    """Before anything changes: the optimizer can be streamed in chunks, and the disk has room."""
+    name = type(optimizer).__name__
+    if isinstance(optimizer, Adafactor):
+        raise NotImplementedError(
+            f"[offload] optimizer = {off.optimizer!r} with memsave.optim.Adafactor is not implemented: its column "
+            "statistics span every row of a shard (and are reduced over dp in one call per step), so the state "
+            "cannot be stepped chunk by chunk; use AdamW/Adam/SGD, or Adafactor without offload (its state is "
+            "~0.2% of AdamW's)")
+    if name not in ELEMENTWISE:
+        raise NotImplementedError(
+            f"[offload] optimizer = {off.optimizer!r} with {name} is not implemented: offload steps the state chunk "
+            f"by chunk, which is exact only for elementwise optimizers ({', '.join(sorted(ELEMENTWISE))})")
+    if off.optimizer == "disk":
+        _, total = estimate_state_bytes(optimizer, dp_size)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        check_disk_path(off.path, int(2 * total * off.fraction * local))
+
+
+def build_offloaded_state(optimizer: torch.optim.Optimizer, engine: ZeroEngine,
+                          off: OffloadConfig) -> OffloadedState | None:
+    """The chunked, offloaded state of a ZeroOptimizer's shards (its ``param_groups`` hold them already); None
+    when nothing moves on this device (said once)."""
+    device = engine.mesh.device
+    if off.optimizer == "cpu" and device.type != "cuda":
+        warn_once(f'[offload] optimizer = "cpu" on a {device.type} device: the optimizer state already lives in '
+                  'host memory, nothing is moved (optimizer = "disk" moves it to files)')
+        return None
+    if off.optimizer == "disk" and device.type != "cpu":
+        raise NotImplementedError(f'[offload] optimizer = "disk" on a {device.type} device is not implemented (it '
+                                  'needs pinned bounce buffers between the files and the device); use "cpu"')
+    check_offload(optimizer, off, engine.dp_size)
+    per_elem, total = estimate_state_bytes(optimizer, 1)  # the groups hold this rank's shards already
+    tier: Tier
+    if off.optimizer == "disk":
+        tier = DiskTier(off.path, rank=engine.mesh.rank, needed_bytes=int(2 * total * off.fraction))
+    else:
+        tier = HostTier(device)
+    units = {s: u.index for s, (u, _) in engine._slot_of.items()}
+    return OffloadedState(optimizer, tier, group_of=lambda s: f"unit{units[s]}", names=dict(engine.name_of),
+                          fraction=off.fraction, prefetch=off.prefetch, chunk_bytes=int(off.chunk_mb * 2**20),
+                          bytes_per_element=per_elem, device=device)
