@@ -285,6 +285,23 @@ def test_page_without_timeline_still_draws_bars_and_table(tmp_path: Path) -> Non
 
 
 @needs_chromium
+def test_page_edge_cases_cuda_one_sample_unsampled_peak(tmp_path: Path) -> None:
+    rep = make_report("edge")
+    rep["run"]["device"] = "cuda"
+    rep["categories"].append("master")  # listed, never held: an empty area
+    r0, r1 = rep["ranks"]
+    r0["timeline"] = [{**r0["timeline"][3], "device_allocated": 300 * MiB}]  # one sample, below the peak
+    r1["timeline"] = []
+    dom, console = _open(render_html([rep]), tmp_path, "edge")
+    assert console == [] and "data-error" not in dom.body and dom.body.get("data-rendered") == "2"
+    label = "memory timeline of rank 0"
+    assert dom.count(label, "path", "area") == [len(_on_device(rep))] and dom.count(label, "g", "peak-marker") == [1]
+    assert dom.count(label, "polyline", "device-line") == [1]
+    assert any("(sampled; report peak 239.0 MiB)" in t for t in dom.texts)
+    assert "unaccounted (allocated \u2212 accounted)" in dom.texts and "peak reserved" in dom.texts
+
+
+@needs_chromium
 def test_comparison_of_three_runs(tmp_path: Path) -> None:
     reps = [make_report("zero2"), make_report("</script><b>x", timeline=False, estimate=False, ranks=1),
             make_report("zero3", scale=0.5, ranks=4)]

@@ -41,7 +41,7 @@
   }
   // y axis: ticks at a round number of the largest binary unit below the maximum
   function yScale(max) {
-    max = Math.max(max, 1);
+    max = Math.max(max, 1024);  // an empty chart still gets whole-byte ticks
     var unit = 1; while (max / unit >= 1024) unit *= 1024;
     var raw = max / unit / 5, mag = Math.pow(10, Math.floor(Math.log10(raw)));
     var step = [1, 2, 2.5, 5, 10].map(function (f) { return f * mag; }).filter(function (s) { return s >= raw; })[0] * unit;
@@ -96,6 +96,7 @@
     });
     function line(values, cls, color, label) {
       var pts = values.map(function (v, k) { return x(k) + "," + ys.y(v); }).join(" ");
+      if (n === 1) pts = (x(0) - half) + "," + ys.y(values[0]) + " " + (x(0) + half) + "," + ys.y(values[0]);
       tip(el("polyline", { points: pts, class: cls, stroke: color || "", fill: "none" }, svg), label);
     }
     line(tl.map(function (s) { return s.rss; }), "rss-line", "", "process RSS");
@@ -117,7 +118,7 @@
       el("text", { x: x(k) - half + 3, y: H - M.b + 16, class: "tick" }, svg, "step " + s.step);
     });
     el("text", { x: (W + M.l) / 2, y: H - 8, class: "axis-label", "text-anchor": "middle" }, svg,
-      "sample (" + n + " samples over " + (n ? tl[n - 1].t.toFixed(2) : 0) + " s); bands: phase");
+      "sample (" + n + (n === 1 ? " sample at " : " samples over ") + (n ? tl[n - 1].t.toFixed(2) : 0) + " s); bands: phase");
     // the peak: the sample with the highest in-memory total, labelled with the report's peak when it is this one
     var best = 0;
     tl.forEach(function (s, k) { if (total(s.bytes, cats) > total(tl[best].bytes, cats)) best = k; });
@@ -266,7 +267,7 @@
   }
   reports.forEach(function (rep) {
     var sec = el("section", { class: "run" }, main), run = rep.run;
-    el("h2", {}, sec, run.name + (run.profile ? " (" + run.profile + ")" : ""));
+    el("h2", {}, sec, run.name + (run.profile && run.profile !== run.name ? " (" + run.profile + ")" : ""));
     el("p", { class: "meta" }, sec, run.world_size + " rank(s) on " + run.device + (run.model ? " \u00b7 " + run.model : "") +
       (run.num_params ? " \u00b7 " + run.num_params.toLocaleString("en-US") + " parameters" : "") + " \u00b7 " + run.created);
     attempt(run.name + " bars", function () {

@@ -310,7 +310,8 @@ def format_text(data: Mapping[str, Any]) -> str:
         rows.append(["est", f"N={est['world_size']}", *(format_bytes(est["bytes"].get(c, 0)) for c in cats),
                      format_bytes(est["peak_total"]), "", "", "", *([""] * (len(head) - len(cats) - 6))])
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
-    title = f"memory report {run['name']}" + (f" ({run['profile']})" if run["profile"] else "")
+    name = f" {run['name']}" if run["name"] and run["name"] != run["profile"] else ""
+    title = f"memory report{name}" + (f" ({run['profile']})" if run["profile"] else "")
     lines = [f"{title}: {run['world_size']} rank(s) on {run['device']}"
              + (f", {run['model']} {run['num_params']:,} parameters" if run["model"] else "")]
     lines.append("  ".join(h.rjust(w) for h, w in zip(head, widths)))
