@@ -262,7 +262,7 @@ def test_page_renders_timelines_bars_and_tables(tmp_path: Path) -> None:
         assert dom.count(label, "g", "peak-marker") == [1]
         assert dom.count(label, "rect", "hover-col") == [30]
         assert dom.count(label, "polyline", "rss-line") == [1] and dom.count(label, "polyline", "offload-line") == [1]
-        assert dom.count(label, "line", "estimate-line") == [1]
+        assert dom.count(label, "line", "estimate-line") == [1] and dom.count(label, "text", "rss-tick") == [0]
         bands = {a.get("data-phase") for t, a in dict(dom.svgs)[label] if "phase-band" in (a.get("class") or "")}
         assert bands == set(PHASES)
     p = rep["ranks"][0]["peak"]
@@ -290,13 +290,14 @@ def test_page_edge_cases_cuda_one_sample_unsampled_peak(tmp_path: Path) -> None:
     rep["run"]["device"] = "cuda"
     rep["categories"].append("master")  # listed, never held: an empty area
     r0, r1 = rep["ranks"]
-    r0["timeline"] = [{**r0["timeline"][3], "device_allocated": 300 * MiB}]  # one sample, below the peak
+    # one sample, below the peak, with an RSS that needs its own axis
+    r0["timeline"] = [{**r0["timeline"][3], "device_allocated": 300 * MiB, "rss": 4096 * MiB}]
     r1["timeline"] = []
     dom, console = _open(render_html([rep]), tmp_path, "edge")
     assert console == [] and "data-error" not in dom.body and dom.body.get("data-rendered") == "2"
     label = "memory timeline of rank 0"
     assert dom.count(label, "path", "area") == [len(_on_device(rep))] and dom.count(label, "g", "peak-marker") == [1]
-    assert dom.count(label, "polyline", "device-line") == [1]
+    assert dom.count(label, "polyline", "device-line") == [1] and dom.count(label, "text", "rss-tick")[0] >= 3
     assert any("(sampled; report peak 239.0 MiB)" in t for t in dom.texts)
     assert "unaccounted (allocated \u2212 accounted)" in dom.texts and "peak reserved" in dom.texts
 

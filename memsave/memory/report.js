@@ -11,7 +11,7 @@
   };
   var OFF_DEVICE = ["offload_host", "offload_disk"];
   var PHASES = ["forward", "backward", "optimizer", "idle"];
-  var W = 960, H = 320, M = { l: 78, r: 16, t: 22, b: 46 };
+  var W = 960, H = 320, M = { l: 78, r: 70, t: 22, b: 46 };
 
   function fmt(n) {
     var units = ["B", "KiB", "MiB", "GiB", "TiB"], i = 0, sign = n < 0 ? "-" : "";
@@ -68,10 +68,14 @@
     var svg = newSvg(parent, "memory timeline of rank " + rank.rank);
     var max = Math.max(rank.peak.total, est ? est.peak_total : 0);
     tl.forEach(function (s) {
-      max = Math.max(max, total(s.bytes, cats), s.rss, s.device_allocated);
+      max = Math.max(max, total(s.bytes, cats), s.device_allocated);
       offDevice(cats).forEach(function (c) { max = Math.max(max, get(s.bytes, c)); });
     });
-    var ys = yScale(max), span = Math.max(n - 1, 1);
+    // RSS far above what is accounted (on CPU: the libraries, the allocator's cache) would flatten the stack
+    // to nothing: then RSS gets its own axis on the right, said in the axis label
+    var rssMax = Math.max.apply(null, tl.map(function (s) { return s.rss; }));
+    var split = rssMax > 3 * max, ys = yScale(split ? max : Math.max(max, rssMax)), yr = split ? yScale(rssMax) : ys;
+    var span = Math.max(n - 1, 1);
     var x = function (i) { return M.l + (W - M.l - M.r) * (n === 1 ? 0.5 : i / span); };
     var half = (W - M.l - M.r) / span / 2;
     // phase bands: one rectangle per run of consecutive samples in the same phase
@@ -94,12 +98,19 @@
         class: "area", "data-category": c }, svg), c);
       base = top;
     });
-    function line(values, cls, color, label) {
-      var pts = values.map(function (v, k) { return x(k) + "," + ys.y(v); }).join(" ");
-      if (n === 1) pts = (x(0) - half) + "," + ys.y(values[0]) + " " + (x(0) + half) + "," + ys.y(values[0]);
+    function line(values, cls, color, label, scale) {
+      var y = (scale || ys).y, pts = values.map(function (v, k) { return x(k) + "," + y(v); }).join(" ");
+      if (n === 1) pts = (x(0) - half) + "," + y(values[0]) + " " + (x(0) + half) + "," + y(values[0]);
       tip(el("polyline", { points: pts, class: cls, stroke: color || "", fill: "none" }, svg), label);
     }
-    line(tl.map(function (s) { return s.rss; }), "rss-line", "", "process RSS");
+    line(tl.map(function (s) { return s.rss; }), "rss-line", "", "process RSS" + (split ? " (right axis)" : ""), yr);
+    if (split) {
+      yr.ticks.forEach(function (v) {
+        el("text", { x: W - M.r + 6, y: yr.y(v) + 4, class: "tick rss-tick" }, svg, fmt(v));
+      });
+      el("text", { x: W - 8, y: M.t + (H - M.t - M.b) / 2, class: "axis-label", "text-anchor": "middle",
+        transform: "rotate(90 " + (W - 8) + " " + (M.t + (H - M.t - M.b) / 2) + ")" }, svg, "process RSS (line)");
+    }
     if (tl.some(function (s) { return s.device_allocated > 0; })) {
       line(tl.map(function (s) { return s.device_allocated; }), "device-line", "", "device allocated");
     }
@@ -228,14 +239,17 @@
     }
   }
 
-  function legend(parent, cats) {
+  function legend(parent, cats, reports) {
     var div = el("div", { class: "legend" }, parent);
     cats.forEach(function (c) {
       var item = el("span", { class: "legend-item" + (OFF_DEVICE.indexOf(c) >= 0 ? " offdevice" : "") }, div);
       el("span", { class: "swatch", style: "background:" + COLORS[c] }, item);
       item.appendChild(document.createTextNode(c + (OFF_DEVICE.indexOf(c) >= 0 ? " (other tier, not stacked)" : "")));
     });
-    [["rss", "process RSS"], ["device", "device allocated"], ["estimate", "estimated peak"], ["peak", "measured peak"]]
+    var cuda = reports.some(function (r) { return r.run.device === "cuda"; });
+    var est = reports.some(function (r) { return r.estimate; });
+    [["rss", "process RSS"]].concat(cuda ? [["device", "device allocated"]] : [], est ? [["estimate", "estimated peak"]] : [])
+      .concat([["peak", "measured peak"]])
       .concat(PHASES.map(function (p) { return ["phase-" + p, p + " phase"]; }))
       .forEach(function (l) { var item = el("span", { class: "legend-item" }, div);
         el("span", { class: "key key-" + l[0] }, item); item.appendChild(document.createTextNode(l[1])); });
@@ -253,7 +267,7 @@
   var allCats = Object.keys(COLORS).filter(function (c) {
     return reports.some(function (r) { return r.categories.indexOf(c) >= 0; });
   });
-  legend(main, allCats);
+  legend(main, allCats, reports);
   if (reports.length > 1) {
     var cmp = el("section", { class: "comparison" }, main);
     el("h2", {}, cmp, "Comparison: each run's peak (the rank with the highest peak) beside its estimate");

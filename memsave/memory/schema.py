@@ -318,7 +318,7 @@ def format_text(data: Mapping[str, Any]) -> str:
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
     for r in data["ranks"]:
         p = r["peak"]
-        if r["timeline"] or p["total"]:
+        if r["timeline"]:  # without a tracker the "peak" is the current sample: nothing to add
             unit = f", unit {p['unit']}" if p["unit"] else ""
             lines.append(f"rank {r['rank']} peak {format_bytes(p['total'])} at step {p['step']}, {p['phase']}{unit}")
     if est is not None:
