@@ -246,6 +246,10 @@ def _open(page: str, tmp_path: Path, name: str) -> tuple[_Dom, list[str]]:
     return _Dom(proc.stdout), [line for line in proc.stderr.splitlines() if CONSOLE.search(line)]
 
 
+def peak_label(p: dict[str, Any]) -> str:
+    return f"peak {format_bytes(p['total'])} \u00b7 step {p['step']} \u00b7 {p['phase']} \u00b7 {p['unit']}"
+
+
 def _on_device(rep: dict[str, Any]) -> list[str]:
     return [c for c in rep["categories"] if c not in OFF_DEVICE]
 
@@ -265,8 +269,7 @@ def test_page_renders_timelines_bars_and_tables(tmp_path: Path) -> None:
         assert dom.count(label, "line", "estimate-line") == [1] and dom.count(label, "text", "rss-tick") == [0]
         bands = {a.get("data-phase") for t, a in dict(dom.svgs)[label] if "phase-band" in (a.get("class") or "")}
         assert bands == set(PHASES)
-    p = rep["ranks"][0]["peak"]
-    assert f"peak {format_bytes(p['total'])} \u00b7 step {p['step']} \u00b7 {p['phase']} \u00b7 {p['unit']}" in dom.texts
+    assert peak_label(rep["ranks"][0]["peak"]) in dom.texts
     # bars: each rank's peak sample and the estimate, one rect per non-zero category
     segments = sum(1 for r in rep["ranks"] for c in _on_device(rep) if r["peak"]["bytes"].get(c, 0))
     segments += sum(1 for c in _on_device(rep) if rep["estimate"]["bytes"].get(c, 0))
@@ -285,21 +288,24 @@ def test_page_without_timeline_still_draws_bars_and_table(tmp_path: Path) -> Non
 
 
 @needs_chromium
-def test_page_edge_cases_cuda_one_sample_unsampled_peak(tmp_path: Path) -> None:
+def test_page_edge_cases_cuda_one_sample_unsampled_peak_long_timeline(tmp_path: Path) -> None:
     rep = make_report("edge")
     rep["run"]["device"] = "cuda"
     rep["categories"].append("master")  # listed, never held: an empty area
     r0, r1 = rep["ranks"]
     # one sample, below the peak, with an RSS that needs its own axis
     r0["timeline"] = [{**r0["timeline"][3], "device_allocated": 300 * MiB, "rss": 4096 * MiB}]
-    r1["timeline"] = []
+    # 1500 samples: drawn as the largest of every 3 (500 columns), the peak among them
+    r1["timeline"] = [{**s, "t": s["t"] + k, "step": s["step"] + 2 * k} for k in range(50) for s in r1["timeline"]]
     dom, console = _open(render_html([rep]), tmp_path, "edge")
-    assert console == [] and "data-error" not in dom.body and dom.body.get("data-rendered") == "2"
+    assert console == [] and "data-error" not in dom.body and dom.body.get("data-rendered") == "3"
     label = "memory timeline of rank 0"
     assert dom.count(label, "path", "area") == [len(_on_device(rep))] and dom.count(label, "g", "peak-marker") == [1]
     assert dom.count(label, "polyline", "device-line") == [1] and dom.count(label, "text", "rss-tick")[0] >= 3
     assert any("(sampled; report peak 239.0 MiB)" in t for t in dom.texts)
     assert "unaccounted (allocated \u2212 accounted)" in dom.texts and "peak reserved" in dom.texts
+    assert dom.count("memory timeline of rank 1", "rect", "hover-col") == [500]
+    assert f"{peak_label(r1['peak'])}" in dom.texts and any("500 shown, the largest of every 3 of 1500" in t for t in dom.texts)
 
 
 @needs_chromium

@@ -61,9 +61,23 @@
     return el("svg", { viewBox: "0 0 " + W + " " + H, class: "chart", role: "img", "aria-label": label }, parent);
   }
 
+  // a long timeline drawn sample by sample is a grey blur: keep the largest sample (in-memory total) of each run
+  // of consecutive ones, about 600 in all, so every peak, the overall peak included, stays on the chart
+  function thinning(tl) { return tl.length <= 1200 ? 1 : Math.ceil(tl.length / 600); }
+  function thin(tl, cats) {
+    var every = thinning(tl), out = [];
+    if (every === 1) return tl;
+    for (var i = 0; i < tl.length; i += every) {
+      var best = tl[i];
+      for (var k = i + 1; k < Math.min(i + every, tl.length); k++) if (total(tl[k].bytes, cats) > total(best.bytes, cats)) best = tl[k];
+      out.push(best);
+    }
+    return out;
+  }
+
   // (a) one rank's timeline: stacked areas by category, phase bands, peak, RSS and estimate lines
   function drawTimeline(parent, report, rank) {
-    var tl = rank.timeline, cats = report.categories, stack = onDevice(cats), n = tl.length;
+    var cats = report.categories, stack = onDevice(cats), all = rank.timeline, tl = thin(all, cats), n = tl.length;
     var est = report.estimate, cuda = report.run.device === "cuda";
     var svg = newSvg(parent, "memory timeline of rank " + rank.rank);
     var max = Math.max(rank.peak.total, est ? est.peak_total : 0);
@@ -122,14 +136,17 @@
       el("text", { x: W - M.r - 4, y: ys.y(est.peak_total) - 4, class: "line-label", "text-anchor": "end" }, svg,
         "estimate " + fmt(est.peak_total));
     }
-    // step boundaries on the x axis
+    // step boundaries on the x axis (on a long run, only those at least 60 px after the last one drawn)
+    var lastX = -Infinity;
     tl.forEach(function (s, k) {
-      if (k > 0 && s.step === tl[k - 1].step) return;
+      if ((k > 0 && s.step === tl[k - 1].step) || x(k) - lastX < 60) return;
+      lastX = x(k);
       el("line", { x1: x(k) - half, x2: x(k) - half, y1: M.t, y2: H - M.b + 6, class: "step-line" }, svg);
       el("text", { x: x(k) - half + 3, y: H - M.b + 16, class: "tick" }, svg, "step " + s.step);
     });
     el("text", { x: (W + M.l) / 2, y: H - 8, class: "axis-label", "text-anchor": "middle" }, svg,
-      "sample (" + n + (n === 1 ? " sample at " : " samples over ") + (n ? tl[n - 1].t.toFixed(2) : 0) + " s); bands: phase");
+      "sample (" + (n < all.length ? n + " shown, the largest of every " + thinning(all) + " of " : "") + all.length +
+      (all.length === 1 ? " sample at " : " samples over ") + all[all.length - 1].t.toFixed(2) + " s); bands: phase");
     // the peak: the sample with the highest in-memory total, labelled with the report's peak when it is this one
     var best = 0;
     tl.forEach(function (s, k) { if (total(s.bytes, cats) > total(tl[best].bytes, cats)) best = k; });
