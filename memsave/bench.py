@@ -556,6 +556,10 @@ def add_parser(sub: Any) -> None:
                    help="instead: recompute policies on one process (memsave: none, full, every:K, selective, "
                         f"budget:<size>; torch: {', '.join(RECOMPUTE_BASELINES)}); the first is the reference, e.g. "
                         f"{','.join(DEFAULT_RECOMPUTE)}")
+    p.add_argument("--offload", default=None,
+                   help="instead: optimizer-state offload against the same run in memory (memsave/bench_offload.py), "
+                        "e.g. zero3,zero3-offload-disk,zero3-offload-disk-noprefetch,zero3-offload-disk-half")
+    p.add_argument("--offload-path", default=None, help="--offload: folder for the disk tier (default: the temp dir)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
 
 
@@ -564,6 +568,10 @@ def run_command(args: Any, extra: Any) -> int:
         raise ValueError(f"memsave bench: unrecognized arguments: {' '.join(extra)}")
     opts = BenchOptions(size=args.size, tie_weights=args.tied, batch_size=args.batch_size, seq_len=args.seq_len,
                         steps=args.steps, warmup=args.warmup, nproc=args.nproc)
+    if args.offload:
+        from memsave.bench_offload import run_command as run_offload
+
+        return run_offload(args.offload, opts, args.json, args.offload_path)
     if args.recompute:
         from memsave.recompute import parse_policy
 

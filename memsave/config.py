@@ -132,6 +132,8 @@ class OffloadConfig(_Checked):
     path: folder for the disk tier (a run-unique subfolder is created in it and removed on close).
     prefetch: chunks of optimizer state read ahead while one is stepped; 0 = synchronous.
     chunk_mb: optimizer state per chunk in MiB; the step holds ``prefetch + 2`` chunks in memory.
+    direct: the disk tier reads and writes with O_DIRECT (no page cache) where the file system supports it (else
+        buffered, said once); false: always buffered.
     """
 
     optimizer: Literal["none", "cpu", "disk"] = "none"
@@ -141,6 +143,7 @@ class OffloadConfig(_Checked):
     path: str = ""
     prefetch: int = 2
     chunk_mb: float = 1.0
+    direct: bool = True
 
     _section = "offload"
 

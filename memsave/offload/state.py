@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -156,6 +157,7 @@ class OffloadedState:
         self._buffers: list[torch.Tensor] = []
         self._snapshots: list[torch.Tensor] = []
         self._raw = _raw_step(optimizer)
+        self.wait_seconds = 0.0  # time the step waited for reads and writes (the transfer time not hidden)
 
     @staticmethod
     def _layout_bytes(chunk: _Chunk, per_elem: int) -> int:
@@ -282,7 +284,9 @@ class OffloadedState:
             for k, chunk in enumerate(remote):
                 issue_read(k + self.prefetch) if self.prefetch else issue_read(k)
                 if k in reads:
+                    start = time.perf_counter()
                     reads.pop(k).wait()
+                    self.wait_seconds += time.perf_counter() - start
                 buf = self._buffers[k % nbuf]
                 self._finish_write(writes, k - 2)  # bounds the write-behind (also the snapshot reuse)
                 writes[k] = self._step_one(chunk, buf, k % nbuf)
@@ -325,6 +329,7 @@ class OffloadedState:
         if k not in writes:
             return
         handle, chunk, (target, undo, index) = writes.pop(k)
+        start = time.perf_counter()
         try:
             handle.wait()
         except BaseException:
@@ -336,6 +341,8 @@ class OffloadedState:
                 piece.sub.copy_(snap[offset : offset + n].view(piece.sub.dtype).view(piece.sub.shape))
                 piece.scalars, piece.keys, piece.entries = scalars, keys, entries
             raise
+        finally:
+            self.wait_seconds += time.perf_counter() - start
         chunk.slot = target
 
     # -- consolidated state --------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import socket
+import time
 import uuid
 import weakref
 from pathlib import Path
@@ -76,6 +77,8 @@ class _FutureHandle:
 
 class Tier(Protocol):
     kind: str
+    io_seconds: float
+    io_bytes: int
 
     def allocate(self, group: str, nbytes: int) -> Any: ...
     def read_async(self, region: Any, buf: torch.Tensor) -> Handle: ...
@@ -176,6 +179,8 @@ class DiskTier:
         self._finalizer = weakref.finalize(self, _close_dir, self.folder, self._fds, self._pool)
         self.direct = self._probe_direct() if direct is None else direct
         self.allocated_bytes = 0
+        self.io_seconds = 0.0  # summed over the I/O threads (an approximation: updated without a lock)
+        self.io_bytes = 0
 
     def _probe_direct(self) -> bool:
         if not hasattr(os, "O_DIRECT"):
@@ -216,8 +221,11 @@ class DiskTier:
     def _io(self, write: bool, region: tuple[str, int, int], buf: torch.Tensor) -> None:
         group, offset, size = region
         view = _bytes_view(buf[:size])
+        start = time.perf_counter()
         try:
             _full_io(os.pwritev if write else os.preadv, self._fds[group], view, offset)
+            self.io_seconds += time.perf_counter() - start
+            self.io_bytes += size
         except OSError as exc:
             raise OSError(exc.errno, f"offload: {'writing' if write else 'reading'} {size} bytes at offset "
                           f"{offset} of {self.describe(region)} failed: {exc.strerror or exc}") from exc
@@ -267,12 +275,15 @@ class HostTier:
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self.allocated_bytes = 0
+        self.io_seconds = 0.0  # not measured on the host tier (it would need a synchronization)
+        self.io_bytes = 0
 
     def allocate(self, group: str, nbytes: int) -> torch.Tensor:
         self.allocated_bytes += nbytes
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> Handle:
+        self.io_bytes += src.numel()
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         event = torch.cuda.Event()
         with torch.cuda.stream(self.stream):

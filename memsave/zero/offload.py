@@ -33,6 +33,12 @@ __all__ = ["build_offloaded_state", "check_offload", "effective_offload", "estim
 ELEMENTWISE = {"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop", "Adadelta", "ASGD", "Rprop"}
 
 
+def cpu_noop(device: torch.device) -> str:
+    """What ``optimizer = "cpu"`` on a non-CUDA device says, once per process."""
+    return (f'[offload] optimizer = "cpu" on a {device.type} device: the optimizer state already lives in host '
+            'memory, nothing is moved (optimizer = "disk" moves it to files)')
+
+
 def effective_offload(profile: Profile, device: torch.device) -> OffloadConfig | None:
     """The ``[offload]`` settings that move something on ``device`` (None: nothing moves); refuses what is not
     implemented and says once what is ignored on this hardware."""
@@ -43,8 +49,8 @@ def effective_offload(profile: Profile, device: torch.device) -> OffloadConfig |
             f"profile {name!r}: [offload] params = {off.params!r} is not implemented yet (optimizer state offload "
             'is); set params = "none"')
     if off.params == "cpu":
-        warn_once(f'profile {name!r}: [offload] params = "cpu" on a {device.type} device: the parameters already '
-                  "live in host memory, nothing is moved")
+        warn_once(f'[offload] params = "cpu" on a {device.type} device: the parameters already live in host '
+                  "memory, nothing is moved")
     if off.optimizer == "none":
         return None
     if profile.zero.stage == 0:
@@ -52,8 +58,7 @@ def effective_offload(profile: Profile, device: torch.device) -> OffloadConfig |
             f"profile {name!r}: [offload] optimizer = {off.optimizer!r} with zero.stage = 0 is not implemented: "
             "offload streams ZeRO's optimizer shards; use zero.stage = 1, 2 or 3")
     if off.optimizer == "cpu" and device.type != "cuda":
-        warn_once(f'profile {name!r}: [offload] optimizer = "cpu" on a {device.type} device: the optimizer state '
-                  'already lives in host memory, nothing is moved (optimizer = "disk" moves it to files)')
+        warn_once(cpu_noop(device))
         return None
     if off.optimizer == "disk" and device.type != "cpu":
         raise NotImplementedError(
@@ -108,8 +113,7 @@ def build_offloaded_state(optimizer: torch.optim.Optimizer, engine: ZeroEngine,
     when nothing moves on this device (said once)."""
     device = engine.mesh.device
     if off.optimizer == "cpu" and device.type != "cuda":
-        warn_once(f'[offload] optimizer = "cpu" on a {device.type} device: the optimizer state already lives in '
-                  'host memory, nothing is moved (optimizer = "disk" moves it to files)')
+        warn_once(cpu_noop(device))
         return None
     if off.optimizer == "disk" and device.type != "cpu":
         raise NotImplementedError(f'[offload] optimizer = "disk" on a {device.type} device is not implemented (it '
@@ -118,7 +122,8 @@ def build_offloaded_state(optimizer: torch.optim.Optimizer, engine: ZeroEngine,
     per_elem, total = estimate_state_bytes(optimizer, 1)  # the groups hold this rank's shards already
     tier: Tier
     if off.optimizer == "disk":
-        tier = DiskTier(off.path, rank=engine.mesh.rank, needed_bytes=int(2 * total * off.fraction))
+        tier = DiskTier(off.path, rank=engine.mesh.rank, needed_bytes=int(2 * total * off.fraction),
+                        direct=None if off.direct else False)
     else:
         tier = HostTier(device)
     units = {s: u.index for s, (u, _) in engine._slot_of.items()}

@@ -1,0 +1,197 @@
+"""``memsave bench --offload``: optimizer-state offload against the same run in memory (ZeRO-Offload, Ren et al.,
+2021; ZeRO-Infinity, Rajbhandari et al., 2021).
+
+Each configuration trains the reference GPT in fresh local processes, like ``memsave bench``, and reports per
+configuration: the median step time and its optimizer part, peak RSS per rank, the optimizer state held in
+memory (the window buffers and the chunks kept there included) and on disk, the I/O time the tier spent and
+the part of it the step waited for (the rest was hidden behind compute), and the final loss (equal to the
+in-memory run's: offload is exact). Against the first configuration (in memory): the step-time ratio and the
+RSS reduction as a share of the optimizer state's bytes. ``fraction`` rows are compared with a linear
+prediction between the two ends (RSS falls by the offloaded share of the state; the step costs the share of
+the full offload's extra time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memsave import dist as mdist
+from memsave.api import wrap
+from memsave.bench import BenchOptions
+from memsave.config import load_profile
+from memsave.memory import account, peak_rss_bytes
+from memsave.models import GPT, TokenBatches, gpt_config
+
+__all__ = ["DEFAULT_OFFLOAD", "VARIANTS", "format_offload_table", "run_offload_bench", "variant"]
+
+_DISK = ("offload.optimizer=disk",)
+VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "zero3": ("zero3", ()),
+    "zero3-offload-disk": ("zero3-infinity", ()),
+    "zero3-offload-disk-noprefetch": ("zero3-infinity", ("offload.prefetch=0",)),
+    "zero3-offload-disk-half": ("zero3-infinity", ("offload.fraction=0.5",)),
+    "zero3-offload-disk-buffered": ("zero3-infinity", ("offload.direct=false",)),
+    "zero2": ("zero2", ()),
+    "zero2-offload-disk": ("zero2", (*_DISK, "offload.path=memsave-offload")),
+    "zero1-offload-disk": ("zero1", (*_DISK, "offload.path=memsave-offload")),
+}
+DEFAULT_OFFLOAD = ("zero3", "zero3-offload-disk", "zero3-offload-disk-noprefetch", "zero3-offload-disk-half",
+                   "zero3-offload-disk-buffered")
+
+
+def variant(name: str, path: str) -> tuple[str, tuple[str, ...]]:
+    """``(profile, overrides)`` of a configuration: a name in :data:`VARIANTS` or any profile; the disk tier
+    goes under ``path``."""
+    profile, overrides = VARIANTS.get(name, (name, ()))
+    prof = load_profile(profile, overrides)  # a bad name fails here
+    if prof.offload.optimizer == "disk":
+        overrides = (*overrides, f"offload.path={json.dumps(path)}")
+    return profile, overrides
+
+
+def _worker(name: str, path: str, opts: BenchOptions) -> dict[str, Any]:
+    mesh = mdist.init()
+    torch.manual_seed(opts.seed)
+    cfg = gpt_config(opts.size, tie_weights=opts.tie_weights, block_size=max(opts.seq_len, 8))
+    model = GPT(cfg).to(mesh.device)
+    psi = sum(p.numel() for p in model.parameters())
+    profile_name, overrides = variant(name, path)
+    profile = load_profile(profile_name, overrides)
+    opt0 = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.1)
+    run_model, opt = wrap(model, opt0, profile, mesh=mesh)
+    data = TokenBatches(seq_len=opts.seq_len, batch_size=opts.batch_size, dp_rank=mesh.dp_rank,
+                        dp_size=mesh.dp_size, seed=opts.seed)
+    offloaded = getattr(opt, "offloaded", None)
+    times, opt_times, waits, ios, losses = [], [], [], [], []
+    for step in range(opts.steps):
+        batch = {k: v.to(mesh.device) for k, v in data.batch(step).items()}
+        mdist.barrier()
+        wait0 = offloaded.wait_seconds if offloaded is not None else 0.0
+        io0 = offloaded.tier.io_seconds if offloaded is not None else 0.0
+        t0 = time.perf_counter()
+        loss = run_model(**batch).loss
+        opt.backward(loss)
+        t1 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        opt_times.append(times[-1] - (t1 - t0))
+        waits.append((offloaded.wait_seconds - wait0) if offloaded is not None else 0.0)
+        ios.append((offloaded.tier.io_seconds - io0) if offloaded is not None else 0.0)
+        if step == opts.steps - 1:
+            held = account([opt]).bytes
+        opt.zero_grad()
+        avg = loss.detach().float().reshape(1).clone()
+        mdist.all_reduce(avg, mesh.dp_group)
+        losses.append(avg.item() / mesh.dp_size)
+    off_bytes = opt.offloaded_bytes() if hasattr(opt, "offloaded_bytes") else {"host": 0, "disk": 0}
+    w = opts.warmup
+    out = {
+        "rank": mesh.rank, "psi": psi, "profile": profile_name, "overrides": list(overrides),
+        "times": times, "opt_times": opt_times, "wait_s": statistics.median(waits[w:]),
+        "io_s": statistics.median(ios[w:]), "losses": losses, "peak_rss": peak_rss_bytes(),
+        "state_in_memory": held.get("optimizer_state", 0), "state_on_disk": off_bytes["disk"],
+        "state_on_host": off_bytes["host"], "bytes": held,
+        "direct": getattr(getattr(offloaded, "tier", None), "direct", None),
+    }
+    if hasattr(opt, "close"):
+        opt.close()
+    return out
+
+
+def run_offload_bench(names: list[str], opts: BenchOptions, *, path: str | None = None,
+                      timeout_s: float = 1800) -> list[dict[str, Any]]:
+    """Every configuration in fresh processes; the first is the in-memory reference."""
+    from memsave._launch import spawn_local
+
+    folder = path or tempfile.gettempdir()
+    for name in names:
+        variant(name, folder)  # a bad name fails before any run
+    rows = []
+    for name in names:
+        ranks = spawn_local(_worker, opts.nproc, (name, folder, opts), timeout_s=timeout_s)
+        w = opts.warmup
+        per_step = [max(r["times"][s] for r in ranks) for s in range(opts.steps)]
+        r0 = ranks[0]
+        rows.append({
+            "name": name, "profile": r0["profile"], "overrides": r0["overrides"], "params": r0["psi"],
+            "nproc": opts.nproc, "median_step_s": statistics.median(per_step[w:]),
+            "median_optimizer_step_s": statistics.median(max(r["opt_times"][s] for r in ranks)
+                                                         for s in range(w, opts.steps)),
+            "io_s": max(r["io_s"] for r in ranks), "wait_s": max(r["wait_s"] for r in ranks),
+            "peak_rss": [r["peak_rss"] for r in ranks],
+            "state_in_memory": [r["state_in_memory"] for r in ranks],
+            "state_on_disk": [r["state_on_disk"] for r in ranks], "direct": r0["direct"],
+            "losses": r0["losses"], "final_loss": r0["losses"][-1],
+        })
+    ref = rows[0]
+    full = next((r for r in rows if r["state_on_disk"][0] and not r["overrides"]), None)
+    state = max(ref["state_in_memory"])
+    for r in rows:
+        r["reference"] = ref["name"]
+        r["vs_ref_step_time"] = r["median_step_s"] / ref["median_step_s"]
+        r["rss_reduction"] = max(ref["peak_rss"]) - max(r["peak_rss"])
+        r["rss_reduction_vs_state"] = r["rss_reduction"] / max(state, 1)
+        r["final_loss_diff"] = r["final_loss"] - ref["final_loss"]
+        r["hidden_io_share"] = 1 - r["wait_s"] / r["io_s"] if r["io_s"] > 0 else None
+        share = max(r["state_on_disk"]) / max(max(full["state_on_disk"]) if full else 1, 1)
+        if full is not None and 0 < share < 0.999:  # the linear prediction between the two ends
+            r["predicted_peak_rss"] = max(ref["peak_rss"]) - share * (max(ref["peak_rss"]) - max(full["peak_rss"]))
+            r["predicted_step_s"] = ref["median_step_s"] + share * (full["median_step_s"] - ref["median_step_s"])
+    return rows
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def format_offload_table(rows: list[dict[str, Any]]) -> str:
+    head = ["config", "step s", "x ref", "opt step s", "I/O s", "waited s", "peak RSS MiB/rank", "state MiB mem/disk",
+            "RSS cut % of state", "loss diff", "predicted (RSS MiB, step s)"]
+    lines = []
+    for r in rows:
+        pred = (f"{_mib(r['predicted_peak_rss'])}, {r['predicted_step_s']:.3f}" if "predicted_step_s" in r else "-")
+        lines.append([
+            r["name"], f"{r['median_step_s']:.3f}", f"{r['vs_ref_step_time']:.2f}",
+            f"{r['median_optimizer_step_s']:.3f}", f"{r['io_s']:.3f}", f"{r['wait_s']:.3f}",
+            "/".join(_mib(x) for x in r["peak_rss"]),
+            f"{_mib(max(r['state_in_memory']))}/{_mib(max(r['state_on_disk']))}",
+            f"{100 * r['rss_reduction_vs_state']:.0f}%", f"{r['final_loss_diff']:+.1e}", pred,
+        ])
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip()]
+    out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
+    ratios = []
+    on = {r["name"]: r for r in rows}
+    if "zero3-offload-disk" in on and "zero3-offload-disk-noprefetch" in on:
+        a, b = on["zero3-offload-disk"], on["zero3-offload-disk-noprefetch"]
+        ratios.append(f"prefetch on vs off: step {b['median_step_s'] / a['median_step_s']:.2f}x faster, optimizer "
+                      f"step {b['median_optimizer_step_s'] / a['median_optimizer_step_s']:.2f}x faster")
+    r0 = rows[0]
+    out.append(f"model: {r0['params']:,} parameters, {r0['nproc']} processes, fp32 AdamW; 'x ref' and 'RSS cut' "
+               f"against {r0['reference']} (its optimizer state: {_mib(max(r0['state_in_memory']))} MiB/rank); "
+               "I/O s: time the tier's threads spent per step, waited s: the part the step waited for")
+    return "\n".join(out + ratios)
+
+
+def to_json(rows: list[dict[str, Any]], opts: BenchOptions) -> str:
+    return json.dumps({"schema": "memsave.bench-offload/1", "options": dataclasses.asdict(opts), "rows": rows},
+                      indent=2)
+
+
+def run_command(spec: str, opts: BenchOptions, json_path: Path | None, path: str | None) -> int:
+    """``memsave bench --offload NAMES``: run, print the table, write the JSON."""
+    names = [n.strip() for n in spec.split(",") if n.strip()] or list(DEFAULT_OFFLOAD)
+    rows = run_offload_bench(names, opts, path=path)
+    print(format_offload_table(rows))
+    if json_path is not None:
+        json_path.write_text(to_json(rows, opts))
+        print(f"results written to {json_path}")
+    return 0

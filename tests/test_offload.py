@@ -1,0 +1,148 @@
+"""Optimizer-state offload (memsave/offload/state.py, memsave/zero/offload.py): every setting trains exactly like
+no offload (fp32, CPU: losses, parameters and consolidated optimizer state bit for bit) at ZeRO stages 1-3 on 1
+and 2 ranks; the state really leaves memory; the files go away on close."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+import memsave
+from memsave import _logging
+from memsave.phases import MemoryCategory
+from tests.harness import run_ranks
+from tests.toy import ToyLM, param_groups, toy_batch
+
+ROWS = 2
+DISK = ("offload.optimizer=disk",)
+# tiny chunks (~1 KiB of state: 131 elements) so that the toy's tensors are cut into row pieces, small ones are
+# packed together, and every prefetch / write-behind path runs
+SETTINGS: list[tuple[str, ...]] = [
+    (*DISK, "offload.chunk_mb=0.001"),
+    (*DISK, "offload.chunk_mb=0.001", "offload.prefetch=0"),
+    (*DISK, "offload.chunk_mb=0.002", "offload.prefetch=3", "offload.fraction=0.5"),
+    (*DISK, "offload.chunk_mb=0.003", "offload.direct=false"),
+    (*DISK, "offload.fraction=0.0"),
+    ("offload.optimizer=cpu",),  # on CPU: nothing moves, said once
+]
+
+
+def _local(batch: dict, rank: int, world: int) -> dict:
+    rows = batch["input_ids"].shape[0] // world
+    return {k: v[rank * rows : (rank + 1) * rows] for k, v in batch.items()}
+
+
+def _train(stage: int, overrides: tuple[str, ...], mesh: memsave.Mesh, path: str, steps: int = 4,
+           make_opt=None) -> dict:
+    """Train the toy for ``steps`` (an LR schedule, clipping, a branch unused on some steps); return what to
+    compare, plus the live optimizer."""
+    rank, world = mesh.dp_rank, mesh.dp_size
+    model = ToyLM(seed=stage)
+    groups = param_groups(model)
+    inner = make_opt(groups) if make_opt else torch.optim.AdamW(groups, lr=1e-2)
+    over = (*overrides, f'offload.path="{path}"') if "offload.optimizer=disk" in overrides else overrides
+    model, opt = memsave.wrap(model, inner, memsave.load_profile(f"zero{stage}", over), mesh=mesh)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    calls = []
+    inner.register_step_post_hook(lambda *_: calls.append(1))
+    losses = []
+    for step in range(steps):
+        batch = _local(toy_batch(step, ROWS * world), rank, world)
+        loss = model(**batch, use_extra=step != 1).loss  # step 1: `extra` gets no gradient anywhere
+        opt.backward(loss)
+        opt.clip_grad_norm(0.5)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(loss.detach().clone())
+    assert len(calls) == steps, f"step hooks ran {len(calls)} times in {steps} steps"
+    return {"losses": losses, "params": {k: v.clone() for k, v in model.state_dict().items()},
+            "state": copy.deepcopy(opt.state_dict()), "opt": opt, "model": model}
+
+
+def _same_state(a: dict, b: dict, what: str) -> None:
+    assert a["param_groups"] == b["param_groups"], what
+    assert list(a["state"]) == list(b["state"]), (what, list(a["state"]), list(b["state"]))
+    for i, st in b["state"].items():
+        assert list(a["state"][i]) == list(st), (what, i)
+        for key, v in st.items():
+            assert torch.equal(a["state"][i][key], v), f"{what}: state[{i}][{key!r}] differs"
+
+
+def _same(run: dict, ref: dict, what: str) -> None:
+    for step, (a, b) in enumerate(zip(run["losses"], ref["losses"], strict=True)):
+        assert torch.equal(a, b), f"{what}: loss at step {step}: {a.item()} != {b.item()}"
+    for name, v in ref["params"].items():
+        assert torch.equal(run["params"][name], v), f"{what}: parameter {name} differs"
+    _same_state(run["state"], ref["state"], what)
+
+
+def _cases(world: int, path: str) -> str:
+    mesh = memsave.init()
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
+    _logging.get_logger().addHandler(handler)
+    for stage in (1, 2, 3):
+        ref = _train(stage, (), mesh, path)
+        own = sum(s.numel() for s in ref["opt"]._full_of if s.requires_grad)
+        for overrides in SETTINGS:
+            what = f"stage {stage} world {world} {overrides}"
+            run = _train(stage, overrides, mesh, path)
+            _same(run, ref, what)
+            opt = run["opt"]
+            held = memsave.memory.account([opt]).bytes.get(MemoryCategory.OPTIMIZER_STATE.value, 0)
+            on_disk = opt.offloaded_bytes()["disk"]
+            if overrides == SETTINGS[0]:  # everything offloaded: 8 bytes per own element on disk, ~none in memory
+                assert on_disk >= 8 * own, (what, on_disk, own)
+                state = opt.offloaded
+                window = sum(b.untyped_storage().nbytes() for b in [*state._buffers, *state._snapshots])
+                pieces = sum(len(c.pieces) for c in state.chunks)
+                assert held - window <= 4 * pieces, (what, held, window, pieces)  # only the scalar `step`s stay
+                folder = opt.offloaded.tier.folder
+                assert sorted(p.name for p in folder.iterdir())[-1] == "unit3.state" and (folder / "OWNER").exists()
+            if overrides == SETTINGS[2]:  # half: some chunks in memory, some on disk
+                assert 0 < on_disk < 8 * own and held > 0, (what, on_disk, held)
+            if "offload.optimizer=cpu" in overrides or "offload.fraction=0.0" in overrides:
+                assert on_disk == 0, (what, on_disk)
+            if "offload.optimizer=cpu" in overrides:
+                assert opt.offloaded is None  # on CPU nothing moves
+            # a state dict round trip: the reference's consolidated state loaded into the offloaded optimizer (and
+            # the model), then one more step on both: still equal
+            opt.load_state_dict(ref["state"])
+            run["model"].load_state_dict(ref["params"])
+            _same_state(opt.state_dict(), ref["state"], what + " after load_state_dict")
+            for r in (run, ref):
+                batch = _local(toy_batch(9, ROWS * world), mesh.dp_rank, world)
+                r["opt"].backward(r["model"](**batch).loss)
+                r["opt"].step()
+                r["opt"].zero_grad()
+            ref_after = {k: v.clone() for k, v in ref["model"].state_dict().items()}
+            for name, v in run["model"].state_dict().items():
+                assert torch.equal(v, ref_after[name]), f"{what}: after reload, {name} differs"
+            ref["opt"].load_state_dict(ref["state"])  # back, for the next setting
+            ref["model"].load_state_dict(ref["params"])
+            tier = getattr(opt.offloaded, "tier", None)
+            opt.close()
+            if tier is not None and tier.kind == "disk":
+                assert not tier.folder.exists(), f"{what}: {tier.folder} left behind by close()"
+        # SGD with momentum, at every stage (another state layout: one per-element entry)
+        sgd = lambda g: torch.optim.SGD(g, lr=0.05, momentum=0.9)  # noqa: E731
+        run = _train(stage, SETTINGS[0], mesh, path, make_opt=sgd)
+        _same(run, _train(stage, (), mesh, path, make_opt=sgd), f"SGD stage {stage}")
+        run["opt"].close()
+    _logging.get_logger().removeHandler(handler)
+    said = [m for m in records if 'optimizer = "cpu" on a cpu device' in m]
+    assert len(said) == 1, records  # said once, however many optimizers
+    return "ok"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_offload_is_exact(world: int, tmp_path: Path) -> None:
+    assert run_ranks(_cases, world, world, str(tmp_path), timeout=300) == ["ok"] * world
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("memsave-offload-")], list(tmp_path.iterdir())
+
