@@ -33,4 +33,6 @@ class MemoryCategory(enum.Enum):
     OPTIMIZER_STATE = "optimizer_state"
     ACTIVATIONS = "activations"
     BUFFERS = "buffers"
-    COMM = "comm"
+    COMM = "comm"  # communication staging and prefetch buffers in flight
+    OFFLOAD_HOST = "offload_host"  # moved off the device to host memory (another tier: not in the device total)
+    OFFLOAD_DISK = "offload_disk"  # moved to files on disk

@@ -36,7 +36,7 @@ def test_demo_tiny_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     first, last = _losses(out)
     assert first > 5.0 and last < first - 0.5
     data = json.loads(report.read_text())
-    assert data["schema"] == "memsave.report/1" and [r["rank"] for r in data["ranks"]] == [0, 1]
+    assert data["schema"] == "memsave.report/2" and [r["rank"] for r in data["ranks"]] == [0, 1]
 
 
 def test_demo_through_python_m() -> None:

@@ -1,30 +1,35 @@
-"""``memsave.report(model, optimizer)``: bytes per category on every rank, beside the process figures."""
+"""``memsave.report(model, optimizer)``: bytes per category on every rank, beside the process figures.
+
+The result is a :class:`MemoryReport` around one ``memsave.report/2`` dict (the schema: README.md, "Memory
+reports"; validated by :mod:`memsave.memory.schema`). With a :class:`~memsave.memory.tracker.MemoryTracker`
+attached to the model (or passed as ``tracker=``) each rank's entry carries its peaks per category and phase and
+its whole timeline; without one, the current bytes only. An estimate (``memsave.estimate(...)``) can be put
+beside the measurement.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from memsave import dist as mdist
-from memsave.memory.accounting import MemoryAccount, account, peak_rss_bytes, rss_bytes
-from memsave.phases import MemoryCategory
+from memsave.memory.accounting import account, peak_rss_bytes, rss_bytes
+from memsave.memory.schema import CATEGORIES, SCHEMA, format_text, in_memory_total, save_report, validate_report
+from memsave.memory.tracker import MemoryTracker
 
 __all__ = ["MemoryReport", "RankMemory", "report"]
 
 
-def _fmt(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 @dataclasses.dataclass
 class RankMemory:
+    """One rank's current bytes per category and process figures (a view of the report dict)."""
+
     rank: int
     bytes: dict[str, int]
     rss: int
@@ -33,50 +38,125 @@ class RankMemory:
     device_peak: int = 0
 
 
-@dataclasses.dataclass
 class MemoryReport:
-    """Per-rank memory: accounted bytes per category, and what the process / allocator says."""
+    """Per-rank memory: accounted bytes per category, peaks and timeline when tracked, the process figures."""
 
-    ranks: list[RankMemory]
-    profile: str = ""
+    def __init__(self, data: dict[str, Any]) -> None:
+        validate_report(data)
+        self.data = data
+
+    @property
+    def profile(self) -> str:
+        return str(self.data["run"]["profile"])
+
+    @property
+    def ranks(self) -> list[RankMemory]:
+        return [RankMemory(rank=r["rank"], bytes=dict(r["current"]), rss=r["process"]["rss"],
+                           peak_rss=r["process"]["peak_rss"], device_allocated=r["process"]["device_allocated"],
+                           device_peak=r["process"]["device_peak"]) for r in self.data["ranks"]]
+
+    def with_estimate(self, estimate: dict[str, Any] | None) -> MemoryReport:
+        """This report with ``estimate`` (``Estimate.to_report_dict()``, or None) beside the measurement."""
+        data = dict(self.data)
+        if estimate is not None:
+            cats = [c for c in CATEGORIES if c in data["categories"] or c in estimate["bytes"]]
+            data["categories"] = cats
+        data["estimate"] = estimate
+        return MemoryReport(data)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema": "memsave.report/1", "profile": self.profile,
-                "ranks": [dataclasses.asdict(r) for r in self.ranks]}
+        return self.data
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
+        return json.dumps(self.data, indent=1)
 
     def to_text(self) -> str:
-        cats = [c.value for c in MemoryCategory if any(c.value in r.bytes for r in self.ranks)]
-        head = ["rank", *cats, "accounted", "rss", "peak rss"]
-        gpu = any(r.device_peak for r in self.ranks)
-        if gpu:
-            head += ["gpu alloc", "gpu peak"]
-        rows = []
-        for r in self.ranks:
-            row = [str(r.rank), *(_fmt(r.bytes.get(c, 0)) for c in cats), _fmt(sum(r.bytes.values())),
-                   _fmt(r.rss), _fmt(r.peak_rss)]
-            if gpu:
-                row += [_fmt(r.device_allocated), _fmt(r.device_peak)]
-            rows.append(row)
-        widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
-        lines = [f"memory report{f' ({self.profile})' if self.profile else ''}: bytes held per rank"]
-        lines.append("  ".join(h.rjust(w) for h, w in zip(head, widths)))
-        lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
-        return "\n".join(lines)
+        return format_text(self.data)
+
+    def to_html(self) -> str:
+        from memsave.memory.html import render_html
+
+        return render_html([self.data])
+
+    def save(self, path: str | Path) -> Path:
+        """Write the report: ``.html`` as the self-contained page, anything else as JSON."""
+        path = Path(path)
+        if path.suffix == ".html":
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(self.to_html())
+        else:
+            save_report(self.data, path)
+        return path
 
 
-def report(*holders: object, profile: str = "", group: mdist.ProcessGroup | None = None) -> MemoryReport:
+def _process(tracker: MemoryTracker | None) -> dict[str, int]:
+    rss = rss_bytes()  # the kernel updates the high-water mark lazily: never report a peak below now
+    out = {"rss": rss, "peak_rss": max(peak_rss_bytes(), rss), "device_allocated": 0, "device_peak": 0,
+           "device_reserved": 0, "device_peak_reserved": 0}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out.update(device_allocated=torch.cuda.memory_allocated(), device_peak=torch.cuda.max_memory_allocated(),
+                   device_reserved=torch.cuda.memory_reserved(),
+                   device_peak_reserved=torch.cuda.max_memory_reserved())
+    return out
+
+
+def _rank_entry(holders: tuple[object, ...], tracker: MemoryTracker | None, rank: int) -> dict[str, Any]:
+    if tracker is not None:
+        tracker.sample("report")
+        current = dict(tracker.current)
+        return {"rank": rank, "current": current, "peak": dict(tracker.peak),
+                "category_peak": dict(tracker.category_peak), "process": _process(tracker),
+                "phases": {k: dict(v) for k, v in tracker.phase_peaks.items()}, "timeline": list(tracker.timeline)}
+    current = dict(account(holders).bytes)
+    return {"rank": rank, "current": current,
+            "peak": {"total": in_memory_total(current), "step": 0, "phase": "idle", "unit": None,
+                     "bytes": dict(current)},
+            "category_peak": dict(current), "process": _process(None), "phases": {}, "timeline": []}
+
+
+def _num_params(holders: tuple[object, ...]) -> tuple[str, int]:
+    for h in holders:
+        if isinstance(h, nn.Module):
+            seen: set[int] = set()
+            n = 0
+            for p in h.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    n += p.numel()
+            cls = type(h)
+            if cls.__name__.startswith("Memsave") and len(cls.__bases__) > 1:
+                cls = cls.__bases__[0]  # memsave's class swap
+            return cls.__name__, n
+    return "", 0
+
+
+def report(*holders: object, profile: str = "", name: str = "", group: mdist.ProcessGroup | None = None,
+           tracker: MemoryTracker | None = None, estimate: dict[str, Any] | None = None) -> MemoryReport:
     """Account the memory that ``holders`` (a wrapped model, its optimizer, ...) keep, on every rank.
 
     Collective: every rank of ``group`` (default: all) must call it. Returns the same report on each rank.
+    ``tracker``: default, the :class:`MemoryTracker` attached to a holder (``holder.memsave_tracker``).
+    ``estimate``: a dict from ``Estimate.to_report_dict()`` put beside the measurement.
     """
-    acct: MemoryAccount = account(holders)
-    rss = rss_bytes()  # the kernel updates the high-water mark lazily: never report a peak below now
-    mine = RankMemory(rank=mdist.group_rank(None), bytes=acct.bytes, rss=rss, peak_rss=max(peak_rss_bytes(), rss))
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        mine.device_allocated = torch.cuda.memory_allocated()
-        mine.device_peak = torch.cuda.max_memory_allocated()
-    ranks = mdist.all_gather_object(mine, group)
-    return MemoryReport(ranks=sorted(ranks, key=lambda r: r.rank), profile=profile)
+    if tracker is None:
+        tracker = next((t for h in holders if isinstance(t := getattr(h, "memsave_tracker", None), MemoryTracker)),
+                       None)
+    mine = _rank_entry(holders, tracker, mdist.group_rank(None))
+    ranks = sorted(mdist.all_gather_object(mine, group), key=lambda r: r["rank"])
+    present: set[str] = set()
+    for r in ranks:
+        present.update(r["current"], r["category_peak"])
+    if estimate is not None:
+        present.update(estimate["bytes"])
+    model, num_params = _num_params(holders)
+    device = "cuda" if any(r["process"]["device_peak"] for r in ranks) else "cpu"
+    data = {
+        "schema": SCHEMA,
+        "run": {"name": name or profile or "run", "profile": profile, "world_size": len(ranks), "device": device,
+                "model": model, "num_params": num_params,
+                "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")},
+        "categories": [c for c in CATEGORIES if c in present],
+        "ranks": ranks,
+        "estimate": estimate,
+    }
+    return MemoryReport(data)

@@ -28,6 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
+from memsave.memory.saved import note_kept
+
 __all__ = ["ELEMENT_COST", "SavedBytes", "UnitCost", "measure_saved_bytes", "note_held", "note_saved"]
 
 # [Note: the compute model of recomputation] What recomputing costs is estimated from one forward, op by op,
@@ -112,7 +114,7 @@ class SavedBytes:
 
 class _Recorder:
     def __init__(self, num_units: int, exclude: set[int]) -> None:
-        self.exclude = exclude  # storage data_ptrs of parameters and buffers
+        self.exclude = exclude  # StorageImpl addresses of parameters and buffers
         self.stack: list[int] = []
         self.units: list[dict[Hashable, int]] = [{} for _ in range(num_units)]
         self.inputs: list[dict[Hashable, int]] = [{} for _ in range(num_units)]
@@ -124,12 +126,14 @@ class _Recorder:
 
     def _tensors(self, obj: Any) -> Iterator[tuple[int, int]]:
         for t in tree_leaves(obj):
-            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and t.device.type != "meta":
+            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
+                # keyed by the StorageImpl, not its data pointer: meta tensors (memsave.estimate measures a model
+                # on the meta device) all have data pointer 0, and their views share the StorageImpl all the same
                 storage = t.untyped_storage()
-                ptr, nbytes = storage.data_ptr(), storage.nbytes()
-                if nbytes and ptr not in self.exclude:
+                key, nbytes = storage._cdata, storage.nbytes()
+                if nbytes and key not in self.exclude:
                     self.keep.append(t)
-                    yield ptr, nbytes
+                    yield key, nbytes
 
     def saved(self, obj: Any) -> None:
         target = self.units[self.stack[-1]] if self.stack else self.outside
@@ -201,6 +205,7 @@ def note_saved(obj: Any) -> None:
     recomputation's cache): count them in the active measurement, if any."""
     if _ACTIVE:
         _ACTIVE[-1].saved(obj)
+    note_kept(obj)  # and in a memory tracker's live count, if one is tracking this forward
 
 
 note_held = note_saved  # keyword inputs a checkpoint keeps by reference ([Note: what a checkpointed unit keeps])
@@ -217,7 +222,7 @@ def measure_saved_bytes(run: Callable[[], Any], units: Sequence[nn.Module], *,
     ``costs=True`` also estimates each unit's forward compute (:class:`UnitCost`); ``saves(func, args, kwargs)``
     says which ops selective recomputation would save (their cost is not in ``UnitCost.selective``)."""
     holders = [model] if model is not None else list(units)
-    exclude = {t.untyped_storage().data_ptr() for m in holders for t in [*m.parameters(), *m.buffers()]}
+    exclude = {t.untyped_storage()._cdata for m in holders for t in [*m.parameters(), *m.buffers()]}
     rec = _Recorder(len(units), exclude)
     index = {id(u): i for i, u in enumerate(units)}
     if len(index) != len(units):

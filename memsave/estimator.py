@@ -1,0 +1,332 @@
+"""``memsave.estimate``: per-rank memory of a model under a profile, predicted before anything is allocated.
+
+Model states come from arithmetic on the parameters' shapes and dtypes (the ZeRO formulas of DESIGN.md, with
+the exact dim-0 row sharding and padding of ``memsave/zero/layout.py``, the units of ``memsave.wrap``, the
+optimizer's state per element, masters under mixed precision, offloaded shares). Activations come from one
+forward of a *meta-device* copy of the model under the profile's recompute policy, with the saved-tensor
+counting of ``memsave.recompute.measure``: shapes and dtypes only, so a model far bigger than this machine is
+estimated in seconds.
+
+[Note: the estimated peak] Memory peaks either at the end of forward (every activation held, nothing of this
+step's gradients yet) or during backward, where activations are freed unit by unit as gradients appear. The
+estimate walks backward unit by unit (the root's head first, then the units in reverse, as autograd runs them),
+freeing each unit's saved bytes and adding what its gradients hold at that stage (stage 1: the full gradients,
+kept until the step; stages 2-3: nothing beyond the persistent shard, the full gradient is freed as soon as it
+is staged), and takes the largest total. ZeRO-3 adds the gathered root and the largest unit (the last unit
+stays gathered from forward into backward); no staging buffer is in flight at that moment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memsave.config import Profile, load_profile
+from memsave.memory.schema import CATEGORIES, OFF_DEVICE, format_bytes
+from memsave.models.units import default_units
+from memsave.precision import compute_dtype, reduce_dtype_for
+
+__all__ = ["Estimate", "estimate", "format_estimates", "meta_copy"]
+
+_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """Predicted bytes per category on the busiest rank (rank 0 holds the most rows), at the estimated peak.
+
+    model_state: parameters, gradients, masters and optimizer state as the ZeRO formula counts them (full
+        gradients at stages 0-1), the figure to compare with a step's end.
+    activations: bytes saved for backward by one forward under the recompute policy.
+    """
+
+    profile: str
+    world_size: int
+    model: str
+    num_params: int
+    bytes: dict[str, int]
+    model_state: int
+    activations: int
+    notes: tuple[str, ...] = ()
+
+    @property
+    def peak_total(self) -> int:
+        return sum(v for k, v in self.bytes.items() if k not in OFF_DEVICE)
+
+    def to_report_dict(self) -> dict[str, Any]:
+        """The ``estimate`` entry of a ``memsave.report/2`` dict."""
+        return {"world_size": self.world_size, "bytes": {k: int(v) for k, v in self.bytes.items() if v},
+                "peak_total": int(self.peak_total), "notes": list(self.notes)}
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers live on the meta device (no data is copied); a model
+    already on the meta device is copied the same way, so the caller's model is never changed."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def _rows(shape: torch.Size) -> tuple[int, int]:
+    return (shape[0], math.prod(shape[1:])) if len(shape) else (1, 1)
+
+
+def _local_rows(rows: int, n: int) -> int:
+    """Rows rank 0 owns under dim-0 sharding (the most any rank owns)."""
+    return min(rows, -(-rows // n))
+
+
+def _state_per_shard(shape: torch.Size, local: int, prof: Profile) -> int:
+    """Optimizer-state bytes for one parameter's shard of ``local`` rows (fp32 state, as the optimizer steps
+    fp32 parameters or fp32 masters)."""
+    numel = local * _rows(shape)[1]
+    opt = prof.optimizer
+    if opt.name in ("adam", "adamw"):
+        return 8 * numel + 4  # exp_avg, exp_avg_sq, and the 0-d step tensor
+    if opt.name == "sgd":
+        return 4 * numel if opt.momentum else 0
+    # Adafactor: factored over the last two dims for >= 2 dims ([Note: Adafactor under row sharding])
+    if len(shape) >= 2:
+        lead = local * math.prod(shape[1:-2])
+        second = 4 * (lead * shape[-2] + lead * shape[-1]) if len(shape) > 2 else 4 * (local + shape[-1])
+    else:
+        second = 4 * numel
+    momentum = (2 if opt.momentum_dtype == "bf16" else 4) * numel if opt.beta1 else 0
+    return second + momentum + 4
+
+
+def _units(model: nn.Module, units: Sequence[nn.Module] | None) -> tuple[list[list[nn.Parameter]], list[nn.Module]]:
+    """The root's parameters and each unit's, grouped as ``memsave.zero`` does (a parameter shared between
+    units, or owned by none, belongs to the root)."""
+    modules = list(units) if units is not None else default_units(model)
+    owners: dict[nn.Parameter, set[int]] = {}
+    for k, m in enumerate(modules):
+        for p in m.parameters():
+            owners.setdefault(p, set()).add(k)
+    groups: list[list[nn.Parameter]] = [[] for _ in range(len(modules) + 1)]
+    for p in model.parameters():  # deduplicated: tied weights once
+        ks = owners.get(p, set())
+        groups[next(iter(ks)) + 1 if len(ks) == 1 else 0].append(p)
+    return groups, modules
+
+
+def _model_states(groups: list[list[nn.Parameter]], prof: Profile, n: int) -> dict[str, Any]:
+    stage = prof.zero.stage
+    mixed = prof.precision.compute != "fp32"
+    c = _BYTES[compute_dtype(prof.precision)] if mixed else 4
+    reduce = reduce_dtype_for(prof.precision)
+    r = _BYTES[reduce] if reduce is not None else c
+    out: dict[str, int] = dict.fromkeys(("params", "grads", "master", "optimizer_state"), 0)
+    unit_full, unit_padded, unit_grad_full = [], [], []
+    for params in groups:
+        trainable = [p for p in params if p.requires_grad]
+        full = sum(p.numel() for p in params)
+        chunk = sum(-(-_rows(p.shape)[0] // n) * _rows(p.shape)[1] for p in params)  # C, padded, per rank
+        grad_chunk = sum(-(-_rows(p.shape)[0] // n) * _rows(p.shape)[1] for p in trainable)
+        unit_full.append(full * c)
+        unit_padded.append(chunk * n * c)
+        unit_grad_full.append(sum(p.numel() for p in trainable) * c)
+        shard = 1 if stage == 0 else n
+        out["params"] += chunk * c if stage == 3 else full * c
+        if stage == 0:
+            out["grads"] += sum(p.numel() for p in trainable) * r
+        elif stage == 1:
+            out["grads"] += sum(p.numel() for p in trainable) * c + (grad_chunk * r if r != c else 0)
+        else:
+            out["grads"] += grad_chunk * r
+        for p in trainable:
+            local = _local_rows(_rows(p.shape)[0], shard) if len(p.shape) else 1
+            if mixed:
+                out["master"] += 4 * local * _rows(p.shape)[1]
+            out["optimizer_state"] += _state_per_shard(p.shape, local, prof)
+    return {"bytes": out, "unit_full": unit_full, "unit_padded": unit_padded, "unit_grad_full": unit_grad_full}
+
+
+def _run_forward(model: nn.Module, batch: Any) -> Callable[[], Any]:
+    def run() -> Any:
+        if callable(batch):
+            return batch(model)
+        if isinstance(batch, Mapping):
+            return model(**batch)
+        if isinstance(batch, tuple | list):
+            return model(*batch)
+        return model(batch)
+    return run
+
+
+def _to_meta(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return torch.empty_like(batch, device="meta")
+    if isinstance(batch, Mapping):
+        return {k: _to_meta(v) for k, v in batch.items()}
+    if isinstance(batch, tuple | list):
+        return type(batch)(_to_meta(v) for v in batch)
+    return batch
+
+
+@contextlib.contextmanager
+def _fused_attention_on_meta(device_type: str) -> Iterator[None]:
+    """Make ``F.scaled_dot_product_attention`` on meta tensors run the fused (flash) kernel the target device
+    would pick, instead of the math fallback the meta device decomposes into, which saves the whole attention
+    matrix for backward: an estimate several times too big at long sequences. Masks and grouped-query calls
+    keep the original function."""
+    original = F.scaled_dot_product_attention
+
+    def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+             dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, **kwargs: Any) -> Any:
+        if query.device.type != "meta" or attn_mask is not None or kwargs.get("enable_gqa"):
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, **kwargs)
+        if device_type == "cuda":
+            return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
+                                                                      scale=scale)[0]
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal,
+                                                                          scale=scale)[0]
+
+    F.scaled_dot_product_attention = sdpa  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original  # type: ignore[assignment]
+
+
+def _activations(meta: nn.Module, modules: list[nn.Module], prof: Profile, batch: Any,
+                 device_type: str) -> tuple[int, list[int], str]:
+    """Saved bytes of one forward of the meta model under the recompute policy: total, per unit, and a note."""
+    from memsave import recompute
+    from memsave.recompute.measure import measure_saved_bytes
+
+    run = _run_forward(meta, _to_meta(batch))
+    plan = None
+    if prof.recompute.policy != "none":
+        with _fused_attention_on_meta(device_type):  # a budget measures a forward too
+            plan = recompute.apply(modules, prof.recompute, model=meta,
+                                   example_inputs=run if prof.recompute.policy.startswith("budget:") else None)
+    try:
+        with _fused_attention_on_meta(device_type):
+            saved = measure_saved_bytes(run, modules, model=meta)
+    finally:
+        if plan is not None:
+            recompute.remove(plan, model=meta)
+    total = saved.total
+    note = f"activations: one forward on the meta device, recompute policy {prof.recompute.policy}"
+    if prof.recompute.compress != "none":  # Gist-like compression stores fp32 activations at 2 (bf16) or 1 byte
+        keep = 2 if prof.recompute.compress == "bf16" else 1
+        total = int(total * keep / 4) if prof.precision.compute == "fp32" else total
+        note += f", compressed to {prof.recompute.compress} (estimated as {keep}/4 of the fp32 bytes)"
+    return total, list(saved.units), note
+
+
+def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_size: int = 1, batch: Any = None,
+             units: Sequence[nn.Module] | None = None, device: str | None = None) -> Estimate:
+    """Predict per-rank memory of training ``model`` under ``profile`` on ``world_size`` data-parallel ranks.
+
+    ``model`` may live on the meta device (build it under ``with torch.device("meta"):``); it is not changed.
+    ``batch``: one micro-batch as the model takes it (dict of keyword arguments, tuple of positional ones, a
+    tensor; meta tensors are fine) or a callable ``batch(model)`` running one forward; None: model states only.
+    ``units``: as for ``memsave.wrap`` (default: the blocks of the largest ``nn.ModuleList``). Nothing is
+    allocated on a real device. ``device``: "cpu" or "cuda", the kind of device trained on (default: cuda when
+    available), for the attention kernel and whether host offload moves anything. See [Note: the estimated peak].
+    """
+    prof = load_profile(profile)
+    device_type = device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"device = {device!r} is not allowed; expected \"cpu\" or \"cuda\"")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size = {world_size!r} is not allowed; expected a positive integer")
+    meta = meta_copy(model)
+    mixed = prof.precision.compute != "fp32"
+    if mixed:
+        dtype = compute_dtype(prof.precision)
+        for p in meta.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+    meta_units = None
+    if units is not None:  # the same modules, found in the copy by name
+        names = {id(m): n for n, m in model.named_modules()}
+        by_name = dict(meta.named_modules())
+        meta_units = [by_name[names[id(u)]] for u in units]
+    groups, modules = _units(meta, meta_units)
+    n, stage = world_size, prof.zero.stage
+    states = _model_states(groups, prof, n)
+    held: dict[str, int] = dict(states["bytes"])
+    model_state = sum(held.values())
+    notes = [f"model states: {prof.optimizer.name} state, {prof.precision.compute} parameters"
+             + (", fp32 masters" if mixed else "") + f", zero stage {stage} over {n} rank(s)"]
+    held["buffers"] = sum(b.numel() * b.element_size() for b in meta.buffers())
+    if prof.offload.optimizer == "disk" or (prof.offload.optimizer == "cpu" and device_type == "cuda"):
+        tier = "offload_disk" if prof.offload.optimizer == "disk" else "offload_host"
+        moved = int((held["optimizer_state"] + held["master"]) * prof.offload.fraction)
+        held[tier] = moved
+        keep = 1.0 - prof.offload.fraction
+        held["optimizer_state"] = int(held["optimizer_state"] * keep)
+        held["master"] = int(held["master"] * keep)
+        notes.append(f"optimizer offload to {prof.offload.optimizer}: {prof.offload.fraction:g} of the optimizer "
+                     "state and masters off the device (the streaming window is not counted)")
+    persistent_grads = held["grads"]
+    if stage == 1:
+        held["grads"] = 0  # zero_grad(set_to_none) frees the full gradients; backward makes them again
+    acts, per_unit = 0, [0] * len(modules)
+    if batch is not None:
+        acts, per_unit, note = _activations(meta, modules, prof, batch, device_type)
+        notes.append(note)
+    if stage == 3:
+        biggest = max(states["unit_full"][1:], default=0)
+        held["params_gathered"] = states["unit_full"][0] + biggest
+    # [Note: the estimated peak]: walk backward unit by unit
+    base = {k: v for k, v in held.items()}
+    best = dict(base, activations=acts)
+    if stage == 1:
+        remaining, grads = acts, states["unit_grad_full"][0]  # the root's head gradients come first
+        for k in reversed(range(len(modules))):
+            remaining -= per_unit[k]
+            grads += states["unit_grad_full"][k + 1]
+            point = dict(base, activations=max(remaining, 0), grads=grads)
+            if _total(point) > _total(best):
+                best = point
+        end = dict(base, activations=0, grads=persistent_grads)
+        if _total(end) > _total(best):
+            best = end
+    best = {k: int(v) for k, v in best.items() if v}
+    return Estimate(profile=prof.name, world_size=n, model=_model_name(model),
+                    num_params=sum(p.numel() for p in model.parameters()), bytes=best,
+                    model_state=model_state, activations=acts, notes=tuple(notes))
+
+
+def _total(b: Mapping[str, int]) -> int:
+    return sum(v for k, v in b.items() if k not in OFF_DEVICE)
+
+
+def _model_name(model: nn.Module) -> str:
+    cls = type(model)
+    if cls.__name__.startswith("Memsave") and len(cls.__bases__) > 1:
+        cls = cls.__bases__[0]
+    return cls.__name__
+
+
+def format_estimates(estimates: Sequence[Estimate]) -> str:
+    """One line per estimate: bytes per category at the estimated peak, the model state and the peak."""
+    cats = [c for c in CATEGORIES if any(e.bytes.get(c) for e in estimates)]
+    head = ["profile", "ranks", *cats, "model state", "peak"]
+    rows = [[e.profile, str(e.world_size), *(format_bytes(e.bytes.get(c, 0)) for c in cats),
+             format_bytes(e.model_state), format_bytes(e.peak_total)] for e in estimates]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    if estimates:
+        e = estimates[0]
+        lines.append(f"{e.model}: {e.num_params:,} parameters; per rank (rank 0: the most rows), at the estimated "
+                     "peak; model state as the ZeRO formula counts it (full gradients at stages 0-1)")
+    return "\n".join(lines)
