@@ -1,0 +1,227 @@
+"""Offload's failure modes, in one process: unwritable or full disks refused before training, a crashed run's
+files never read (and cleaned up), a failed write or read stops the step with every chunk's parameters and
+state agreeing, refusals of what cannot be streamed, O_DIRECT's fallback said once, files gone on close/gc."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import memsave
+from memsave import _logging
+from memsave.offload import tiers
+from memsave.offload.tiers import DiskTier
+from memsave.optim import Adafactor
+from tests.toy import ToyLM, param_groups, toy_batch
+
+
+def _wrap(overrides: tuple[str, ...], *, stage: int = 3, opt: Any = None, model: Any = None) -> tuple[Any, Any]:
+    model = model if model is not None else ToyLM(seed=1)
+    opt = opt if opt is not None else torch.optim.AdamW(param_groups(model), lr=1e-2)
+    name = f"zero{stage}" if stage else "ddp"
+    return memsave.wrap(model, opt, memsave.load_profile(name, overrides), mesh=memsave.init())
+
+
+def _disk(path: Path, *more: str) -> tuple[str, ...]:
+    return ("offload.optimizer=disk", f'offload.path="{path}"', "offload.chunk_mb=0.001", *more)
+
+
+def _step(model: Any, opt: Any, step: int) -> torch.Tensor:
+    loss = model(**toy_batch(step, 2)).loss
+    opt.backward(loss)
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def _params(model: Any) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _records() -> tuple[list[str], logging.Handler]:
+    out: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: out.append(r.getMessage())  # type: ignore[method-assign]
+    _logging.get_logger().addHandler(handler)
+    return out, handler
+
+
+# -- before training ------------------------------------------------------------------------------------------
+def test_unwritable_or_full_disk_is_refused_before_anything_changes(tmp_path: Path, monkeypatch) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    model = ToyLM(seed=1)
+    before = _params(model)
+    with pytest.raises(ValueError, match=r"'offload.path' = .*a-file/sub.* is not a writable folder"):
+        _wrap(_disk(blocker / "sub"), model=model)
+    assert type(model) is ToyLM and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+    free = type("Usage", (), {"free": 8192, "total": 8192, "used": 0})()
+    monkeypatch.setattr(tiers.shutil, "disk_usage", lambda _p: free)
+    with pytest.raises(ValueError, match=r"'offload.path' = .* has 0.0 MiB free, and offloading needs 0.1 MiB"):
+        _wrap(_disk(tmp_path))
+    assert not list(tmp_path.glob("memsave-offload-*"))
+
+
+def test_refusals(tmp_path: Path) -> None:
+    model = ToyLM(seed=1)
+    with pytest.raises(NotImplementedError, match="Adafactor is not implemented: its column statistics"):
+        _wrap(_disk(tmp_path), model=model, opt=Adafactor(model.parameters()))
+    assert type(model) is ToyLM  # refused before the model was touched
+    with pytest.raises(NotImplementedError, match=r"with zero\.stage = 0 is not implemented"):
+        _wrap(_disk(tmp_path), stage=0)
+    with pytest.raises(NotImplementedError, match=r"compute = 'bf16'.* master weights"):
+        _wrap((*_disk(tmp_path), "precision.compute=bf16"))
+    with pytest.raises(NotImplementedError, match="params = 'disk' is not implemented yet"):
+        _wrap(("offload.params=disk", f'offload.path="{tmp_path}"'))
+    with pytest.raises(NotImplementedError, match="LBFGS"):
+        m = ToyLM(seed=1)
+        _wrap(_disk(tmp_path), model=m, opt=torch.optim.LBFGS(m.parameters()))
+    for bad, match in (("offload.chunk_mb=0", "chunk_mb"), ("offload.prefetch=-1", "prefetch"),
+                       ("offload.fraction=1.5", "fraction")):
+        with pytest.raises(ValueError, match=match):
+            memsave.load_profile("zero3-infinity", [bad])
+    with pytest.raises(ValueError, match=r"offload\.path"):
+        memsave.load_profile("zero3", ["offload.optimizer=disk"])
+    for preset in ("zero2-offload", "zero3-offload", "zero3-infinity"):
+        assert memsave.load_profile(preset).offload.optimizer in ("cpu", "disk")
+    assert not list(tmp_path.glob("memsave-offload-*"))
+
+
+# -- leftovers, cleanup ---------------------------------------------------------------------------------------
+def test_a_crashed_runs_files_are_never_read_and_are_cleaned_up(tmp_path: Path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    crashed = tmp_path / f"memsave-offload-{socket.gethostname()}-{dead_pid}-deadbeef-rank0"
+    foreign = tmp_path / "memsave-offload-otherhost-1-cafebabe-rank0"  # another host's: not ours to judge
+    for folder, host in ((crashed, socket.gethostname()), (foreign, "otherhost")):
+        folder.mkdir()
+        (folder / "OWNER").write_text(json.dumps({"host": host, "pid": dead_pid}))
+        for k in range(4):  # garbage where a run would look for unit files
+            (folder / f"unit{k}.state").write_bytes(os.urandom(1 << 16))
+    ref_model, ref_opt = _wrap(())
+    model, opt = _wrap(_disk(tmp_path))
+    assert not crashed.exists() and foreign.exists()
+    for step in range(3):
+        assert torch.equal(_step(model, opt, step), _step(ref_model, ref_opt, step))
+    ref = _params(ref_model)
+    assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())
+    folder = opt.offloaded.tier.folder
+    del opt
+    gc.collect()  # weakref.finalize removes the files when the optimizer goes
+    assert not folder.exists() and foreign.exists()
+
+
+def test_direct_io_fallback_is_said_once(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(_logging, "_warned", set())
+    real_open = os.open
+
+    def no_direct(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(tiers.os, "open", no_direct)
+    said, handler = _records()
+    try:
+        a = DiskTier(str(tmp_path), rank=0, needed_bytes=0)
+        b = DiskTier(str(tmp_path), rank=1, needed_bytes=0)
+    finally:
+        _logging.get_logger().removeHandler(handler)
+    assert not a.direct and not b.direct
+    assert len([m for m in said if "does not take O_DIRECT" in m]) == 1, said
+    a.close()
+    b.close()
+    assert not list(tmp_path.glob("memsave-offload-*"))
+
+
+# -- failed I/O in the middle of a step -----------------------------------------------------------------------
+class _Faults:
+    """Make the ``n``-th read or write (from now) fail as a full disk (after writing half) / a bad sector would."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.kind, self.countdown = "", -1
+        real = tiers._full_io
+
+        def io(fn: Any, fd: int, view: memoryview, offset: int) -> None:
+            if (fn is os.pwritev) == (self.kind == "write") and self.kind:
+                self.countdown -= 1
+                if self.countdown == 0:
+                    if self.kind == "write":  # a disk that fills up half way through the write
+                        real(fn, fd, view[: len(view) // 2], offset)
+                    raise OSError(28 if self.kind == "write" else 5, "injected")
+            real(fn, fd, view, offset)
+
+        monkeypatch.setattr(tiers, "_full_io", io)
+
+    def arm(self, kind: str, n: int) -> None:
+        self.kind, self.countdown = kind, n
+
+
+def _piece_agrees(opt: Any, before: dict, after: dict, state_before: dict, state_after: dict) -> tuple[int, int]:
+    """Every piece's parameters and state (``exp_avg``, ``exp_avg_sq`` on disk) are either all before or all after
+    the step, as its ``step`` count says."""
+    shards = [s for g in opt.optimizer.param_groups for s in g["params"]]
+    live = opt.offloaded.local_state()
+    counts = [0, 0]
+    for chunk in opt.offloaded.chunks:
+        for p in chunk.pieces:
+            name, index = opt.engine.name_of[p.shard], next(i for i, s in enumerate(shards) if s is p.shard)
+            done = int(p.scalars["step"].item()) == 3
+            ref, ref_state = (after, state_after) if done else (before, state_before)
+            assert torch.equal(p.sub, ref[name].reshape(p.shard.shape)[p.start : p.stop]), (name, done)
+            for key in ("exp_avg", "exp_avg_sq"):
+                mine = live[p.shard][key][p.start : p.stop]
+                assert torch.equal(mine, ref_state["state"][index][key][p.start : p.stop]), (name, key, done)
+            counts[done] += 1
+    return counts[0], counts[1]
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("kind", ["write", "read"])
+def test_failed_io_stops_the_step_and_every_chunk_agrees(tmp_path: Path, monkeypatch, kind: str,
+                                                         prefetch: int) -> None:
+    faults = _Faults(monkeypatch)
+    ref_model, ref_opt = _wrap((), stage=1)
+    model, opt = _wrap(_disk(tmp_path, f"offload.prefetch={prefetch}"), stage=1)
+    for step in range(2):
+        _step(model, opt, step)
+        _step(ref_model, ref_opt, step)
+    before, state_before = _params(model), copy.deepcopy(opt.state_dict())
+    loss = model(**toy_batch(2, 2)).loss
+    opt.backward(loss)
+    ref_opt.backward(ref_model(**toy_batch(2, 2)).loss)
+    ref_opt.step()
+    after, state_after = _params(ref_model), copy.deepcopy(ref_opt.state_dict())
+    faults.arm(kind, 3)
+    with pytest.raises(OSError, match=r"offload: (writing|reading) .*/unit\d\.state failed: injected"):
+        opt.step()
+    undone, done = _piece_agrees(opt, before, after, state_before, state_after)
+    assert undone > 0, "the failed chunk (and, synchronously, every later one) keeps the state before the step"
+    if prefetch == 0 and kind == "write":  # synchronous: chunks 0 and 1 went through, chunk 2's write failed
+        assert done > 0
+    if prefetch == 0 and kind == "read":  # synchronous: the third read failed, two chunks stepped
+        assert done > 0
+    faults.arm("", -1)
+    # the state that was kept is readable and consistent: a fresh start from it equals the reference
+    opt.load_state_dict(state_before)
+    model.load_state_dict(before)
+    opt.step()  # the gradients of step 2 are still there
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    assert all(torch.equal(v, after[k]) for k, v in model.state_dict().items())
+    for step in range(3, 5):
+        assert torch.equal(_step(model, opt, step), _step(ref_model, ref_opt, step))
+    opt.close()
+    assert not list(tmp_path.glob("memsave-offload-*"))
