@@ -18,7 +18,7 @@ in-memory chunks (``fraction < 1``) step first, in one call, while the first rea
 and write is waited before :meth:`OffloadedState.step` returns, so nothing touches a buffer between steps.
 ``P = 0`` is synchronous: read, step, write, wait, one chunk at a time (the "prefetch off" baseline).
 
-[Note: failed I/O] A chunk's state has two regions and a current one; the new state is written to the other
+[Note: failed I/O] On disk a chunk's state has two regions and a current one; the new state is written to the other
 and becomes current only once the write succeeded, and the chunk's parameters are copied aside before its step
 and put back if the write fails. A failed read skips the chunk. Either way the step stops with the error once
 the transfers in flight are done, and every chunk's parameters and state agree (before or after the step; the
@@ -66,7 +66,7 @@ class _Chunk:
     group_file: str
     pieces: list[_Piece]
     offloaded: bool
-    regions: list[Any] = dataclasses.field(default_factory=list)  # two slots ([Note: failed I/O])
+    regions: list[Any] = dataclasses.field(default_factory=list)  # two on disk ([Note: failed I/O]), one on host
     region_bytes: int = 0  # bytes of the current layout
     slot: int = -1  # the region holding the current state; -1: none yet
 
@@ -75,11 +75,12 @@ class _Chunk:
         return sum(p.sub.numel() for p in self.pieces)
 
 
-def state_bytes_per_element(optimizer: torch.optim.Optimizer, group: dict[str, Any], dtype: torch.dtype) -> int:
+def state_bytes_per_element(optimizer: torch.optim.Optimizer, group: dict[str, Any], dtype: torch.dtype,
+                            device: torch.device | None = None) -> int:
     """Bytes of per-element state the optimizer keeps for a tensor of ``dtype`` under ``group``'s
     hyperparameters, found by stepping a fresh instance on a 2-element probe (e.g. 8 for fp32 AdamW)."""
-    probe = nn.Parameter(torch.zeros(2, dtype=dtype))
-    probe.grad = torch.zeros(2, dtype=dtype)
+    probe = nn.Parameter(torch.zeros(2, dtype=dtype, device=device))
+    probe.grad = torch.zeros(2, dtype=dtype, device=device)
     make: Any = type(optimizer)
     twin = make([{**{k: v for k, v in group.items() if k != "params"}, "params": [probe]}])
     twin.step()
@@ -124,6 +125,7 @@ class OffloadedState:
                  names: dict[torch.Tensor, str], fraction: float, prefetch: int, chunk_bytes: int,
                  bytes_per_element: int, device: torch.device) -> None:
         self.optimizer, self.tier, self.prefetch, self.device, self.names = optimizer, tier, prefetch, device, names
+        self._slots = 2 if tier.kind == "disk" else 1  # a host copy cannot fail half way ([Note: failed I/O])
         per_elem = max(bytes_per_element, 1)
         chunk_numel = max(1, chunk_bytes // per_elem)
         self.pieces_of: dict[torch.Tensor, list[_Piece]] = {}
@@ -241,7 +243,7 @@ class OffloadedState:
                     view.copy_(source[key])
             piece.keys, piece.entries, piece.scalars = keys, entries, scalars
         if offset > chunk.region_bytes or not chunk.regions:
-            chunk.regions = [self.tier.allocate(chunk.group_file, max(offset, 1)) for _ in range(2)]
+            chunk.regions = [self.tier.allocate(chunk.group_file, max(offset, 1)) for _ in range(self._slots)]
             chunk.region_bytes = offset
             chunk.slot = -1
 
@@ -322,7 +324,7 @@ class OffloadedState:
         self._call(stepped)
         states: dict[int, dict[str, Any]] = {id(p): self._detach(p) for p in stepped}
         self._pack(chunk, [states.get(id(p)) for p in chunk.pieces], buf)
-        target = 1 - chunk.slot if chunk.slot >= 0 else 0
+        target = (chunk.slot + 1) % self._slots if chunk.slot >= 0 else 0
         return self.tier.write_async(chunk.regions[target], buf), chunk, [target, undo, index]
 
     def _finish_write(self, writes: dict[int, tuple[Handle, _Chunk, list[Any]]], k: int) -> None:
@@ -404,7 +406,7 @@ class OffloadedState:
                 continue
             buf = aligned_empty(max(self.window_bytes, 1), self.device)
             self._pack(chunk, per_piece, buf)
-            target = 1 - chunk.slot if chunk.slot >= 0 else 0
+            target = (chunk.slot + 1) % self._slots if chunk.slot >= 0 else 0
             self.tier.write_async(chunk.regions[target], buf).wait()
             self.tier.drain()
             chunk.slot = target

@@ -80,7 +80,7 @@ def estimate_state_bytes(optimizer: torch.optim.Optimizer, dp_size: int) -> tupl
         probed: dict[torch.dtype, int] = {}
         for p in g["params"]:
             if p.dtype not in probed:
-                probed[p.dtype] = state_bytes_per_element(optimizer, g, p.dtype)
+                probed[p.dtype] = state_bytes_per_element(optimizer, g, p.dtype, p.device)
             b = probed[p.dtype]
             per_elem = max(per_elem, b)
             rows = p.shape[0] if p.dim() else 1
