@@ -8,7 +8,8 @@ from memsave import memory, optim, precision, recompute, zero
 from memsave.api import wrap
 from memsave.config import Profile, list_presets, load_profile
 from memsave.dist import Mesh, init
-from memsave.memory import MemoryReport, report
+from memsave.estimator import Estimate, estimate
+from memsave.memory import MemoryReport, MemoryTracker, report
 from memsave.phases import MemoryCategory, Phase
 from memsave.trainer import TrainConfig, Trainer, TrainResult, cosine_schedule
 from memsave.wrapped import MemsaveModule, MemsaveOptimizer
@@ -16,8 +17,10 @@ from memsave.wrapped import MemsaveModule, MemsaveOptimizer
 __version__ = "0.1.0"
 
 __all__ = [
+    "Estimate",
     "MemoryCategory",
     "MemoryReport",
+    "MemoryTracker",
     "MemsaveModule",
     "MemsaveOptimizer",
     "Mesh",
@@ -28,6 +31,7 @@ __all__ = [
     "Trainer",
     "__version__",
     "cosine_schedule",
+    "estimate",
     "init",
     "list_presets",
     "load_profile",

@@ -25,6 +25,7 @@ from memsave import dist as mdist
 from memsave._launch import LaunchError, spawn_local
 from memsave.api import wrap
 from memsave.config import Profile, list_presets, load_profile
+from memsave.estimator import Estimate, estimate, format_estimates
 from memsave.models import GPT, TokenBatches, gpt_config
 from memsave.models.gpt import GPT_SIZES
 from memsave.optim import build_optimizer
@@ -48,6 +49,7 @@ class DemoOptions:
     profile: Profile
     size: str
     train: TrainConfig
+    estimate: dict[str, Any] | None = None  # memsave.estimate(...) of this run, put beside the measured report
 
 
 def _demo_worker(opts: DemoOptions) -> dict[str, Any]:
@@ -78,7 +80,7 @@ def _demo_worker(opts: DemoOptions) -> dict[str, Any]:
     trainer = Trainer(
         wrapped, mopt, mesh=mesh, config=cfg, train_data=data["train"], eval_data=data["val"],
         lr_schedule=cosine_schedule(min(opt_cfg.warmup_steps, cfg.steps), cfg.steps, opt_cfg.min_lr_ratio),
-        profile=opts.profile.name,
+        profile=opts.profile.name, estimate=opts.estimate,
     )
     start = time.perf_counter()
     result = trainer.fit()
@@ -130,6 +132,11 @@ def _add_demo(sub: Any) -> None:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the run is stopped")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--report-json", type=Path, default=None, help="also write the memory report as JSON here")
+    p.add_argument("--report-dir", default="runs/memsave-demo",
+                   help="folder for report.json and report.html, the memory report with its timeline and the "
+                        "estimate beside it (default: runs/memsave-demo; '' writes none)")
+    p.add_argument("--no-track", action="store_true",
+                   help="no memory tracking (the report then has the final bytes only, no peaks or timeline)")
 
 
 def _demo_options(args: argparse.Namespace, extra: Sequence[str]) -> tuple[DemoOptions, int]:
@@ -144,9 +151,21 @@ def _demo_options(args: argparse.Namespace, extra: Sequence[str]) -> tuple[DemoO
     train = TrainConfig(
         steps=args.steps, micro_batches=args.micro_batches, batch_size=args.batch_size, seq_len=seq_len,
         log_every=args.log_every or max(1, args.steps // 10), grad_clip=1.0, progress=not args.no_progress,
-        seed=args.seed,
+        seed=args.seed, track_memory=not args.no_track, report_dir=args.report_dir,
     )
-    return DemoOptions(profile=profile, size=args.size, train=train), nproc
+    est = _demo_estimate(profile, args.size, train, nproc)
+    return DemoOptions(profile=profile, size=args.size, train=train, estimate=est.to_report_dict()), nproc
+
+
+def _demo_estimate(profile: Profile, size: str, train: TrainConfig, nproc: int) -> Estimate:
+    """What ``memsave.estimate`` predicts for the demo's model and batch (meta device: nothing allocated)."""
+    gpt_cfg = gpt_config(size)
+    if train.seq_len > gpt_cfg.block_size:
+        gpt_cfg = dataclasses.replace(gpt_cfg, block_size=train.seq_len)
+    with torch.device("meta"):
+        model = GPT(gpt_cfg)
+    batch = TokenBatches(seq_len=train.seq_len, batch_size=train.batch_size, seed=train.seed).batch(0)
+    return estimate(model, profile, world_size=nproc, batch=batch, device="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _run_demo(args: argparse.Namespace, extra: Sequence[str]) -> int:
@@ -162,6 +181,9 @@ def _run_demo(args: argparse.Namespace, extra: Sequence[str]) -> int:
         args.report_json.parent.mkdir(parents=True, exist_ok=True)
         args.report_json.write_text(rep.to_json() + "\n")
         print(f"memory report written to {args.report_json}")
+    if args.report_dir:
+        print(f"memory report (JSON, and a page with the timeline: open it in a browser) written to "
+              f"{Path(args.report_dir) / 'report.json'} and {Path(args.report_dir) / 'report.html'}")
     losses = r0["losses"]
     print(f"\nloss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps (val loss {r0['eval_loss']:.4f}); "
           f"{r0['tokens_per_s']:,.0f} tokens/s over {nproc} process{'es' if nproc > 1 else ''}; training {r0['train_s']:.1f} s, "
@@ -223,12 +245,87 @@ def _run_report(args: argparse.Namespace, extra: Sequence[str]) -> int:
     return 0
 
 
+# -- memsave estimate ----------------------------------------------------------------------------------------
+def _add_estimate(sub: Any) -> None:
+    p = sub.add_parser(
+        "estimate", help="per-rank memory of a model under profiles, before anything is allocated",
+        description="Predict per-rank bytes by category (parameters, gradients, masters, optimizer state, "
+        "activations, gathered parameters, offloaded tiers) for one profile or all presets. The model is built on "
+        "the meta device, so models far bigger than this machine are estimated in seconds. Profile keys can be "
+        "overridden as --section.key=value.",
+    )
+    p.add_argument("--model", default="gpt:bench", metavar="gpt:SIZE | MODULE:FUNCTION",
+                   help="the reference GPT at a size (gpt:tiny ... gpt:bench; fields override, e.g. "
+                        "gpt:bench,tie_weights=false or gpt:bench,n_layer=48,d_model=4096), or MODULE:FUNCTION returning a model or (model, example batch); it is "
+                        "called under torch.device('meta') (default: gpt:bench)")
+    p.add_argument("--profile", default=None, help="a preset or TOML path (default: every preset)")
+    p.add_argument("--world-size", type=int, default=2, help="data-parallel ranks (default: 2)")
+    p.add_argument("--batch-size", type=int, default=4, help="rows per rank per micro-batch (GPT; default: 4)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per row (GPT; default: 256)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="device kind trained on (default: "
+                   "cuda when available)")
+    p.add_argument("--json", type=Path, default=None, help="also write the estimates here")
+
+
+def _estimate_model(spec: str, batch_size: int, seq_len: int) -> tuple[torch.nn.Module, Any]:
+    import importlib
+
+    kind, sep, rest = spec.partition(":")
+    if not sep or not rest:
+        raise UsageError(f"--model {spec!r} is not gpt:SIZE or MODULE:FUNCTION")
+    if kind == "gpt":
+        size, *fields = rest.split(",")
+        overrides: dict[str, Any] = {}
+        for f in fields:
+            key, eq, value = f.partition("=")
+            if not eq or not (value.isdigit() or value in ("true", "false")):
+                raise UsageError(f"--model {spec!r}: {f!r} is not key=integer or key=true/false (e.g. n_layer=48)")
+            overrides[key] = value == "true" if value in ("true", "false") else int(value)
+        cfg = gpt_config(size, **overrides)
+        if seq_len > cfg.block_size:
+            cfg = dataclasses.replace(cfg, block_size=seq_len)
+        with torch.device("meta"):
+            model = GPT(cfg)
+        ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+        return model, {"input_ids": ids, "labels": ids}
+    try:
+        fn = getattr(importlib.import_module(kind), rest)
+    except (ImportError, AttributeError) as exc:
+        raise UsageError(f"--model {spec!r}: cannot load {rest!r} from module {kind!r} ({exc})") from None
+    with torch.device("meta"):
+        built = fn()
+    model, batch = built if isinstance(built, tuple) else (built, None)
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"--model {spec!r} returned a {type(model).__name__}, not an nn.Module (or (model, batch))")
+    return model, batch
+
+
+def _run_estimate(args: argparse.Namespace, extra: Sequence[str]) -> int:
+    import json
+
+    overrides = _split_overrides(extra)
+    model, batch = _estimate_model(args.model, args.batch_size, args.seq_len)
+    names = [args.profile] if args.profile else list_presets()
+    ests = [estimate(model, load_profile(n, overrides), world_size=args.world_size, batch=batch, device=args.device)
+            for n in names]
+    print(format_estimates(ests))
+    if batch is None:
+        print("no example batch: activations are not estimated (return (model, batch) from the function)")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"schema": "memsave.estimate/1", "model": args.model, "estimates": [
+            {"profile": e.profile, **e.to_report_dict(), "model_state": e.model_state, "activations": e.activations}
+            for e in ests]}, indent=1) + "\n")
+        print(f"estimates written to {args.json}")
+    return 0
+
+
 Command = tuple[str, Callable[[Any], None], Callable[[argparse.Namespace, Sequence[str]], int]]
 _COMMANDS: list[Command] = [
     ("demo", _add_demo, _run_demo),
     ("bench", bench.add_parser, bench.run_command),
     ("profiles", _add_profiles, _run_profiles),
     ("report", _add_report, _run_report),
+    ("estimate", _add_estimate, _run_estimate),
 ]
 
 

@@ -18,6 +18,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -26,7 +27,7 @@ from tqdm import tqdm
 
 from memsave import dist as mdist
 from memsave.dist import Mesh
-from memsave.memory import MemoryReport, account, peak_rss_bytes, report
+from memsave.memory import MemoryReport, MemoryTracker, account, peak_rss_bytes, report
 from memsave.wrapped import MemsaveOptimizer
 
 __all__ = ["BatchSource", "LogRecord", "TrainConfig", "TrainResult", "Trainer", "cosine_schedule"]
@@ -58,6 +59,9 @@ class TrainConfig:
     grad_clip: clip gradients to this global norm; None does not clip.
     progress: show a tqdm progress bar on rank 0.
     seed: seeds torch's RNG at the start of ``fit`` (plus the dp rank, so dropout masks differ per rank).
+    track_memory: sample memory at every phase and unit boundary (:class:`memsave.memory.MemoryTracker`), so
+        the final report carries peaks per category and phase and a timeline; off costs nothing.
+    report_dir: where rank 0 writes the final memory report (``report.json`` and ``report.html``); "" writes none.
     """
 
     steps: int = 100
@@ -70,6 +74,8 @@ class TrainConfig:
     grad_clip: float | None = 1.0
     progress: bool = False
     seed: int = 0
+    track_memory: bool = False
+    report_dir: str = ""
 
     def __post_init__(self) -> None:
         for name, low in (("steps", 1), ("micro_batches", 1), ("batch_size", 1), ("seq_len", 1),
@@ -80,8 +86,11 @@ class TrainConfig:
         clip = self.grad_clip
         if clip is not None and (isinstance(clip, bool) or not isinstance(clip, int | float) or not clip > 0):
             raise _bad("grad_clip", clip, "None or a positive number")
-        if not isinstance(self.progress, bool):
-            raise _bad("progress", self.progress, "true or false")
+        for name in ("progress", "track_memory"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, getattr(self, name), "true or false")
+        if not isinstance(self.report_dir, str):
+            raise _bad("report_dir", self.report_dir, "a folder path as a string, or \"\" for none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +189,7 @@ class Trainer:
         on_log: Callable[[LogRecord], None] | None = None,
         eval_fn: Callable[[nn.Module], float] | None = None,
         profile: str = "",
+        estimate: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(optimizer, MemsaveOptimizer):
             raise ValueError(
@@ -200,6 +210,7 @@ class Trainer:
         self.on_log = on_log
         self.eval_fn = eval_fn
         self.profile = profile
+        self.estimate = estimate  # memsave.estimate(...).to_report_dict(), put beside the final report
         self.initial_lrs = [float(group["lr"]) for group in optimizer.param_groups]
         self.step = 0  # optimizer steps done
         self._end_step = config.steps  # where the current fit() ends
@@ -328,6 +339,9 @@ class Trainer:
         total_tokens = 0
         bar = tqdm(initial=self.step, total=self._end_step, disable=not (cfg.progress and self.is_main),
                    desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+        tracker = None
+        if cfg.track_memory and getattr(self.model, "memsave_tracker", None) is None:
+            tracker = MemoryTracker(self.model, self.optimizer)
         try:
             for _ in range(cfg.steps):
                 step = self.step
@@ -360,6 +374,14 @@ class Trainer:
                         self._say(f"step {step + 1}: eval loss {eval_losses[-1][1]:.4f}", bar)
         finally:
             bar.close()
-        final = report(self.model, self.optimizer, profile=self.profile)
+        try:
+            final = report(self.model, self.optimizer, profile=self.profile, estimate=self.estimate)
+        finally:
+            if tracker is not None:
+                tracker.close()
+        if cfg.report_dir and self.is_main:
+            out = Path(cfg.report_dir)
+            final.save(out / "report.json")
+            final.save(out / "report.html")
         return TrainResult(losses=losses, eval_losses=eval_losses, step_times=step_times,
                            tokens_per_s=total_tokens / max(total_time, 1e-9), report=final, logs=logs)

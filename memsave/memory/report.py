@@ -20,7 +20,14 @@ from torch import nn
 
 from memsave import dist as mdist
 from memsave.memory.accounting import account, peak_rss_bytes, rss_bytes
-from memsave.memory.schema import CATEGORIES, SCHEMA, format_text, in_memory_total, save_report, validate_report
+from memsave.memory.schema import (
+    CATEGORIES,
+    SCHEMA,
+    format_text,
+    in_memory_total,
+    save_report,
+    validate_report,
+)
 from memsave.memory.tracker import MemoryTracker
 
 __all__ = ["MemoryReport", "RankMemory", "report"]

@@ -1,10 +1,11 @@
 """Activations held for backward, counted live: what autograd keeps from forward until the backward that uses it.
 
 A :class:`SavedTensorCounter` installs ``torch.autograd.graph.saved_tensors_hooks`` around a forward. Its pack
-hook records a weak reference to the storage of what is actually kept (the tensor itself, or what the hooks
-it sits on return: a bf16 copy under compression, a host copy under activation offload) and its size; the
-bytes still held at any moment are the recorded storages that are alive. Backward frees a node's saved
-tensors once it has run, so the count falls through backward without any hook there.
+hook hands the graph a small holder of what is actually kept (the tensor itself, or what the hooks it sits on
+return: a bf16 copy under compression, a host copy under activation offload) and records a weak reference to
+the holder with the storages inside; the bytes kept for backward at any moment are the storages of the holders
+still alive, each storage once. Backward drops a node's holders once it has run, so the count falls through
+backward without any hook there, even for tensors the user still holds (the batch, the logits).
 
 [Note: composing saved-tensor hooks] Only the innermost ``saved_tensors_hooks`` apply, so a counter that simply
 pushed its own would switch off the hooks of memsave's compression or activation offload (or a user's). The
@@ -21,6 +22,7 @@ skips every storage it has already attributed to another category.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,50 +42,70 @@ def note_kept(obj: Any) -> None:
         counter.add(obj)
 
 
+class _Saved:
+    """What the graph holds for one saved tensor: it lives exactly as long as autograd keeps the tensor for
+    backward (a node drops it once its backward ran), whoever else holds the tensor itself."""
+
+    __slots__ = ("__weakref__", "outer", "packed")
+
+    def __init__(self, outer: tuple[Any, Any] | None, packed: Any) -> None:
+        self.outer, self.packed = outer, packed
+
+
 class SavedTensorCounter:
     """Live bytes of the storages kept for backward by the forwards run inside :meth:`__call__`."""
 
     def __init__(self) -> None:
-        # StorageImpl address -> (weak reference, bytes, device type); the address of the StorageImpl, not of its
-        # data: a ZeRO-3 buffer freed and re-grown keeps its StorageImpl (and the views saved on it) but not its data
-        self._live: dict[int, tuple[StorageWeakRef, int, str]] = {}
+        # saved through the hooks: (weak reference to the graph's holder, StorageImpl address, bytes, device type);
+        # the address of the StorageImpl, not of its data: a ZeRO-3 buffer freed and re-grown keeps its StorageImpl
+        # (and the views saved on it) but not its data
+        self._saved: list[tuple[weakref.ref[_Saved], int, int, str]] = []
+        # kept by reference (note_kept): the storage itself decides
+        self._kept: dict[int, tuple[StorageWeakRef, int, str]] = {}
         self._outer: list[tuple[Any, Any] | None] = []  # the hooks below ours, per nested entry
 
-    def add(self, obj: Any) -> None:
+    @staticmethod
+    def _storages(obj: Any) -> list[tuple[torch.UntypedStorage, str]]:
+        out = []
         for t in tree_leaves(obj):
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-                continue
-            storage = t.untyped_storage()
-            nbytes = storage.nbytes()
-            if nbytes:
-                self._live[storage._cdata] = (StorageWeakRef(storage), nbytes, t.device.type)
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                if storage.nbytes():
+                    out.append((storage, t.device.type))
+        return out
+
+    def add(self, obj: Any) -> None:
+        """Tensors in ``obj`` are kept for backward by reference: count them while their storage lives."""
+        for storage, device in self._storages(obj):
+            self._kept[storage._cdata] = (StorageWeakRef(storage), storage.nbytes(), device)
 
     def pack(self, t: torch.Tensor) -> Any:
         outer = self._outer[-1] if self._outer else None
         # Not ``t`` itself: a saved op *output* returned as is makes a reference cycle through autograd's C++
         # graph that Python's collector cannot see (see memsave/recompute/measure.py); an alias costs nothing.
         packed = outer[0](t) if outer is not None else t.detach()
-        self.add(packed)
-        return (outer, packed)
+        holder = _Saved(outer, packed)
+        ref = weakref.ref(holder)
+        for storage, device in self._storages(packed):  # what is actually kept (a compressed copy, ...)
+            self._saved.append((ref, storage._cdata, storage.nbytes(), device))
+        return holder
 
     @staticmethod
-    def unpack(item: Any) -> torch.Tensor:
-        outer, packed = item
-        return outer[1](packed) if outer is not None else packed
+    def unpack(holder: _Saved) -> torch.Tensor:
+        return holder.outer[1](holder.packed) if holder.outer is not None else holder.packed
 
     def live(self, skip: set[int] | None = None) -> tuple[int, dict[str, int]]:
-        """``(bytes, bytes per device type)`` of the storages still alive, minus ``skip`` (StorageImpl addresses
-        attributed to another category)."""
+        """``(bytes, bytes per device type)`` of the storages still kept for backward, each once, minus ``skip``
+        (StorageImpl addresses attributed to another category)."""
+        self._saved = [e for e in self._saved if e[0]() is not None]
+        self._kept = {k: e for k, e in self._kept.items() if not e[0].expired()}
+        sizes: dict[int, tuple[int, str]] = {key: (nbytes, device) for _, key, nbytes, device in self._saved}
+        sizes.update((key, (nbytes, device)) for key, (_, nbytes, device) in self._kept.items())
         total, by_device = 0, {}  # type: tuple[int, dict[str, int]]
-        dead = []
-        for key, (ref, nbytes, device) in self._live.items():
-            if ref.expired():
-                dead.append(key)
-            elif skip is None or key not in skip:
+        for key, (nbytes, device) in sizes.items():
+            if skip is None or key not in skip:
                 total += nbytes
                 by_device[device] = by_device.get(device, 0) + nbytes
-        for key in dead:
-            del self._live[key]
         return total, by_device
 
     @contextlib.contextmanager

@@ -1,0 +1,253 @@
+"""The memory tracker and the estimator: bytes per category measured at every phase and unit boundary, against
+arithmetic, against torch's own MemTracker, and against what ``memsave.estimate`` predicted before the run.
+
+Targets of the issue (the bench GPT figures are in ``memsave bench --memory``): estimated model-state bytes per
+rank within 2% of the measured, activations within 10%, the peak within 10%; the tracker within 5% of
+MemTracker per category on an unsharded run. On the small GPT the estimate is exact for every profile below
+(the test allows the issue's tolerances, and asserts the model state exactly).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import memsave
+from memsave.cli import main
+from memsave.estimator import estimate
+from memsave.memory import MemoryTracker, load_report
+from memsave.memory.schema import in_memory_total
+from memsave.models import GPT, TokenBatches, gpt_config
+from memsave.recompute.measure import measure_saved_bytes
+from tests.harness import run_ranks
+
+MODEL_STATE = ("params", "grads", "master", "optimizer_state")
+
+
+def _gpt(size: str = "tiny", **kw: Any) -> GPT:
+    torch.manual_seed(0)
+    return GPT(gpt_config(size, **kw))
+
+
+def _step(model: Any, opt: Any, batch: dict[str, torch.Tensor], wrapped: bool) -> float:
+    loss = model(**batch).loss
+    if wrapped:
+        opt.backward(loss)
+        opt.clip_grad_norm(1.0)
+    else:
+        loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return float(loss.detach())
+
+
+def _events(tracker: MemoryTracker, event: str) -> list[dict[str, Any]]:
+    return [s for s in tracker.timeline if s["event"] == event]
+
+
+def test_plain_model_categories_by_arithmetic() -> None:
+    """A plain (unwrapped) model: parameters, gradients, Adam's state and the saved activations of one forward,
+    each equal to what arithmetic and an independent measurement say, at the boundary where it must be."""
+    model = _gpt("tiny", tie_weights=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = TokenBatches(seq_len=32, batch_size=2)
+    param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    saved = measure_saved_bytes(lambda: model(**data.batch(0)), list(model.blocks), model=model).total
+    hooks_before = (len(model._forward_hooks), len(model._forward_pre_hooks))
+    tracker = MemoryTracker(model, opt)
+    for i in range(2):
+        _step(model, opt, data.batch(i), wrapped=False)
+    fwd_end = _events(tracker, "forward_end")
+    assert [s["bytes"]["activations"] for s in fwd_end] == [saved, saved]
+    assert all(s["bytes"]["params"] == param_bytes for s in tracker.timeline)
+    back_end = _events(tracker, "backward_end")
+    assert all(s["bytes"].get("activations", 0) == 0 for s in back_end), [(s["step"], s["bytes"]) for s in back_end]
+    assert all(s["bytes"]["grads"] == param_bytes for s in back_end)
+    steps = _events(tracker, "step_end")
+    n_params = len(list(model.parameters()))
+    assert steps[0]["bytes"]["optimizer_state"] == 2 * param_bytes + 4 * n_params  # m, v and the step scalars
+    assert _events(tracker, "zero_grad")[-1]["bytes"].get("grads", 0) == 0
+    # the peak is the largest in-memory total over the samples, with its phase and step
+    totals = [in_memory_total(s["bytes"]) for s in tracker.timeline]
+    assert tracker.peak["total"] == max(totals) == in_memory_total(tracker.peak["bytes"])
+    assert tracker.peak["phase"] in ("forward", "backward") and tracker.peak["step"] == 1
+    phases = [s["phase"] for s in tracker.timeline if s["step"] == 1]
+    runs = [p for i, p in enumerate(phases) if i == 0 or phases[i - 1] != p]
+    assert runs == ["idle", "forward", "backward", "optimizer"]  # zero_grad, then the step's phases in order
+    units = {s["unit"] for s in tracker.timeline if s["event"] in ("pre_forward", "pre_backward", "post_backward")}
+    assert units == {"blocks.0", "blocks.1"}
+    tracker.close()
+    assert (len(model._forward_hooks), len(model._forward_pre_hooks)) == hooks_before
+    assert "step" not in vars(opt) and not hasattr(model, "memsave_tracker")  # the optimizer's own step again
+    samples = len(tracker.timeline)
+    _step(model, opt, data.batch(2), wrapped=False)
+    assert len(tracker.timeline) == samples  # closed: nothing samples any more
+
+
+def test_agrees_with_torch_memtracker_on_an_unsharded_run() -> None:
+    """torch's MemTracker (a dispatch mode) and ours (module and saved-tensor hooks) over the same two steps,
+    read at the same instant, the end of each forward: every category both know agrees within 5%. Measured:
+    parameters, buffers and optimizer state to the byte; activations 2.8% below MemTracker's, which also counts
+    what forward allocated and the caller still holds without backward needing it (the logits: a
+    log-softmax of them is what cross-entropy saves). MemTracker's TEMP, backward's temporaries, has no
+    category here: it stays in the RSS remainder ("unaccounted")."""
+    mem_tracker = importlib.import_module("torch.distributed._tools.mem_tracker").MemTracker
+    model = _gpt("small", tie_weights=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = TokenBatches(seq_len=64, batch_size=2)
+    _step(model, opt, data.batch(0), wrapped=False)  # optimizer state exists from here on
+    theirs: list[dict[str, int]] = []
+    with MemoryTracker(model, opt) as ours, mem_tracker() as mt:
+        mt.track_external(model, opt)
+        # registered after the tracker's root hook (prepended): the same instant as its forward_end sample
+        hook = model.register_forward_hook(lambda *_: theirs.append(
+            {str(getattr(k, "value", k)): v for k, v in next(iter(mt.get_tracker_snapshot("current").values())).items()}))
+        for i in range(1, 3):
+            mt.reset_mod_stats()
+            _step(model, opt, data.batch(i), wrapped=False)
+        hook.remove()
+    pairs = {"Parameter": "params", "Optstate": "optimizer_state", "Activation": "activations", "Buffer": "buffers",
+             "Gradient": "grads"}
+    samples = _events(ours, "forward_end")
+    assert len(samples) == len(theirs) == 2
+    for mine, snap in zip(samples, theirs):
+        for name, cat in pairs.items():
+            assert mine["bytes"].get(cat, 0) == pytest.approx(snap.get(name, 0), rel=0.05), (name, mine, snap)
+        assert mine["bytes"]["params"] == snap["Parameter"] and mine["bytes"]["optimizer_state"] == snap["Optstate"]
+
+
+def test_compression_stays_on_under_the_tracker_and_is_counted_compressed() -> None:
+    """[Note: composing saved-tensor hooks]: the tracker chains to memsave's compression instead of replacing it:
+    the run with the tracker equals the compressed run without it, and the activations it counts are the
+    bf16 copies (about half of uncompressed)."""
+    def run(track: bool, compress: str) -> tuple[list[float], int]:
+        model = _gpt("tiny", dropout=0.0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, opt = memsave.wrap(model, opt, memsave.Profile.load("ddp", [f"recompute.compress={compress!r}"]))
+        tracker = MemoryTracker(model, opt) if track else None
+        data = TokenBatches(seq_len=64, batch_size=2)
+        losses = [_step(model, opt, data.batch(i), wrapped=True) for i in range(3)]
+        acts = _events(tracker, "forward_end")[-1]["bytes"]["activations"] if tracker else 0
+        return losses, acts
+
+    plain, plain_acts = run(True, "none")
+    compressed, _ = run(False, "bf16")
+    tracked, tracked_acts = run(True, "bf16")
+    assert tracked == compressed and tracked != plain
+    assert 0.45 * plain_acts < tracked_acts < 0.62 * plain_acts  # the covered tensors at 2 bytes, not 4
+
+
+PROFILES = ("ddp", "zero1", "zero2", "zero3", "zero3-bf16", "zero3-recompute", "zero2-adafactor")
+
+
+def _estimate_vs_measured(profiles: tuple[str, ...]) -> list[dict[str, Any]]:
+    mesh = memsave.init()
+    out = []
+    for name in profiles:
+        prof = memsave.load_profile(name)
+        data = TokenBatches(seq_len=64, batch_size=2, dp_rank=mesh.dp_rank, dp_size=mesh.dp_size)
+        with torch.device("meta"):
+            meta = GPT(gpt_config("small", dropout=0.0))
+        est = estimate(meta, prof, world_size=mesh.dp_size, batch=data.batch(0), device="cpu")
+        model = _gpt("small", dropout=0.0)
+        opt = memsave.optim.build_optimizer(model.parameters(), prof.optimizer)
+        model, opt = memsave.wrap(model, opt, prof, mesh=mesh)
+        tracker = MemoryTracker(model, opt)
+        for i in range(3):
+            _step(model, opt, data.batch(i), wrapped=True)
+        end = _events(tracker, "step_end")[-1]["bytes"]
+        acts = _events(tracker, "forward_end")[-1]["bytes"]["activations"]
+        rep = memsave.report(model, opt, profile=name, estimate=est.to_report_dict())
+        tracker.close()
+        out.append({"profile": name, "est_state": est.model_state, "state": sum(end.get(c, 0) for c in MODEL_STATE),
+                    "est_acts": est.activations, "acts": acts, "est_peak": est.peak_total,
+                    "peak": tracker.peak["total"], "report": rep.to_dict()})
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_estimate_matches_the_measurement_for_every_profile(world_size: int, tmp_path: Path) -> None:
+    results = run_ranks(_estimate_vs_measured, world_size, PROFILES, timeout=300)
+    for rank_rows in results:
+        for r in rank_rows:
+            name = r["profile"]
+            assert r["state"] == pytest.approx(r["est_state"], rel=0.02), (name, r)
+            assert r["acts"] == pytest.approx(r["est_acts"], rel=0.10), (name, r)
+            assert r["peak"] == pytest.approx(r["est_peak"], rel=0.10), (name, r)
+    # the reports of rank 0 carry both ranks, the estimate, and survive a JSON round trip
+    for r in results[0]:
+        rep = r["report"]
+        assert [x["rank"] for x in rep["ranks"]] == list(range(world_size)) and rep["estimate"] is not None
+        for rank in rep["ranks"]:
+            assert rank["timeline"] and rank["peak"]["total"] == in_memory_total(rank["peak"]["bytes"])
+            assert all(rank["category_peak"][c] >= rank["peak"]["bytes"].get(c, 0) for c in rank["category_peak"])
+        path = tmp_path / f"{r['profile']}-{world_size}.json"
+        memsave.memory.save_report(rep, path)
+        assert load_report(path) == json.loads(json.dumps(rep))
+
+
+def test_zero3_gathered_parameters_are_not_activations() -> None:
+    """ZeRO-3 saves views of the gathered weights for backward; they are gathered parameters (freed and
+    re-gathered by the engine), never activations, and the tracker sees the gather and the reshard per unit."""
+    results = run_ranks(_estimate_vs_measured, 2, ("zero3",), timeout=120)
+    rep = results[0][0]["report"]
+    samples = rep["ranks"][0]["timeline"]
+    gathered = {(s["event"], s["unit"]): s["bytes"].get("params_gathered", 0) for s in samples if s["step"] == 2}
+    assert gathered[("post_forward", "blocks.0")] > gathered[("post_backward", "blocks.0")]
+    back_end = [s for s in samples if s["event"] == "backward_end"]
+    assert back_end and all(s["bytes"].get("activations", 0) == 0 for s in back_end)
+
+
+def test_estimate_refuses_bad_input_and_leaves_the_model_alone() -> None:
+    model = _gpt("tiny")
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="world_size = 0"):
+        estimate(model, "zero3", world_size=0)
+    with pytest.raises(ValueError, match="device = 'tpu'"):
+        estimate(model, "zero3", device="tpu")
+    est = estimate(model, "zero3", world_size=4, batch=TokenBatches(seq_len=16, batch_size=2).batch(0))
+    assert est.activations > 0 and est.bytes["params"] < sum(p.numel() * 4 for p in model.parameters()) / 3
+    assert all(p.device.type == "cpu" and torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert not any(hasattr(m, "memsave_recompute_plan") for m in model.modules())
+
+
+def test_estimate_a_model_too_big_for_this_machine() -> None:
+    """A 100B-parameter GPT on the meta device: nothing allocated, the ZeRO-3 arithmetic per rank."""
+    with torch.device("meta"):
+        big = GPT(gpt_config("bench", n_layer=96, d_model=9216, n_head=72, vocab_size=50304, block_size=2048))
+    psi = sum(p.numel() for p in big.parameters())
+    est = estimate(big, "zero3-bf16", world_size=1024, batch=None)
+    assert psi > 9e10 and est.model_state == pytest.approx(16 * psi / 1024, rel=0.01)
+
+
+def test_cli_estimate(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "est.json"
+    assert main(["estimate", "--model", "gpt:tiny", "--profile", "zero3", "--seq-len", "32", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "zero3" in text and "params_gathered" in text and "activations" in text
+    data = json.loads(out.read_text())
+    assert data["estimates"][0]["profile"] == "zero3" and data["estimates"][0]["activations"] > 0
+    assert main(["estimate", "--model", "gpt:tiny", "--seq-len", "32"]) == 0  # every preset
+    assert len([ln for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("zero")]) >= 5
+    assert main(["estimate", "--model", "nosuchmodule:build"]) == 2
+    assert "cannot load 'build'" in capsys.readouterr().err
+
+
+def test_trainer_writes_the_tracked_report(tmp_path: Path) -> None:
+    mesh = memsave.init()
+    model = _gpt("tiny")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = memsave.wrap(model, opt, "zero2", mesh=mesh)
+    cfg = memsave.TrainConfig(steps=3, batch_size=2, seq_len=32, track_memory=True, report_dir=str(tmp_path))
+    result = memsave.Trainer(model, opt, mesh=mesh, config=cfg, train_data=TokenBatches(seq_len=32, batch_size=2),
+                             profile="zero2").fit()
+    data = load_report(tmp_path / "report.json")
+    assert data == result.report.to_dict() or data["run"] == result.report.to_dict()["run"]
+    assert len({s["step"] for s in data["ranks"][0]["timeline"]}) == 4  # steps 0-2, and the report's sample
+    assert (tmp_path / "report.html").read_text().startswith("<!DOCTYPE html>")
+    assert not hasattr(model, "memsave_tracker")  # the trainer's tracker is gone: no hooks left
