@@ -199,7 +199,7 @@ class OffloadedState:
 
     @staticmethod
     def _view(buf: torch.Tensor, piece: _Piece, dtype: torch.dtype, offset: int) -> torch.Tensor:
-        nbytes = piece.sub.numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = piece.sub.numel() * dtype.itemsize
         return buf[offset : offset + nbytes].view(dtype).view(piece.sub.shape)
 
     def _detach(self, piece: _Piece) -> dict[str, Any]:
