@@ -560,6 +560,10 @@ def add_parser(sub: Any) -> None:
                    help="instead: optimizer-state offload against the same run in memory (memsave/bench_offload.py), "
                         "e.g. zero3,zero3-offload-disk,zero3-offload-disk-noprefetch,zero3-offload-disk-half")
     p.add_argument("--offload-path", default=None, help="--offload: folder for the disk tier (default: the temp dir)")
+    p.add_argument("--memory", default=None,
+                   help="instead: the memory tracker and estimator per profile (memsave/bench_memory.py): estimated "
+                        "vs measured state, activations and peak, tracking overhead; 'memtracker' adds torch's "
+                        "MemTracker beside ours, e.g. ddp,zero1,zero2,zero3,memtracker")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
 
 
@@ -568,6 +572,10 @@ def run_command(args: Any, extra: Any) -> int:
         raise ValueError(f"memsave bench: unrecognized arguments: {' '.join(extra)}")
     opts = BenchOptions(size=args.size, tie_weights=args.tied, batch_size=args.batch_size, seq_len=args.seq_len,
                         steps=args.steps, warmup=args.warmup, nproc=args.nproc)
+    if args.memory:
+        from memsave.bench_memory import run_command as run_memory
+
+        return run_memory(args.memory, opts, args.json)
     if args.offload:
         from memsave.bench_offload import run_command as run_offload
 

@@ -52,11 +52,15 @@ class MemoryTracker:
     def __init__(self, model: nn.Module, *holders: object, timeline: bool = True,
                  units: list[nn.Module] | None = None) -> None:
         self.model = model
-        # The engine first: the first category given to a storage wins, and a plain module's view of a ZeRO-3
-        # parameter (a view of the gathered buffer) would call gathered memory "params".
+        # A memsave engine reports the model's parameters, gradients and buffers by their roles (a plain module's
+        # view of a ZeRO-3 parameter would call gathered memory "params"), so it stands for the model; the
+        # optimizer memsave returns reports its engine's tensors first, so then the engine is not asked twice.
         engine = getattr(model, "memsave_engine", None)
-        first = [engine] if isinstance(engine, HoldsMemory) else []
-        self.holders: list[object] = [*first, *holders, model]
+        if isinstance(engine, HoldsMemory):
+            reported = any(getattr(h, "engine", None) is engine for h in holders)
+            self.holders: list[object] = [*holders] if reported else [engine, *holders]
+        else:
+            self.holders = [*holders, model]
         self._optimizers = [h for h in holders if isinstance(h, torch.optim.Optimizer)]
         self.record_timeline = timeline
         self.counter = SavedTensorCounter()
