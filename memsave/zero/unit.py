@@ -283,3 +283,9 @@ class Unit:
                 yield MemoryCategory.GRADS, p.grad
         if self.flat_grad is not None:
             yield MemoryCategory.GRADS, self.flat_grad
+        if self._gather is not None:  # a prefetch in flight: its staging buffer
+            yield MemoryCategory.COMM, self._gather[1]
+        if self._reduce is not None:  # a reduce-scatter in flight: its staging buffer (and output, if not flat_grad)
+            _, out, staging = self._reduce
+            yield MemoryCategory.COMM, staging
+            yield MemoryCategory.COMM, out
