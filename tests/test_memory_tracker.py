@@ -199,6 +199,9 @@ def test_zero3_gathered_parameters_are_not_activations() -> None:
     samples = rep["ranks"][0]["timeline"]
     gathered = {(s["event"], s["unit"]): s["bytes"].get("params_gathered", 0) for s in samples if s["step"] == 2}
     assert gathered[("post_forward", "blocks.0")] > gathered[("post_backward", "blocks.0")]
+    # the prefetch window: when a unit starts its forward, the next unit's gather is in flight (its staging)
+    prefetching = [s["bytes"].get("comm", 0) for s in samples if s["event"] == "pre_forward" and s["step"] == 2]
+    assert prefetching[0] > 0 and prefetching[-1] == 0  # the last unit has nothing after it to prefetch
     back_end = [s for s in samples if s["event"] == "backward_end"]
     assert back_end and all(s["bytes"].get("activations", 0) == 0 for s in back_end)
 
