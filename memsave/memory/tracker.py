@@ -216,10 +216,8 @@ class MemoryTracker:
         """Bytes per category now: every holder's storages once (first category wins), then the activations."""
         seen: set[int] = set()
         out: dict[str, int] = {}
-        for holder in self.holders:
+        for holder in self.holders:  # the hot loop of every sample: keep it lean (no device or enum lookups)
             for category, t in _tensors_of(holder):
-                if t.device.type == "meta":
-                    continue
                 storage = t.untyped_storage()
                 key = storage._cdata  # the StorageImpl: stable while a ZeRO-3 buffer is freed and re-grown
                 if key in seen:
@@ -227,7 +225,9 @@ class MemoryTracker:
                 seen.add(key)  # also when empty: a resharded ZeRO-3 buffer's saved views are not activations
                 nbytes = storage.nbytes()
                 if nbytes:
-                    out[category.value] = out.get(category.value, 0) + nbytes
+                    name = category._value_  # not .value (a descriptor) nor the enum as a key (a Python __hash__)
+                    out[name] = out.get(name, 0) + nbytes
+        for holder in self.holders:
             offloaded = getattr(holder, "offloaded_bytes", None)
             if callable(offloaded):
                 for tier, nbytes in offloaded().items():
