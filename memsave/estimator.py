@@ -8,12 +8,15 @@ counting of ``memsave.recompute.measure``: shapes and dtypes only, so a model fa
 estimated in seconds.
 
 [Note: the estimated peak] Memory peaks either at the end of forward (every activation held, nothing of this
-step's gradients yet) or during backward, where activations are freed unit by unit as gradients appear. The
-estimate walks backward unit by unit (the root's head first, then the units in reverse, as autograd runs them),
-freeing each unit's saved bytes and adding what its gradients hold at that stage (stage 1: the full gradients,
-kept until the step; stages 2-3: nothing beyond the persistent shard, the full gradient is freed as soon as it
-is staged), and takes the largest total. ZeRO-3 adds the gathered root and the largest unit (the last unit
-stays gathered from forward into backward); no staging buffer is in flight at that moment.
+step's gradients yet) or during backward, where activations are freed unit by unit as gradients appear and
+reduce-scatters hold staging buffers. The estimate replays the tracker's samples: the end of forward, then
+before and after each unit's backward in backward order. Before a unit's backward the units up to it still
+hold their saved bytes; after it, its own are freed, its gradients exist (stage 1: the full gradients, kept
+until the step; stages 2-3: only the persistent shard) and its reduce-scatter is in flight, with staging of
+N x C elements in the reduce dtype (stage 1: plus a fresh output chunk), at most two at a time as in
+``memsave/zero/engine.py``. At stage 3 the root stays gathered throughout, a unit is gathered from before its
+backward until after it, and the gather of the unit before it is in flight (its staging buffer) with
+``prefetch`` on. The largest total of these points is the estimated peak.
 """
 
 from __future__ import annotations
@@ -129,7 +132,7 @@ def _model_states(groups: list[list[nn.Parameter]], prof: Profile, n: int) -> di
     reduce = reduce_dtype_for(prof.precision)
     r = _BYTES[reduce] if reduce is not None else c
     out: dict[str, int] = dict.fromkeys(("params", "grads", "master", "optimizer_state"), 0)
-    unit_full, unit_padded, unit_grad_full = [], [], []
+    unit_full, unit_padded, unit_grad_full, unit_reduce = [], [], [], []
     for params in groups:
         trainable = [p for p in params if p.requires_grad]
         full = sum(p.numel() for p in params)
@@ -138,6 +141,12 @@ def _model_states(groups: list[list[nn.Parameter]], prof: Profile, n: int) -> di
         unit_full.append(full * c)
         unit_padded.append(chunk * n * c)
         unit_grad_full.append(sum(p.numel() for p in trainable) * c)
+        # a reduce-scatter in flight: its staging (N * C in the reduce dtype) and, at stage 1 (or a reduce dtype
+        # of its own), a fresh output chunk; stages 2-3 reduce into the persistent flat_grad
+        if trainable and stage >= 1:
+            unit_reduce.append(grad_chunk * n * r + (grad_chunk * r if stage == 1 else 0))
+        else:
+            unit_reduce.append(0)
         shard = 1 if stage == 0 else n
         out["params"] += chunk * c if stage == 3 else full * c
         if stage == 0:
@@ -151,7 +160,8 @@ def _model_states(groups: list[list[nn.Parameter]], prof: Profile, n: int) -> di
             if mixed:
                 out["master"] += 4 * local * _rows(p.shape)[1]
             out["optimizer_state"] += _state_per_shard(p.shape, local, prof)
-    return {"bytes": out, "unit_full": unit_full, "unit_padded": unit_padded, "unit_grad_full": unit_grad_full}
+    return {"bytes": out, "unit_full": unit_full, "unit_padded": unit_padded, "unit_grad_full": unit_grad_full,
+            "unit_reduce": unit_reduce}
 
 
 def _run_forward(model: nn.Module, batch: Any) -> Callable[[], Any]:
@@ -288,21 +298,46 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
     # [Note: the estimated peak]: walk backward unit by unit
     base = {k: v for k, v in held.items()}
     best = dict(base, activations=acts)
-    if stage == 1:
-        remaining, grads = acts, states["unit_grad_full"][0]  # the root's head gradients come first
-        for k in reversed(range(len(modules))):
-            remaining -= per_unit[k]
-            grads += states["unit_grad_full"][k + 1]
-            point = dict(base, activations=max(remaining, 0), grads=grads)
-            if _total(point) > _total(best):
-                best = point
-        end = dict(base, activations=0, grads=persistent_grads)
-        if _total(end) > _total(best):
-            best = end
+    if stage >= 1:
+        best = _walk_backward(best, base, states, per_unit, stage, prof.zero.prefetch, persistent_grads)
     best = {k: int(v) for k, v in best.items() if v}
     return Estimate(profile=prof.name, world_size=n, model=_model_name(model),
                     num_params=sum(p.numel() for p in model.parameters()), bytes=best,
                     model_state=model_state, activations=acts, notes=tuple(notes))
+
+
+_REDUCES_IN_FLIGHT = 2  # memsave/zero/engine.py keeps at most this many reduce-scatters in flight
+
+
+def _walk_backward(best: dict[str, int], base: dict[str, int], states: dict[str, Any], per_unit: list[int],
+                   stage: int, prefetch: int, persistent_grads: int) -> dict[str, int]:
+    """The largest total over the samples of backward at stages 1-3 ([Note: the estimated peak]): before and
+    after each unit's backward, in backward order (the root's head before, its embedding after the units)."""
+    n_units = len(per_unit)
+    full, grads_full, reduce_, staging = (states["unit_full"], states["unit_grad_full"], states["unit_reduce"],
+                                          states["unit_padded"])
+    done: list[int] = []  # units whose reduce-scatter was launched, in order (indices into the unit lists)
+    grads = 0
+    for k in reversed(range(n_units)):
+        u = k + 1  # the root is entry 0 of the per-unit lists
+        for after in (False, True):
+            if after:
+                done.append(u)
+                grads += grads_full[u] if stage == 1 else 0
+            point = dict(base)
+            point["activations"] = sum(per_unit[: k if after else k + 1])
+            if stage == 1:
+                point["grads"] = grads
+            comm = sum(reduce_[j] for j in done[-_REDUCES_IN_FLIGHT:])
+            if stage == 3:
+                point["params_gathered"] = full[0] + (0 if after else full[u])
+                if prefetch and k >= 1:  # the gather of the unit before it is in flight
+                    comm += staging[u - 1]
+            point["comm"] = comm
+            if _total(point) > _total(best):
+                best = point
+    end = dict(base, activations=0, grads=persistent_grads)
+    return end if _total(end) > _total(best) else best
 
 
 def _total(b: Mapping[str, int]) -> int:
