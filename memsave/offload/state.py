@@ -252,8 +252,9 @@ class OffloadedState:
             n = self.prefetch + 2 if self.prefetch else 1
             self._buffers = [aligned_empty(self.window_bytes, self.device) for _ in range(n)]
             if self.tier.kind == "disk":
-                most = max(c.numel for c in self.chunks if c.offloaded)
-                self._snapshots = [torch.empty(most * 8, dtype=torch.uint8) for _ in range(n)]
+                most = max(sum(p.sub.numel() * p.sub.element_size() for p in c.pieces)
+                           for c in self.chunks if c.offloaded)
+                self._snapshots = [torch.empty(most, dtype=torch.uint8) for _ in range(n)]
 
     @torch.no_grad()
     def step(self) -> None:

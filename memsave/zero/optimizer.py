@@ -131,6 +131,8 @@ class ZeroOptimizer(MemsaveOptimizer):
                 return
         elif self.offloaded is not None:
             self.offloaded.step()
+            if self.engine.mesh.device.type == "cpu":
+                mdist.after_forward()  # the host policy's trim: the chunks' transients go back to the OS too
         else:
             self.optimizer.step()
         self.engine.gather_params_after_step()

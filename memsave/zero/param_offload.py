@@ -1,0 +1,163 @@
+"""``[offload] params = "disk"``: stage 3's parameter shards in files between uses (ZeRO-Infinity, Rajbhandari et
+al., 2021, parameter offload to NVMe).
+
+Each unit's ``flat_shard`` (this rank's rows of the unit, C elements) is the only persistent copy of its
+parameters at stage 3. With params on disk it lives in the unit's file and is in memory only while it is used:
+as the input of the unit's all-gather (forward, backward, ``state_dict``) and while the optimizer steps the
+unit's chunks. Reads run ahead of use on the tier's thread pool, ``prefetch`` units ahead in the order of use
+(forward order in forward, backward order in backward, unit order in the optimizer step, whose chunks are
+sorted by unit). Evicting a unit shrinks its storage to 0 bytes, as [Note: stage-3 storage] in unit.py does for
+the gathered parameters, so every view (the shards the optimizer steps, their row pieces) stays valid.
+
+[Note: parameter residency] A unit is EVICTED, READING, CLEAN (in memory, equal to the file), DIRTY (changed
+in memory: stepped, or loaded by ``load_state_dict``) or WRITING. ``load`` makes it readable (waiting for a read
+in flight; a unit being written is readable as it is). ``enter`` (before the unit is changed) also waits for a
+write in flight and marks it DIRTY. ``release`` (after the gather that read it completed) evicts a CLEAN unit;
+a DIRTY one stays until ``finish`` (the end of the optimizer step) writes it back, into the other of its two
+regions; the file copy becomes current, and the unit is evicted, only once the write succeeded (seen at the next
+``collect``). A failed write leaves the unit DIRTY in memory (its parameters are right there) and raises.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from memsave.offload import DiskTier
+from memsave.phases import MemoryCategory
+from memsave.zero.unit import Unit
+
+__all__ = ["ParamOffload", "Residency"]
+
+
+class Residency(enum.Enum):
+    EVICTED = "evicted"
+    READING = "reading"
+    CLEAN = "clean"
+    DIRTY = "dirty"
+    WRITING = "writing"
+
+
+class ParamOffload:
+    """The stage-3 parameter shards of ``units`` on ``tier`` ([Note: parameter residency])."""
+
+    def __init__(self, units: Sequence[Unit], tier: DiskTier, *, prefetch: int) -> None:
+        self.units, self.tier, self.prefetch = list(units), tier, prefetch
+        self.state = {u.index: Residency.DIRTY for u in self.units}
+        self._regions: dict[int, list[Any]] = {}
+        self._slot = {u.index: -1 for u in self.units}
+        self._pending: dict[int, tuple[Any, int]] = {}  # unit index -> (handle, target region) in flight
+        self._in_use: set[int] = set()  # a gather reads the shard
+        for u in self.units:
+            nbytes = self._bytes(u).numel()
+            self._regions[u.index] = [tier.allocate(f"params-unit{u.index}", max(nbytes, 1)) for _ in range(2)]
+        self.finish()
+        for u in self.units:  # before training: every shard on disk, none in memory
+            self._finish_write(u)
+            self._evict(u)
+
+    @staticmethod
+    def _bytes(u: Unit) -> torch.Tensor:
+        return u.flat_shard.view(torch.uint8)
+
+    def _evict(self, u: Unit) -> None:
+        if u.flat_shard.numel():
+            u.flat_shard.untyped_storage().resize_(0)
+        self.state[u.index] = Residency.EVICTED
+
+    def _wait(self, index: int) -> None:
+        handle, _ = self._pending.pop(index)
+        handle.wait()
+
+    # -- the transitions -----------------------------------------------------------------------------------
+    def read_ahead(self, units: Sequence[Unit]) -> None:
+        """Start reading the EVICTED ones among ``units`` (the next to be used)."""
+        for u in units[: self.prefetch]:
+            if self.state[u.index] is Residency.EVICTED and u.flat_shard.numel():
+                storage = u.flat_shard.untyped_storage()
+                storage.resize_(u.flat_shard.numel() * u.flat_shard.element_size())
+                region = self._regions[u.index][self._slot[u.index]]
+                self._pending[u.index] = (self.tier.read_into_async(region, self._bytes(u)), self._slot[u.index])
+                self.state[u.index] = Residency.READING
+
+    def load(self, u: Unit, *, ahead: Sequence[Unit] = ()) -> None:
+        """Make ``u``'s shard readable (a gather's input), and read ``ahead`` units."""
+        self.collect()
+        if self.state[u.index] is Residency.EVICTED:
+            if not u.flat_shard.numel():
+                self.state[u.index] = Residency.CLEAN
+            else:
+                self.read_ahead([u])
+        self.read_ahead(ahead)
+        if self.state[u.index] is Residency.READING:
+            try:
+                self._wait(u.index)
+            except BaseException:
+                self._evict(u)
+                raise
+            self.state[u.index] = Residency.CLEAN
+        self._in_use.add(u.index)
+
+    def release(self, u: Unit) -> None:
+        """The gather that read ``u``'s shard completed: evict it if the file holds the same."""
+        self._in_use.discard(u.index)
+        if self.state[u.index] is Residency.CLEAN:
+            self._evict(u)
+
+    def enter(self, u: Unit, *, ahead: Sequence[Unit] = ()) -> None:
+        """``u``'s shard is about to change (an optimizer step, a state-dict load)."""
+        self.load(u, ahead=ahead)
+        self._in_use.discard(u.index)
+        if self.state[u.index] is Residency.WRITING:
+            self._finish_write(u)
+        self.state[u.index] = Residency.DIRTY
+
+    def finish(self) -> None:
+        """Write every DIRTY shard back (asynchronously; evicted once written, see :meth:`collect`)."""
+        for u in self.units:
+            if self.state[u.index] is Residency.DIRTY:
+                target = (self._slot[u.index] + 1) % 2
+                self._pending[u.index] = (self.tier.write_from_async(self._regions[u.index][target], self._bytes(u)),
+                                          target)
+                self.state[u.index] = Residency.WRITING
+
+    def _finish_write(self, u: Unit) -> None:
+        handle, target = self._pending.pop(u.index)
+        try:
+            handle.wait()
+        except BaseException:
+            self.state[u.index] = Residency.DIRTY  # the shard in memory is right; written at the next finish
+            raise
+        self._slot[u.index] = target
+        self.state[u.index] = Residency.CLEAN
+
+    def collect(self) -> None:
+        """Complete the writes that are done; evict those units unless a gather reads them."""
+        for u in self.units:
+            if self.state[u.index] is Residency.WRITING and self._pending[u.index][0].future.done():
+                self._finish_write(u)
+                if u.index not in self._in_use:
+                    self._evict(u)
+
+    def drain(self) -> None:
+        """Wait for every transfer (before a checkpoint, or at close)."""
+        for u in self.units:
+            if self.state[u.index] is Residency.WRITING:
+                self._finish_write(u)
+            elif self.state[u.index] is Residency.READING:
+                self._wait(u.index)
+                self.state[u.index] = Residency.CLEAN
+
+    # -- accounting ----------------------------------------------------------------------------------------
+    def offloaded_bytes(self) -> int:
+        return sum(self._bytes_on_disk(u) for u in self.units if self._slot[u.index] >= 0)
+
+    @staticmethod
+    def _bytes_on_disk(u: Unit) -> int:
+        return u.param_layout.chunk_numel * u.flat_shard.element_size()
+
+    def memory_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:
+        yield from self.tier.bounce_tensors()
