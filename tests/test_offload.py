@@ -29,6 +29,10 @@ SETTINGS: list[tuple[str, ...]] = [
     (*DISK, "offload.fraction=0.0"),
     ("offload.optimizer=cpu",),  # on CPU: nothing moves, said once
 ]
+PARAMS = [  # stage 3 only: the parameter shards on disk too
+    (*DISK, "offload.params=disk", "offload.chunk_mb=0.001"),
+    (*DISK, "offload.params=disk", "offload.chunk_mb=0.002", "offload.prefetch=0"),
+]
 
 
 def _local(batch: dict, rank: int, world: int) -> dict:
@@ -90,7 +94,7 @@ def _cases(world: int, path: str) -> str:
     for stage in (1, 2, 3):
         ref = _train(stage, (), mesh, path)
         own = sum(s.numel() for s in ref["opt"]._full_of if s.requires_grad)
-        for overrides in SETTINGS:
+        for overrides in SETTINGS + (PARAMS if stage == 3 else []):
             what = f"stage {stage} world {world} {overrides}"
             run = _train(stage, overrides, mesh, path)
             _same(run, ref, what)
@@ -111,6 +115,10 @@ def _cases(world: int, path: str) -> str:
                 assert on_disk == 0, (what, on_disk)
             if "offload.optimizer=cpu" in overrides:
                 assert opt.offloaded is None  # on CPU nothing moves
+            if "offload.params=disk" in overrides:  # between uses no parameter shard is in memory
+                assert memsave.memory.account([opt]).bytes.get(MemoryCategory.PARAMS.value, 0) == 0, what
+                padded = sum(u.param_layout.chunk_numel for u in opt.engine.units)
+                assert opt.offloaded_param_bytes() == 4 * padded, (what, opt.offloaded_param_bytes(), padded)
             # a state dict round trip: the reference's consolidated state loaded into the offloaded optimizer (and
             # the model), then one more step on both: still equal
             opt.load_state_dict(ref["state"])

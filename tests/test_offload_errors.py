@@ -83,8 +83,10 @@ def test_refusals(tmp_path: Path) -> None:
         _wrap(_disk(tmp_path), stage=0)
     with pytest.raises(NotImplementedError, match=r"compute = 'bf16'.* master weights"):
         _wrap((*_disk(tmp_path), "precision.compute=bf16"))
-    with pytest.raises(NotImplementedError, match="params = 'disk' is not implemented yet"):
+    with pytest.raises(NotImplementedError, match=r'params = "disk" is implemented .* together with optimizer = "disk"'):
         _wrap(("offload.params=disk", f'offload.path="{tmp_path}"'))
+    with pytest.raises(NotImplementedError, match=r"fraction = 0\.5"):
+        _wrap((*_disk(tmp_path), "offload.params=disk", "offload.fraction=0.5"))
     with pytest.raises(NotImplementedError, match="LBFGS"):
         m = ToyLM(seed=1)
         _wrap(_disk(tmp_path), model=m, opt=torch.optim.LBFGS(m.parameters()))

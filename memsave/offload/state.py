@@ -119,11 +119,14 @@ class OffloadedState:
         prefetch: chunks read ahead ([Note: chunk pipeline]); 0 is synchronous.
         chunk_bytes: state bytes per chunk (the window holds ``prefetch + 2`` of them).
         bytes_per_element: per-element state bytes (:func:`state_bytes_per_element`), for sizes.
+        group_order: step the chunks grouped by file, in this order (offloaded parameters are loaded per file).
+        hooks: with ``enter(file)`` (before a chunk of that file steps) and ``finish()`` (after the last).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, tier: Tier, *, group_of: Callable[[torch.Tensor], str],
                  names: dict[torch.Tensor, str], fraction: float, prefetch: int, chunk_bytes: int,
-                 bytes_per_element: int, device: torch.device) -> None:
+                 bytes_per_element: int, device: torch.device, group_order: list[str] | None = None,
+                 hooks: Any = None) -> None:
         self.optimizer, self.tier, self.prefetch, self.device, self.names = optimizer, tier, prefetch, device, names
         self._slots = 2 if tier.kind == "disk" else 1  # a host copy cannot fail half way ([Note: failed I/O])
         per_elem = max(bytes_per_element, 1)
@@ -141,6 +144,9 @@ class OffloadedState:
                     sub = nn.Parameter(shard.detach()[start:stop], requires_grad=shard.requires_grad)
                     own.append(_Piece(shard, gi, start, stop, sub))
                     pieces.append((group_of(shard), own[-1]))
+        if group_order is not None:
+            pieces.sort(key=lambda fp: group_order.index(fp[0]))  # stable: group order within a file
+        self.hooks = hooks
         total = sum(p.sub.numel() for _, p in pieces)
         self.chunks: list[_Chunk] = []
         offloaded = 0
@@ -292,6 +298,8 @@ class OffloadedState:
                     self.wait_seconds += time.perf_counter() - start
                 buf = self._buffers[k % nbuf]
                 self._finish_write(writes, k - 2)  # bounds the write-behind (also the snapshot reuse)
+                if self.hooks is not None:
+                    self.hooks.enter(chunk.group_file)
                 writes[k] = self._step_one(chunk, buf, k % nbuf)
                 if not self.prefetch:
                     self._finish_write(writes, k)
@@ -308,6 +316,11 @@ class OffloadedState:
             except BaseException:
                 pass  # a read ahead of a stopped step: its chunk was not stepped
         self.tier.drain()
+        if self.hooks is not None:
+            try:
+                self.hooks.finish()
+            except BaseException as exc:
+                error = error or exc
         if error is not None:
             raise error
 

@@ -27,19 +27,23 @@ import json
 import os
 import shutil
 import socket
+import threading
 import time
 import uuid
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from memsave._logging import get_logger, warn_once
+from memsave.phases import MemoryCategory
 
 __all__ = ["ALIGN", "DiskTier", "Handle", "HostTier", "Tier", "aligned_empty", "check_disk_path", "round_up"]
 
 ALIGN = 4096  # O_DIRECT wants buffer addresses, file offsets and lengths aligned to the logical block size
+BOUNCE = 1 << 20  # per I/O thread, for targets that are not aligned (stage-3 parameter shards)
 PREFIX = "memsave-offload-"
 
 
@@ -181,6 +185,8 @@ class DiskTier:
         self.allocated_bytes = 0
         self.io_seconds = 0.0  # summed over the I/O threads (an approximation: updated without a lock)
         self.io_bytes = 0
+        self._local = threading.local()  # each I/O thread's bounce buffer (unaligned targets, see _io_bounced)
+        self._bounces: list[torch.Tensor] = []
 
     def _probe_direct(self) -> bool:
         if not hasattr(os, "O_DIRECT"):
@@ -232,6 +238,48 @@ class DiskTier:
 
     def read_async(self, region: tuple[str, int, int], buf: torch.Tensor) -> Handle:
         return _FutureHandle(self._pool.submit(self._io, False, region, buf))
+
+    def _bounce(self) -> torch.Tensor:
+        buf = getattr(self._local, "bounce", None)
+        if buf is None:
+            buf = self._local.bounce = aligned_empty(BOUNCE, torch.device("cpu"))
+            self._bounces.append(buf)
+        return buf
+
+    def _io_bounced(self, write: bool, region: tuple[str, int, int], target: torch.Tensor) -> None:
+        """Move the bytes of any contiguous CPU ``uint8`` tensor (no alignment needed) through the thread's
+        aligned bounce buffer, ``BOUNCE`` bytes at a time."""
+        group, offset, size = region
+        bounce, done, total = self._bounce(), 0, target.numel()
+        assert total <= size, (total, size)
+        start = time.perf_counter()
+        try:
+            while done < total:
+                take = min(BOUNCE, total - done)
+                view = _bytes_view(bounce[: round_up(take)])
+                if write:
+                    bounce[:take].copy_(target[done : done + take])
+                    _full_io(os.pwritev, self._fds[group], view, offset + done)
+                else:
+                    _full_io(os.preadv, self._fds[group], view, offset + done)
+                    target[done : done + take].copy_(bounce[:take])
+                done += take
+        except OSError as exc:
+            raise OSError(exc.errno, f"offload: {'writing' if write else 'reading'} {total} bytes at offset "
+                          f"{offset} of {self.describe(region)} failed: {exc.strerror or exc}") from exc
+        self.io_seconds += time.perf_counter() - start
+        self.io_bytes += total
+
+    def read_into_async(self, region: tuple[str, int, int], target: torch.Tensor) -> _FutureHandle:
+        """Read the region into ``target`` (any contiguous CPU ``uint8`` tensor of at most the region's size)."""
+        return _FutureHandle(self._pool.submit(self._io_bounced, False, region, target))
+
+    def write_from_async(self, region: tuple[str, int, int], source: torch.Tensor) -> _FutureHandle:
+        return _FutureHandle(self._pool.submit(self._io_bounced, True, region, source))
+
+    def bounce_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:
+        for b in self._bounces:
+            yield MemoryCategory.COMM, b
 
     def write_async(self, region: tuple[str, int, int], buf: torch.Tensor) -> Handle:
         return _FutureHandle(self._pool.submit(self._io, True, region, buf))

@@ -98,6 +98,8 @@ class ZeroEngine:
         self._bwd_ran: set[int] = set()
         self._hooks: list[Any] = []
         self._register_hooks()
+        self.param_offload: Any = None  # [offload] params = "disk" (attach_param_offload)
+        self._gather_order: list[Unit] = self.units  # the order the next gathers come in (for disk reads ahead)
 
     # -- construction --------------------------------------------------------------------------------------
     def _build_units(self, modules: list[nn.Module]) -> list[Unit]:
@@ -150,8 +152,22 @@ class ZeroEngine:
             self.units[self._fwd_issued].unshard_async()
             self._fwd_issued += 1
 
+    def attach_param_offload(self, offload: Any) -> None:
+        """Stage 3, ``[offload] params = "disk"``: the units' shards are loaded before each gather (reading
+        ``offload.prefetch`` units ahead in the order of the gathers) and evicted after it."""
+        self.param_offload = offload
+        for u in self.units:
+            u.before_gather = self._before_gather
+            u.after_gather = offload.release
+
+    def _before_gather(self, unit: Unit) -> None:
+        order = self._gather_order
+        at = next((i for i, u in enumerate(order) if u is unit), len(order))
+        self.param_offload.load(unit, ahead=order[at + 1 :])
+
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         self._fwd_issued, self._fwd_ran = 0, set()
+        self._gather_order = self.units
         root = self.units[0]
         with record_function("memsave::zero3::pre_forward"):
             self._issue_forward_through(self.config.prefetch)
@@ -202,6 +218,7 @@ class ZeroEngine:
             for u in self.units:
                 u.reshard()
         self._bwd_issued, self._bwd_ran = len(self.units), set()
+        self._gather_order = list(reversed(self.units[1:])) if torch.is_grad_enabled() else self.units
 
     # -- stage 3 backward ----------------------------------------------------------------------------------
     def _issue_backward_through(self, k: int) -> None:
@@ -331,8 +348,12 @@ class ZeroEngine:
 
     def _post_load_state_dict(self, module: nn.Module, incompatible_keys: Any) -> None:
         for u in self.units:
+            if self.param_offload is not None:
+                self.param_offload.enter(u)  # the shard changes: loaded, written back below
             u.write_back_full()
             u.reshard()
+        if self.param_offload is not None:
+            self.param_offload.finish()
 
     # -- bookkeeping ---------------------------------------------------------------------------------------
     def memory_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:

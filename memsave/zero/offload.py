@@ -8,7 +8,9 @@ What moves where, by device:
   step (:mod:`memsave.offload.state`). On CUDA: not implemented (it needs pinned bounce buffers).
 - ``optimizer = "cpu"`` on CUDA: the state lives in pinned host memory and is streamed to the device in chunks
   on a side stream; the step runs on the device. On CPU there is nothing to move: said once, no offload.
-- ``params = "cpu"`` on CPU: nothing to move, said once. ``params`` otherwise: not implemented yet.
+- ``params = "disk"`` on CPU, stage 3, with ``optimizer = "disk"`` and ``fraction = 1``: each unit's parameter
+  shard lives in a file between uses too (memsave/zero/param_offload.py). ``params = "cpu"`` on CPU: nothing to
+  move, said once; on CUDA: not implemented yet.
 
 Offload needs an elementwise optimizer (each chunk is stepped alone) and fp32 parameters without a loss scaler
 (the fp32 master copies of mixed precision would have to be offloaded with the state); anything else is
@@ -27,6 +29,7 @@ from memsave.offload import DiskTier, HostTier, OffloadedState, check_disk_path,
 from memsave.offload.tiers import Tier
 from memsave.optim import Adafactor
 from memsave.zero.engine import ZeroEngine
+from memsave.zero.param_offload import ParamOffload, StepHooks
 
 __all__ = ["build_offloaded_state", "check_offload", "effective_offload", "estimate_state_bytes"]
 
@@ -44,10 +47,15 @@ def effective_offload(profile: Profile, device: torch.device) -> OffloadConfig |
     implemented and says once what is ignored on this hardware."""
     off = profile.offload
     name = profile.name
-    if off.params == "disk" or (off.params == "cpu" and device.type == "cuda"):
+    if off.params == "cpu" and device.type == "cuda":
         raise NotImplementedError(
-            f"profile {name!r}: [offload] params = {off.params!r} is not implemented yet (optimizer state offload "
-            'is); set params = "none"')
+            f"profile {name!r}: [offload] params = \"cpu\" on a CUDA device is not implemented yet (params = "
+            '"disk" is, on CPU devices, and optimizer = "cpu" is on CUDA); set params = "none"')
+    if off.params == "disk" and (device.type != "cpu" or off.optimizer != "disk" or off.fraction != 1.0):
+        raise NotImplementedError(
+            f"profile {name!r}: [offload] params = \"disk\" is implemented on CPU devices together with optimizer = "
+            f"\"disk\" and fraction = 1 (the step streams each unit's parameters with its optimizer state), not "
+            f"on {device.type} with optimizer = {off.optimizer!r}, fraction = {off.fraction}")
     if off.params == "cpu":
         warn_once(f'[offload] params = "cpu" on a {device.type} device: the parameters already live in host '
                   "memory, nothing is moved")
@@ -108,13 +116,13 @@ def check_offload(optimizer: torch.optim.Optimizer, off: OffloadConfig, dp_size:
 
 
 def build_offloaded_state(optimizer: torch.optim.Optimizer, engine: ZeroEngine,
-                          off: OffloadConfig) -> OffloadedState | None:
+                          off: OffloadConfig) -> tuple[OffloadedState | None, ParamOffload | None]:
     """The chunked, offloaded state of a ZeroOptimizer's shards (its ``param_groups`` hold them already); None
     when nothing moves on this device (said once)."""
     device = engine.mesh.device
     if off.optimizer == "cpu" and device.type != "cuda":
         warn_once(cpu_noop(device))
-        return None
+        return None, None
     if off.optimizer == "disk" and device.type != "cpu":
         raise NotImplementedError(f'[offload] optimizer = "disk" on a {device.type} device is not implemented (it '
                                   'needs pinned bounce buffers between the files and the device); use "cpu"')
@@ -122,11 +130,22 @@ def build_offloaded_state(optimizer: torch.optim.Optimizer, engine: ZeroEngine,
     per_elem, total = estimate_state_bytes(optimizer, 1)  # the groups hold this rank's shards already
     tier: Tier
     if off.optimizer == "disk":
-        tier = DiskTier(off.path, rank=engine.mesh.rank, needed_bytes=int(2 * total * off.fraction),
+        param_bytes = sum(u.flat_shard.numel() * u.flat_shard.element_size() for u in engine.units
+                          if off.params == "disk")
+        tier = DiskTier(off.path, rank=engine.mesh.rank, needed_bytes=int(2 * (total * off.fraction + param_bytes)),
                         direct=None if off.direct else False)
     else:
         tier = HostTier(device)
     units = {s: u.index for s, (u, _) in engine._slot_of.items()}
-    return OffloadedState(optimizer, tier, group_of=lambda s: f"unit{units[s]}", names=dict(engine.name_of),
-                          fraction=off.fraction, prefetch=off.prefetch, chunk_bytes=int(off.chunk_mb * 2**20),
-                          bytes_per_element=per_elem, device=device)
+    state = OffloadedState(optimizer, tier, group_of=lambda s: f"unit{units[s]}", names=dict(engine.name_of),
+                           fraction=off.fraction, prefetch=off.prefetch, chunk_bytes=int(off.chunk_mb * 2**20),
+                           bytes_per_element=per_elem, device=device,
+                           group_order=[f"unit{u.index}" for u in engine.units] if off.params == "disk" else None)
+    params = None
+    if off.params == "disk":  # last: the step's row pieces are views of the shards, made while they are in memory
+        if engine.stage != 3 or not isinstance(tier, DiskTier):
+            raise NotImplementedError(f'[offload] params = "disk" needs zero.stage = 3, not {engine.stage}')
+        params = ParamOffload(engine.units, tier, prefetch=off.prefetch)
+        engine.attach_param_offload(params)
+        state.hooks = StepHooks(params)
+    return state, params

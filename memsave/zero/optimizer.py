@@ -80,7 +80,7 @@ class ZeroOptimizer(MemsaveOptimizer):
             group_ = engine.group
             optimizer.shard(lambda t: mdist.all_reduce(t, group_), {s: p.shape for s, p in self._opt_full.items()})
         # [offload] optimizer: the state of this rank's shards streamed from its tier (memsave/zero/offload.py)
-        self.offloaded = None
+        self.offloaded, self.param_offload = None, None
         if offload is not None and offload.optimizer != "none":
             from memsave.zero.offload import build_offloaded_state
 
@@ -88,7 +88,7 @@ class ZeroOptimizer(MemsaveOptimizer):
                 raise NotImplementedError(
                     f"[offload] optimizer = {offload.optimizer!r} with mixed precision or a loss scaler is not "
                     "implemented: the fp32 master weights would have to be offloaded with the state")
-            self.offloaded = build_offloaded_state(optimizer, engine, offload)
+            self.offloaded, self.param_offload = build_offloaded_state(optimizer, engine, offload)
 
     # -- the step ------------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -254,12 +254,22 @@ class ZeroOptimizer(MemsaveOptimizer):
         yield from self._optimizer_state_tensors()
         if self.offloaded is not None:
             yield from self.offloaded.memory_tensors()  # the window buffers and the chunks kept in memory
+        if self.param_offload is not None:
+            yield from self.param_offload.memory_tensors()
 
     def offloaded_bytes(self) -> dict[str, int]:
-        """Optimizer-state bytes held off the device now, by tier (``"host"``, ``"disk"``)."""
-        return self.offloaded.offloaded_bytes() if self.offloaded is not None else {"host": 0, "disk": 0}
+        """Bytes held off the device now, by tier (``"host"``, ``"disk"``): optimizer state, and at stage 3 with
+        ``[offload] params = "disk"`` the parameter shards (see :meth:`offloaded_param_bytes`)."""
+        out = self.offloaded.offloaded_bytes() if self.offloaded is not None else {"host": 0, "disk": 0}
+        out["disk"] += self.offloaded_param_bytes()
+        return out
+
+    def offloaded_param_bytes(self) -> int:
+        return self.param_offload.offloaded_bytes() if self.param_offload is not None else 0
 
     def close(self) -> None:
         """Release the offload tier (its files are removed); the optimizer cannot step afterwards."""
+        if self.param_offload is not None:
+            self.param_offload.drain()
         if self.offloaded is not None:
             self.offloaded.close()

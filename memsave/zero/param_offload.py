@@ -30,7 +30,7 @@ from memsave.offload import DiskTier
 from memsave.phases import MemoryCategory
 from memsave.zero.unit import Unit
 
-__all__ = ["ParamOffload", "Residency"]
+__all__ = ["ParamOffload", "Residency", "StepHooks"]
 
 
 class Residency(enum.Enum):
@@ -74,14 +74,17 @@ class ParamOffload:
 
     # -- the transitions -----------------------------------------------------------------------------------
     def read_ahead(self, units: Sequence[Unit]) -> None:
-        """Start reading the EVICTED ones among ``units`` (the next to be used)."""
+        """Start reading the EVICTED ones among the first ``prefetch`` of ``units`` (the next to be used)."""
         for u in units[: self.prefetch]:
-            if self.state[u.index] is Residency.EVICTED and u.flat_shard.numel():
-                storage = u.flat_shard.untyped_storage()
-                storage.resize_(u.flat_shard.numel() * u.flat_shard.element_size())
-                region = self._regions[u.index][self._slot[u.index]]
-                self._pending[u.index] = (self.tier.read_into_async(region, self._bytes(u)), self._slot[u.index])
-                self.state[u.index] = Residency.READING
+            self._start_read(u)
+
+    def _start_read(self, u: Unit) -> None:
+        if self.state[u.index] is Residency.EVICTED and u.flat_shard.numel():
+            storage = u.flat_shard.untyped_storage()
+            storage.resize_(u.flat_shard.numel() * u.flat_shard.element_size())
+            region = self._regions[u.index][self._slot[u.index]]
+            self._pending[u.index] = (self.tier.read_into_async(region, self._bytes(u)), self._slot[u.index])
+            self.state[u.index] = Residency.READING
 
     def load(self, u: Unit, *, ahead: Sequence[Unit] = ()) -> None:
         """Make ``u``'s shard readable (a gather's input), and read ``ahead`` units."""
@@ -90,7 +93,7 @@ class ParamOffload:
             if not u.flat_shard.numel():
                 self.state[u.index] = Residency.CLEAN
             else:
-                self.read_ahead([u])
+                self._start_read(u)
         self.read_ahead(ahead)
         if self.state[u.index] is Residency.READING:
             try:
@@ -99,6 +102,7 @@ class ParamOffload:
                 self._evict(u)
                 raise
             self.state[u.index] = Residency.CLEAN
+        assert u.flat_shard.untyped_storage().nbytes() >= u.flat_shard.numel() * u.flat_shard.element_size()
         self._in_use.add(u.index)
 
     def release(self, u: Unit) -> None:
@@ -161,3 +165,20 @@ class ParamOffload:
 
     def memory_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:
         yield from self.tier.bounce_tensors()
+
+
+class StepHooks:
+    """What the chunked optimizer step (memsave/offload/state.py) calls: ``enter(file)`` before a chunk of unit
+    ``file`` steps (its shard is loaded, the next units read ahead), ``finish()`` after the last chunk."""
+
+    def __init__(self, offload: ParamOffload) -> None:
+        self.offload = offload
+        self.by_file = {f"unit{u.index}": k for k, u in enumerate(offload.units)}
+
+    def enter(self, file: str) -> None:
+        units = self.offload.units
+        k = self.by_file[file]
+        self.offload.enter(units[k], ahead=units[k + 1 :])
+
+    def finish(self) -> None:
+        self.offload.finish()

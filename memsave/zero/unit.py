@@ -23,7 +23,7 @@ expanded zero tensor of the full shape: shape queries work, reads give zeros, wr
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -68,6 +68,10 @@ class Unit:
         self.param_layout = ShardLayout([p.shape for p in self.params], dp_size)
         self.grad_layout = ShardLayout([self.params[i].shape for i in self.trainable], dp_size)
         self.state = ShardedState.UNSHARDED
+        # [offload] params = "disk": called before a gather reads flat_shard and after it completed
+        # ([Note: parameter residency] in memsave/zero/param_offload.py)
+        self.before_gather: Callable[[Unit], None] | None = None
+        self.after_gather: Callable[[Unit], None] | None = None
         self._gather: tuple[mdist.Handle, torch.Tensor] | None = None
         self._reduce: tuple[mdist.Handle, torch.Tensor, torch.Tensor] | None = None
         self.pending = len(self.trainable)  # gradients still to arrive in this backward
@@ -113,6 +117,8 @@ class Unit:
         """Start gathering the full parameters (no-op when already unsharded or in flight)."""
         if self.stage != 3 or self.state is ShardedState.UNSHARDED or self._gather is not None:
             return
+        if self.before_gather is not None:
+            self.before_gather(self)
         staging = torch.empty(self.param_layout.padded_numel, dtype=self.dtype, device=self.device)
         self._gather = (mdist.all_gather_into(staging, self.flat_shard, self.group, async_op=True), staging)
 
@@ -127,6 +133,8 @@ class Unit:
         handle, staging = self._gather
         handle.wait()
         self._gather = None
+        if self.after_gather is not None:
+            self.after_gather(self)
         self.full_flat.untyped_storage().resize_(self._full_bytes)
         for i, p in enumerate(self.params):
             self.param_layout.unpack(staging, i, self.full_views[i])
@@ -138,6 +146,8 @@ class Unit:
         if self._gather is not None:  # a prefetch that was never used: complete it (ranks stay in step), drop it
             self._gather[0].wait()
             self._gather = None
+            if self.after_gather is not None:
+                self.after_gather(self)
         if self.stage != 3 or self.state is ShardedState.SHARDED:
             return
         for p, sentinel in zip(self.params, self._sentinels):
