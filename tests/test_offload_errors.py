@@ -83,7 +83,7 @@ def test_refusals(tmp_path: Path) -> None:
         _wrap(_disk(tmp_path), stage=0)
     with pytest.raises(NotImplementedError, match=r"compute = 'bf16'.* master weights"):
         _wrap((*_disk(tmp_path), "precision.compute=bf16"))
-    with pytest.raises(NotImplementedError, match=r'params = "disk" is implemented .* together with optimizer = "disk"'):
+    with pytest.raises(NotImplementedError, match=r'params = "disk" is not implemented with optimizer = .none.*needs optimizer = "disk"'):
         _wrap(("offload.params=disk", f'offload.path="{tmp_path}"'))
     with pytest.raises(NotImplementedError, match=r"fraction = 0\.5"):
         _wrap((*_disk(tmp_path), "offload.params=disk", "offload.fraction=0.5"))

@@ -53,9 +53,9 @@ def effective_offload(profile: Profile, device: torch.device) -> OffloadConfig |
             '"disk" is, on CPU devices, and optimizer = "cpu" is on CUDA); set params = "none"')
     if off.params == "disk" and (device.type != "cpu" or off.optimizer != "disk" or off.fraction != 1.0):
         raise NotImplementedError(
-            f"profile {name!r}: [offload] params = \"disk\" is implemented on CPU devices together with optimizer = "
-            f"\"disk\" and fraction = 1 (the step streams each unit's parameters with its optimizer state), not "
-            f"on {device.type} with optimizer = {off.optimizer!r}, fraction = {off.fraction}")
+            f"profile {name!r}: [offload] params = \"disk\" is not implemented with optimizer = {off.optimizer!r}, "
+            f"fraction = {off.fraction} on a {device.type} device: it needs optimizer = \"disk\" and fraction = 1 "
+            "on a CPU device (the step streams each unit's parameters with its optimizer state)")
     if off.params == "cpu":
         warn_once(f'[offload] params = "cpu" on a {device.type} device: the parameters already live in host '
                   "memory, nothing is moved")
