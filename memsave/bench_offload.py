@@ -6,9 +6,9 @@ configuration: the median step time and its optimizer part, peak RSS per rank, t
 memory (the window buffers and the chunks kept there included) and on disk, the I/O time the tier spent and
 the part of it the step waited for (the rest was hidden behind compute), and the final loss (equal to the
 in-memory run's: offload is exact). Against the first configuration (in memory): the step-time ratio and the
-RSS reduction as a share of the optimizer state's bytes. ``fraction`` rows are compared with a linear
-prediction between the two ends (RSS falls by the offloaded share of the state; the step costs the share of
-the full offload's extra time).
+RSS reduction as a share of the optimizer state's bytes. Rows with part of the state offloaded are compared
+with ``memsave.estimate``'s prediction: the peak RSS of the in-memory run less the bytes the estimator moves
+off, and a step time between the two ends in proportion to those bytes.
 """
 
 from __future__ import annotations
@@ -39,12 +39,13 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "zero3-offload-disk-noprefetch": ("zero3-infinity", ("offload.prefetch=0",)),
     "zero3-offload-disk-half": ("zero3-infinity", ("offload.fraction=0.5",)),
     "zero3-offload-disk-buffered": ("zero3-infinity", ("offload.direct=false",)),
+    "zero3-offload-disk-params": ("zero3-infinity", ("offload.params=disk",)),
     "zero2": ("zero2", ()),
     "zero2-offload-disk": ("zero2", (*_DISK, "offload.path=memsave-offload")),
     "zero1-offload-disk": ("zero1", (*_DISK, "offload.path=memsave-offload")),
 }
 DEFAULT_OFFLOAD = ("zero3", "zero3-offload-disk", "zero3-offload-disk-noprefetch", "zero3-offload-disk-half",
-                   "zero3-offload-disk-buffered")
+                   "zero3-offload-disk-buffered", "zero3-offload-disk-params")
 
 
 def variant(name: str, path: str) -> tuple[str, tuple[str, ...]]:
@@ -131,6 +132,7 @@ def run_offload_bench(names: list[str], opts: BenchOptions, *, path: str | None 
             "state_on_disk": [r["state_on_disk"] for r in ranks], "direct": r0["direct"],
             "losses": r0["losses"], "final_loss": r0["losses"][-1],
         })
+    _estimates(rows, opts)
     ref = rows[0]
     full = next((r for r in rows if r["state_on_disk"][0] and not r["overrides"]), None)
     state = max(ref["state_in_memory"])
@@ -141,11 +143,27 @@ def run_offload_bench(names: list[str], opts: BenchOptions, *, path: str | None 
         r["rss_reduction_vs_state"] = r["rss_reduction"] / max(state, 1)
         r["final_loss_diff"] = r["final_loss"] - ref["final_loss"]
         r["hidden_io_share"] = 1 - r["wait_s"] / r["io_s"] if r["io_s"] > 0 else None
-        share = max(r["state_on_disk"]) / max(max(full["state_on_disk"]) if full else 1, 1)
-        if full is not None and 0 < share < 0.999:  # the linear prediction between the two ends
-            r["predicted_peak_rss"] = max(ref["peak_rss"]) - share * (max(ref["peak_rss"]) - max(full["peak_rss"]))
+        moved, moved_full = r["estimated_offloaded"], full["estimated_offloaded"] if full else 0
+        if full is not None and 0 < moved < moved_full:  # the estimator's bytes, between the two ends
+            share = moved / moved_full
+            r["predicted_peak_rss"] = max(ref["peak_rss"]) - moved
             r["predicted_step_s"] = ref["median_step_s"] + share * (full["median_step_s"] - ref["median_step_s"])
     return rows
+
+
+def _estimates(rows: list[dict[str, Any]], opts: BenchOptions) -> None:
+    """``memsave.estimate`` of each row's profile on the bench GPT: the optimizer-state bytes it moves off."""
+    from memsave.estimator import estimate
+
+    cfg = gpt_config(opts.size, tie_weights=opts.tie_weights, block_size=max(opts.seq_len, 8))
+    with torch.device("meta"):
+        model = GPT(cfg)
+    batch = TokenBatches(seq_len=opts.seq_len, batch_size=opts.batch_size, seed=opts.seed).batch(0)
+    for r in rows:
+        est = estimate(model, load_profile(r["profile"], r["overrides"]), world_size=opts.nproc, batch=batch,
+                       device="cpu")
+        r["estimated_offloaded"] = est.bytes.get("offload_disk", 0)
+        r["estimated_peak"] = est.peak_total
 
 
 def _mib(n: float) -> str:
