@@ -287,9 +287,11 @@ class OffloadedState:
                 issue_read(k)
             if memory:
                 pieces = [p for c in memory for p in c.pieces if self._attach(p, None)]
-                self._call(pieces)
-                for p in pieces:
-                    p.state = self._detach(p)
+                try:
+                    self._call(pieces)
+                finally:
+                    for p in pieces:
+                        p.state = self._detach(p) or p.state
             for k, chunk in enumerate(remote):
                 issue_read(k + self.prefetch) if self.prefetch else issue_read(k)
                 if k in reads:
@@ -335,8 +337,10 @@ class OffloadedState:
                 undo.append((p, offset, {k: v.clone() if isinstance(v, torch.Tensor) else v
                                          for k, v in p.scalars.items()}, list(p.keys), list(p.entries)))
                 offset += n
-        self._call(stepped)
-        states: dict[int, dict[str, Any]] = {id(p): self._detach(p) for p in stepped}
+        try:
+            self._call(stepped)
+        finally:  # the live optimizer never keeps a piece (its state_dict() would not know it)
+            states: dict[int, dict[str, Any]] = {id(p): self._detach(p) for p in stepped}
         self._pack(chunk, [states.get(id(p)) for p in chunk.pieces], buf)
         target = (chunk.slot + 1) % self._slots if chunk.slot >= 0 else 0
         return self.tier.write_async(chunk.regions[target], buf), chunk, [target, undo, index]
