@@ -147,13 +147,15 @@ class ParamOffload:
                     self._evict(u)
 
     def drain(self) -> None:
-        """Wait for every transfer (before a checkpoint, or at close)."""
+        """Wait for every transfer and evict what no gather reads (before a checkpoint, a measurement, close)."""
         for u in self.units:
             if self.state[u.index] is Residency.WRITING:
                 self._finish_write(u)
             elif self.state[u.index] is Residency.READING:
                 self._wait(u.index)
                 self.state[u.index] = Residency.CLEAN
+            if self.state[u.index] is Residency.CLEAN and u.index not in self._in_use:
+                self._evict(u)
 
     # -- accounting ----------------------------------------------------------------------------------------
     def offloaded_bytes(self) -> int:
