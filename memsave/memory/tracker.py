@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ from torch import nn
 
 from memsave.memory.accounting import HoldsMemory, default_tensors, rss_bytes
 from memsave.memory.saved import SavedTensorCounter
-from memsave.models.units import default_units
+from memsave.models.units import default_units, output_tensors
 from memsave.phases import MemoryCategory, Phase
 
 __all__ = ["MemoryTracker", "Sample"]
@@ -163,7 +163,7 @@ class MemoryTracker:
                     self.phase, self.unit = Phase.BACKWARD, name
                     self.sample("pre_backward")
 
-            for t in _output_tensors(output):
+            for t in output_tensors(output):
                 if t.requires_grad:
                     t.register_hook(pre_backward)
         return hook
@@ -297,17 +297,3 @@ class MemoryTracker:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _output_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Tensors inside a forward output: tensors, sequences, dicts, dataclasses / ModelOutput objects."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, list | tuple):
-        for x in obj:
-            yield from _output_tensors(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from _output_tensors(x)
-    elif hasattr(obj, "__dataclass_fields__"):
-        for name in obj.__dataclass_fields__:
-            yield from _output_tensors(getattr(obj, name, None))

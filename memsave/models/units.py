@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
+import torch
 from torch import nn
 
-__all__ = ["default_units"]
+__all__ = ["default_units", "output_tensors"]
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
@@ -15,3 +19,19 @@ def default_units(model: nn.Module) -> list[nn.Module]:
         return []
     biggest = max(lists, key=lambda ml: sum(p.numel() for p in ml.parameters()))
     return list(biggest)
+
+
+def output_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Tensors inside a forward output: tensors, tuples/lists/dicts, dataclasses and ModelOutput-like objects
+    (what the engines hook for backward, and what the memory tracker watches)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, list | tuple):
+        for x in obj:
+            yield from output_tensors(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from output_tensors(x)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for name in obj.__dataclass_fields__:
+            yield from output_tensors(getattr(obj, name, None))

@@ -35,28 +35,13 @@ from torch.autograd.profiler import record_function
 from memsave import dist as mdist
 from memsave.config import ZeroConfig
 from memsave.dist import Mesh
-from memsave.models.units import default_units  # re-exported: it lives in layer 0, shared with recompute/
+from memsave.models.units import default_units, output_tensors  # layer 0, shared with recompute/ and memory/
 from memsave.phases import MemoryCategory
 from memsave.zero.unit import Unit
 
 __all__ = ["ZeroEngine", "default_units"]
 
 _REDUCES_IN_FLIGHT = 2
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Tensors inside a forward output: tensors, tuples/lists/dicts, dataclasses and ModelOutput-like objects."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, list | tuple):
-        for x in obj:
-            yield from _tensors(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from _tensors(x)
-    elif hasattr(obj, "__dataclass_fields__"):
-        for name in obj.__dataclass_fields__:
-            yield from _tensors(getattr(obj, name, None))
 
 
 class ZeroEngine:
@@ -203,7 +188,7 @@ class ZeroEngine:
             if not self._keep_for_backward(unit):
                 unit.reshard()
             if torch.is_grad_enabled():
-                for t in _tensors(output):
+                for t in output_tensors(output):
                     if t.requires_grad:
                         t.register_hook(self._make_pre_backward(unit))
         return hook
