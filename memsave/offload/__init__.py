@@ -11,7 +11,8 @@ from memsave.offload.activations import (
     module_storages,
     offload_saved,
 )
-from memsave.offload.state import OffloadedState, state_bytes_per_element
+from memsave.offload.state import OffloadedState
+from memsave.offload.stepping import state_bytes_per_element
 from memsave.offload.tiers import DiskTier, HostTier, check_disk_path
 
 __all__ = [

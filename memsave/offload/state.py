@@ -8,7 +8,7 @@ optimizer instance is pointed at the chunk's pieces (sub-parameters sharing the 
 sharing the gradient's), its per-element state entries are views of a window buffer the chunk's region was read
 into, and after the step the buffer is written back. ``param_groups`` keep their dicts (hyperparameters, LR
 schedulers), only their ``params`` lists are swapped during the step and restored after it. Step hooks run once
-per step, around all chunks.
+per step, around all chunks (memsave/offload/stepping.py).
 
 [Note: chunk pipeline] With ``prefetch = P >= 1`` there are ``P + 2`` window buffers; chunk ``k`` uses buffer
 ``k % (P + 2)``. While chunk ``k`` steps, the reads of chunks ``k+1 .. k+P`` are in flight and the writes of
@@ -37,10 +37,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from memsave.offload.stepping import hooked, raw_step
 from memsave.offload.tiers import Handle, Tier, aligned_empty, round_up
 from memsave.phases import MemoryCategory
 
-__all__ = ["OffloadedState", "state_bytes_per_element"]
+__all__ = ["OffloadedState"]
 
 _ENTRY_ALIGN = 64
 
@@ -73,39 +74,6 @@ class _Chunk:
     @property
     def numel(self) -> int:
         return sum(p.sub.numel() for p in self.pieces)
-
-
-def state_bytes_per_element(optimizer: torch.optim.Optimizer, group: dict[str, Any], dtype: torch.dtype,
-                            device: torch.device | None = None) -> int:
-    """Bytes of per-element state the optimizer keeps for a tensor of ``dtype`` under ``group``'s
-    hyperparameters, found by stepping a fresh instance on a 2-element probe (e.g. 8 for fp32 AdamW)."""
-    probe = nn.Parameter(torch.zeros(2, dtype=dtype, device=device))
-    probe.grad = torch.zeros(2, dtype=dtype, device=device)
-    make: Any = type(optimizer)
-    twin = make([{**{k: v for k, v in group.items() if k != "params"}, "params": [probe]}])
-    twin.step()
-    return sum(v.element_size() for v in twin.state[probe].values()
-               if isinstance(v, torch.Tensor) and v.shape == probe.shape)
-
-
-def _raw_step(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.Optimizer], Any]:
-    """The optimizer class's ``step`` without torch's hook wrapper (hooks run once, see :func:`_hooked`)."""
-    step = type(optimizer).step
-    return step.__wrapped__ if getattr(step, "hooked", False) else step  # type: ignore[attr-defined]
-
-
-def _hooked(optimizer: torch.optim.Optimizer, body: Callable[[], None]) -> None:
-    """Run ``body`` (several raw steps) between the optimizer's step pre- and post-hooks, once each, as one
-    ``optimizer.step()`` would; tell an LR scheduler built on it that it stepped."""
-    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
-
-    for pre in itertools.chain(_global_optimizer_pre_hooks.values(), optimizer._optimizer_step_pre_hooks.values()):
-        pre(optimizer, (optimizer,), {})
-    body()
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        optimizer._opt_called = True  # type: ignore[attr-defined]
-    for post in itertools.chain(optimizer._optimizer_step_post_hooks.values(), _global_optimizer_post_hooks.values()):
-        post(optimizer, (optimizer,), {})
 
 
 class OffloadedState:
@@ -164,7 +132,7 @@ class OffloadedState:
                                          default=0))
         self._buffers: list[torch.Tensor] = []
         self._snapshots: list[torch.Tensor] = []
-        self._raw = _raw_step(optimizer)
+        self._raw = raw_step(optimizer)
         self.wait_seconds = 0.0  # time the step waited for reads and writes (the transfer time not hidden)
 
     @staticmethod
@@ -265,7 +233,7 @@ class OffloadedState:
     @torch.no_grad()
     def step(self) -> None:
         """One optimizer step over every chunk ([Note: chunk pipeline]); hooks once around it."""
-        _hooked(self.optimizer, self._step_chunks)
+        hooked(self.optimizer, self._step_chunks)
 
     def _step_chunks(self) -> None:
         self._ensure_buffers()
