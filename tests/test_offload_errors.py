@@ -227,3 +227,23 @@ def test_failed_io_stops_the_step_and_every_chunk_agrees(tmp_path: Path, monkeyp
         assert torch.equal(_step(model, opt, step), _step(ref_model, ref_opt, step))
     opt.close()
     assert not list(tmp_path.glob("memsave-offload-*"))
+
+
+# -- what the memory tracker reads ----------------------------------------------------------------------------
+def test_the_tracker_sees_the_disk_tier(tmp_path: Path) -> None:
+    from memsave.memory.tracker import MemoryTracker
+
+    model, opt = _wrap(_disk(tmp_path, "offload.params=disk"))
+    tracker = MemoryTracker(model, opt)
+    try:
+        _step(model, opt, 0)
+        opt.param_offload.drain()
+        tracker.sample("check")
+        now = tracker.current
+    finally:
+        tracker.close()
+    own = sum(s.numel() for s in opt._full_of if s.requires_grad)
+    padded = sum(u.param_layout.chunk_numel for u in opt.engine.units)
+    assert now["offload_disk"] == opt.offloaded_bytes()["disk"] >= 8 * own + 4 * padded, now
+    assert now.get("params", 0) == 0, now  # every parameter shard is on disk between uses
+    opt.close()

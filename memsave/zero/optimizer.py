@@ -265,7 +265,7 @@ class ZeroOptimizer(MemsaveOptimizer):
         return out
 
     def offloaded_param_bytes(self) -> int:
-        return self.param_offload.offloaded_bytes() if self.param_offload is not None else 0
+        return self.param_offload.offloaded_bytes()["disk"] if self.param_offload is not None else 0
 
     def close(self) -> None:
         """Release the offload tier (its files are removed); the optimizer cannot step afterwards."""

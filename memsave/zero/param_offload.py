@@ -158,8 +158,9 @@ class ParamOffload:
                 self._evict(u)
 
     # -- accounting ----------------------------------------------------------------------------------------
-    def offloaded_bytes(self) -> int:
-        return sum(self._bytes_on_disk(u) for u in self.units if self._slot[u.index] >= 0)
+    def offloaded_bytes(self) -> dict[str, int]:
+        """Parameter bytes held on disk now (``{"host": 0, "disk": n}``, as the tracker reads it)."""
+        return {"host": 0, "disk": sum(self._bytes_on_disk(u) for u in self.units if self._slot[u.index] >= 0)}
 
     @staticmethod
     def _bytes_on_disk(u: Unit) -> int:
