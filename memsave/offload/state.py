@@ -295,6 +295,8 @@ class OffloadedState:
             raise error
 
     def _step_one(self, chunk: _Chunk, buf: torch.Tensor, index: int) -> tuple[Handle, _Chunk, list[Any]]:
+        if chunk.slot < 0:  # no read refilled the buffer: the compute side writes it ([Note: host tier ordering])
+            self.tier.claim(buf)
         stepped = [p for p in chunk.pieces if self._attach(p, buf if chunk.slot >= 0 else None)]
         undo: list[Any] = [(chunk.regions, chunk.region_bytes, chunk.slot)]
         if self._snapshots:  # [Note: failed I/O]: the parameters as they were, and the scalar entries

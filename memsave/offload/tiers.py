@@ -87,6 +87,7 @@ class Tier(Protocol):
     def allocate(self, group: str, nbytes: int) -> Any: ...
     def read_async(self, region: Any, buf: torch.Tensor) -> Handle: ...
     def write_async(self, region: Any, buf: torch.Tensor) -> Handle: ...
+    def claim(self, buf: torch.Tensor) -> None: ...
     def drain(self) -> None: ...
     def close(self) -> None: ...
     def describe(self, region: Any) -> str: ...
@@ -284,6 +285,9 @@ class DiskTier:
     def write_async(self, region: tuple[str, int, int], buf: torch.Tensor) -> Handle:
         return _FutureHandle(self._pool.submit(self._io, True, region, buf))
 
+    def claim(self, buf: torch.Tensor) -> None:
+        return None  # writes are waited (their futures) before a buffer is reused
+
     def drain(self) -> None:
         return None  # every handle is waited by its owner
 
@@ -310,8 +314,10 @@ class HostTier:
     issued on one side stream, so they run in issue order. Before either, the side stream waits for the compute
     stream's work queued so far: a read must not overwrite a window buffer the previous chunk's step may still
     read, and a write must see the step's updates. The compute stream waits on the read's event before the step
-    uses the buffer. A window buffer is reused only for a read issued after the write of its previous chunk, so
-    stream order alone keeps it safe; the host regions are read on the host only after :meth:`drain`.
+    uses the buffer. A window buffer is reused for a read issued after the write of its previous chunk, so stream
+    order keeps it safe; a buffer the compute stream fills itself (a chunk's first state, no read) is
+    :meth:`claim`-ed first: the compute stream waits for the side stream, whose write of the previous chunk may
+    still be reading it. The host regions are read on the host only after :meth:`drain`.
     """
 
     kind = "host"
@@ -345,6 +351,11 @@ class HostTier:
     def write_async(self, region: torch.Tensor, buf: torch.Tensor) -> Handle:
         self._copy(region, buf[: region.numel()])
         return _Done()  # reuse of buf is ordered by the stream ([Note: host tier ordering])
+
+    def claim(self, buf: torch.Tensor) -> None:
+        """The compute stream is about to fill ``buf`` without a read: it waits for the side stream's copies
+        (a write of the buffer's previous chunk may still be reading it)."""
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     def drain(self) -> None:
         self.stream.synchronize()
