@@ -36,6 +36,8 @@ from torch import nn
 from memsave.config import Profile, load_profile
 from memsave.memory.schema import CATEGORIES, OFF_DEVICE, format_bytes
 from memsave.models.units import default_units
+from memsave.offload.state import _ENTRY_ALIGN
+from memsave.offload.tiers import round_up
 from memsave.precision import compute_dtype, reduce_dtype_for
 
 __all__ = ["Estimate", "estimate", "format_estimates", "meta_copy"]
@@ -125,14 +127,15 @@ def _units(model: nn.Module, units: Sequence[nn.Module] | None) -> tuple[list[li
     return groups, modules
 
 
-def _model_states(groups: list[list[nn.Parameter]], prof: Profile, n: int) -> dict[str, Any]:
+def _model_states(groups: list[list[nn.Parameter]], order: list[nn.Parameter], prof: Profile,
+                  n: int) -> dict[str, Any]:
     stage = prof.zero.stage
     mixed = prof.precision.compute != "fp32"
     c = _BYTES[compute_dtype(prof.precision)] if mixed else 4
     reduce = reduce_dtype_for(prof.precision)
     r = _BYTES[reduce] if reduce is not None else c
     out: dict[str, int] = dict.fromkeys(("params", "grads", "master", "optimizer_state"), 0)
-    unit_full, unit_padded, unit_grad_full, unit_reduce = [], [], [], []
+    unit_full, unit_padded, unit_grad_full, unit_reduce, unit_state, unit_elems = [], [], [], [], [], []
     for params in groups:
         trainable = [p for p in params if p.requires_grad]
         full = sum(p.numel() for p in params)
@@ -155,13 +158,22 @@ def _model_states(groups: list[list[nn.Parameter]], prof: Profile, n: int) -> di
             out["grads"] += sum(p.numel() for p in trainable) * c + (grad_chunk * r if r != c else 0)
         else:
             out["grads"] += grad_chunk * r
+        state_before, elems = out["optimizer_state"], 0
         for p in trainable:
             local = _local_rows(_rows(p.shape)[0], shard) if len(p.shape) else 1
+            elems += local * _rows(p.shape)[1]
             if mixed:
                 out["master"] += 4 * local * _rows(p.shape)[1]
             out["optimizer_state"] += _state_per_shard(p.shape, local, prof)
-    return {"bytes": out, "unit_full": unit_full, "unit_padded": unit_padded, "unit_grad_full": unit_grad_full,
-            "unit_reduce": unit_reduce}
+        unit_state.append(out["optimizer_state"] - state_before)
+        unit_elems.append(elems)
+    unit_of = {p: u for u, params in enumerate(groups) for p in params}
+    shard = 1 if stage == 0 else n
+    # in the model's parameter order: the optimizer's, when it is built over model.parameters()
+    pieces = [(unit_of[p], (_local_rows(_rows(p.shape)[0], shard) if len(p.shape) else 1), _rows(p.shape)[1])
+              for p in order if p.requires_grad]
+    return {"bytes": out, "pieces": pieces, "param_bytes": 4 if mixed else c, "unit_full": unit_full, "unit_padded": unit_padded, "unit_grad_full": unit_grad_full,
+            "unit_reduce": unit_reduce, "unit_state": unit_state, "unit_elems": unit_elems}
 
 
 def _run_forward(model: nn.Module, batch: Any) -> Callable[[], Any]:
@@ -270,21 +282,13 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
         meta_units = [by_name[names[id(u)]] for u in units]
     groups, modules = _units(meta, meta_units)
     n, stage = world_size, prof.zero.stage
-    states = _model_states(groups, prof, n)
+    states = _model_states(groups, list(meta.parameters()), prof, n)
     held: dict[str, int] = dict(states["bytes"])
-    model_state = sum(held.values())
     notes = [f"model states: {prof.optimizer.name} state, {prof.precision.compute} parameters"
              + (", fp32 masters" if mixed else "") + f", zero stage {stage} over {n} rank(s)"]
     held["buffers"] = sum(b.numel() * b.element_size() for b in meta.buffers())
-    if prof.offload.optimizer == "disk" or (prof.offload.optimizer == "cpu" and device_type == "cuda"):
-        tier = "offload_disk" if prof.offload.optimizer == "disk" else "offload_host"
-        moved = int((held["optimizer_state"] + held["master"]) * prof.offload.fraction)
-        held[tier] = moved
-        keep = 1.0 - prof.offload.fraction
-        held["optimizer_state"] = int(held["optimizer_state"] * keep)
-        held["master"] = int(held["master"] * keep)
-        notes.append(f"optimizer offload to {prof.offload.optimizer}: {prof.offload.fraction:g} of the optimizer "
-                     "state and masters off the device (the streaming window is not counted)")
+    _offload(held, states, prof, device_type, notes)
+    model_state = sum(held.get(c, 0) for c in ("params", "grads", "master", "optimizer_state"))
     persistent_grads = held["grads"]
     if stage == 1:
         held["grads"] = 0  # zero_grad(set_to_none) frees the full gradients; backward makes them again
@@ -304,6 +308,60 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
     return Estimate(profile=prof.name, world_size=n, model=_model_name(model),
                     num_params=sum(p.numel() for p in model.parameters()), bytes=best,
                     model_state=model_state, activations=acts, notes=tuple(notes))
+
+
+def _chunks(pieces: list[tuple[int, int, int]], per_elem: int, chunk_bytes: int,
+            fraction: float) -> tuple[int, int, int]:
+    """The chunk plan of ``memsave.offload.OffloadedState`` from shapes alone: ``pieces`` are ``(unit, local rows,
+    row numel)`` of every trainable shard in the optimizer's order. Returns the window buffer's bytes, the largest
+    offloaded chunk's elements and the offloaded elements."""
+    chunk_numel = max(1, chunk_bytes // per_elem)
+    chunks: list[list[int]] = []  # [unit, elements, pieces]
+    for unit, rows, row in pieces:
+        step = max(1, chunk_numel // max(row, 1))
+        for start in range(0, max(rows, 1), step):
+            numel = (min(rows, start + step) - start) * row
+            if not chunks or chunks[-1][0] != unit or chunks[-1][1] + numel > chunk_numel:
+                chunks.append([unit, 0, 0])
+            chunks[-1][1] += numel
+            chunks[-1][2] += 1
+    total = sum(c[1] for c in chunks)
+    offloaded: list[list[int]] = []
+    done = 0
+    for c in chunks:  # whole chunks, in order, while the offloaded share stays nearest to fraction
+        if c[1] and done + c[1] / 2 <= fraction * total:
+            offloaded.append(c)
+            done += c[1]
+    window = max((c[1] * per_elem + _ENTRY_ALIGN * 4 * c[2] for c in offloaded), default=0)
+    return round_up(window), max((c[1] for c in offloaded), default=0), done
+
+
+def _offload(held: dict[str, int], states: dict[str, Any], prof: Profile, device_type: str, notes: list[str]) -> None:
+    """``[offload]``: the offloaded share of the optimizer state on its tier, and the streaming window that stays
+    in memory: ``prefetch + 2`` window buffers (one without prefetch) as big as the largest offloaded chunk, and
+    on disk as many snapshots of a chunk's parameters (memsave/offload/state.py). Parameters on disk (stage 3)
+    move the shards there; the shards resident around their use are not modelled."""
+    off = prof.offload
+    if not (off.optimizer == "disk" or (off.optimizer == "cpu" and device_type == "cuda")) or off.fraction == 0:
+        if off.optimizer == "cpu":
+            notes.append('[offload] optimizer = "cpu" on a CPU device: nothing moves')
+        return
+    tier = "offload_disk" if off.optimizer == "disk" else "offload_host"
+    per_elem = max(1, round(sum(states["unit_state"]) / max(sum(states["unit_elems"]), 1)))
+    window, chunk_elems, elems = _chunks(states["pieces"], per_elem, int(off.chunk_mb * 2**20), off.fraction)
+    moved = elems * per_elem
+    held[tier] = held.get(tier, 0) + moved
+    buffers = off.prefetch + 2 if off.prefetch else 1
+    held["optimizer_state"] += buffers * window - moved
+    if off.optimizer == "disk":
+        held["comm"] = held.get("comm", 0) + buffers * chunk_elems * states["param_bytes"]
+    if off.params == "disk":
+        held[tier] += held["params"]
+        held["params"] = 0
+    notes.append(f"optimizer offload to {off.optimizer}: {format_bytes(moved)} of state off the device; streaming "
+                 f"window {buffers} x {format_bytes(window)}"
+                 + ("; parameters on disk (resident shards around their use not modelled)" if off.params == "disk"
+                    else ""))
 
 
 _REDUCES_IN_FLIGHT = 2  # memsave/zero/engine.py keeps at most this many reduce-scatters in flight
@@ -333,7 +391,7 @@ def _walk_backward(best: dict[str, int], base: dict[str, int], states: dict[str,
                 point["params_gathered"] = full[0] + (0 if after else full[u])
                 if prefetch and k >= 1:  # the gather of the unit before it is in flight
                     comm += staging[u - 1]
-            point["comm"] = comm
+            point["comm"] = base.get("comm", 0) + comm
             if _total(point) > _total(best):
                 best = point
     end = dict(base, activations=0, grads=persistent_grads)

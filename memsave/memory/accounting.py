@@ -39,7 +39,8 @@ class MemoryAccount:
 
     @property
     def total(self) -> int:
-        return sum(self.bytes.values())
+        """In-memory bytes: every category but the offloaded tiers (``offload_host``, ``offload_disk``)."""
+        return sum(v for k, v in self.bytes.items() if not k.startswith("offload_"))
 
     def model_state(self) -> int:
         """Parameters (sharded and gathered), gradients, master weights and optimizer state."""
@@ -68,6 +69,11 @@ def account(holders: Iterable[object]) -> MemoryAccount:
             nbytes = t.untyped_storage().nbytes()
             out.bytes[category.value] = out.bytes.get(category.value, 0) + nbytes
             out.device_bytes[t.device.type] = out.device_bytes.get(t.device.type, 0) + nbytes
+        offloaded = getattr(holder, "offloaded_bytes", None)  # another tier: {"host": n, "disk": n}
+        if callable(offloaded):
+            for tier, nbytes in offloaded().items():
+                if nbytes:
+                    out.bytes[f"offload_{tier}"] = out.bytes.get(f"offload_{tier}", 0) + int(nbytes)
     return out
 
 
