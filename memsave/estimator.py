@@ -35,7 +35,7 @@ from torch import nn
 
 from memsave.config import Profile, load_profile
 from memsave.memory.schema import CATEGORIES, OFF_DEVICE, format_bytes
-from memsave.models.units import default_units
+from memsave.models.units import default_units, output_tensors
 from memsave.offload.state import _ENTRY_ALIGN
 from memsave.offload.tiers import round_up
 from memsave.precision import compute_dtype, reduce_dtype_for
@@ -51,7 +51,8 @@ class Estimate:
 
     model_state: parameters, gradients, masters and optimizer state as the ZeRO formula counts them (full
         gradients at stages 0-1), the figure to compare with a step's end.
-    activations: bytes saved for backward by one forward under the recompute policy.
+    activations: what one forward leaves held under the recompute policy, at its end: the bytes saved for
+        backward and the outputs (logits, loss) not among them, as the tracker counts them.
     """
 
     profile: str
@@ -225,12 +226,22 @@ def _fused_attention_on_meta(device_type: str) -> Iterator[None]:
 
 
 def _activations(meta: nn.Module, modules: list[nn.Module], prof: Profile, batch: Any,
-                 device_type: str) -> tuple[int, list[int], str]:
-    """Saved bytes of one forward of the meta model under the recompute policy: total, per unit, and a note."""
+                 device_type: str) -> tuple[int, list[int], int, str]:
+    """Saved bytes of one forward of the meta model under the recompute policy: total, per unit, the bytes of the
+    forward's outputs that backward does not keep (the logits beside the log-softmax cross-entropy saves), and a
+    note."""
     from memsave import recompute
     from memsave.recompute.measure import measure_saved_bytes
 
-    run = _run_forward(meta, _to_meta(batch))
+    forward = _run_forward(meta, _to_meta(batch))
+    outputs: dict[int, int] = {}
+
+    def run() -> Any:
+        out = forward()
+        outputs.clear()
+        outputs.update((t.untyped_storage()._cdata, t.untyped_storage().nbytes()) for t in output_tensors(out))
+        return out
+
     plan = None
     if prof.recompute.policy != "none":
         with _fused_attention_on_meta(device_type):  # a budget measures a forward too
@@ -243,12 +254,14 @@ def _activations(meta: nn.Module, modules: list[nn.Module], prof: Profile, batch
         if plan is not None:
             recompute.remove(plan, model=meta)
     total = saved.total
+    kept = {k for keys in (*saved._unit_keys, saved._outside_keys or {}) for k in keys}
+    output_bytes = sum(n for k, n in outputs.items() if k not in kept)
     note = f"activations: one forward on the meta device, recompute policy {prof.recompute.policy}"
     if prof.recompute.compress != "none":  # Gist-like compression stores fp32 activations at 2 (bf16) or 1 byte
         keep = 2 if prof.recompute.compress == "bf16" else 1
         total = int(total * keep / 4) if prof.precision.compute == "fp32" else total
         note += f", compressed to {prof.recompute.compress} (estimated as {keep}/4 of the fp32 bytes)"
-    return total, list(saved.units), note
+    return total, list(saved.units), output_bytes, note
 
 
 def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_size: int = 1, batch: Any = None,
@@ -292,22 +305,22 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
     persistent_grads = held["grads"]
     if stage == 1:
         held["grads"] = 0  # zero_grad(set_to_none) frees the full gradients; backward makes them again
-    acts, per_unit = 0, [0] * len(modules)
+    acts, per_unit, outputs = 0, [0] * len(modules), 0
     if batch is not None:
-        acts, per_unit, note = _activations(meta, modules, prof, batch, device_type)
+        acts, per_unit, outputs, note = _activations(meta, modules, prof, batch, device_type)
         notes.append(note)
     if stage == 3:
         biggest = max(states["unit_full"][1:], default=0)
         held["params_gathered"] = states["unit_full"][0] + biggest
     # [Note: the estimated peak]: walk backward unit by unit
     base = {k: v for k, v in held.items()}
-    best = dict(base, activations=acts)
+    best = dict(base, activations=acts + outputs)  # the end of forward: the outputs are still held
     if stage >= 1:
         best = _walk_backward(best, base, states, per_unit, stage, prof.zero.prefetch, persistent_grads)
     best = {k: int(v) for k, v in best.items() if v}
     return Estimate(profile=prof.name, world_size=n, model=_model_name(model),
                     num_params=sum(p.numel() for p in model.parameters()), bytes=best,
-                    model_state=model_state, activations=acts, notes=tuple(notes))
+                    model_state=model_state, activations=acts + outputs, notes=tuple(notes))
 
 
 def _chunks(pieces: list[tuple[int, int, int]], per_elem: int, chunk_bytes: int,

@@ -130,6 +130,9 @@ class MemoryTracker:
         self.sample("forward_start")
 
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        # the forward's outputs (logits, loss) are activations too while the caller holds them, as torch's
+        # MemTracker counts them, though backward may keep something else (cross-entropy keeps a log-softmax)
+        self.counter.add(list(output_tensors(output)))
         self.unit = None
         self.sample("forward_end")
         if self._forward_stack:
