@@ -9,6 +9,7 @@ that is a view of a flat buffer, is counted once, at the size of the storage act
 from __future__ import annotations
 
 import dataclasses
+import os
 import resource
 import sys
 from collections.abc import Iterable
@@ -95,9 +96,14 @@ def default_tensors(obj: object) -> Iterable[tuple[MemoryCategory, torch.Tensor]
         raise TypeError(f"cannot account the memory of {type(obj).__name__}: it implements no memory_tensors()")
 
 
+_PROCESS: list[psutil.Process] = []  # this process, made once (a new psutil.Process reads /proc each time)
+
+
 def rss_bytes() -> int:
     """Resident set size of this process now."""
-    return psutil.Process().memory_info().rss
+    if not _PROCESS or _PROCESS[0].pid != os.getpid():  # after a fork: the child's own
+        _PROCESS[:] = [psutil.Process()]
+    return _PROCESS[0].memory_info().rss
 
 
 def peak_rss_bytes() -> int:
