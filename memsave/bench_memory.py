@@ -2,10 +2,10 @@
 
 Each profile runs in a fresh group of local processes (the bench GPT, the bench batch, the profile's own
 optimizer). Every rank first estimates its memory with ``memsave.estimate`` (meta device), then trains
-untracked steps, then the same number of steps with a :class:`~memsave.memory.MemoryTracker` attached, and
-reports: estimated vs measured model state (at the end of the last step, as the ZeRO formula counts it),
-activations (at the end of the last forward) and peak (the largest accounted sample), per category; the
-tracker's own time per step (what its samples cost) and the median step time with and without it. A
+untracked and tracked steps interleaved (the median step time with and without a tracker: the whole overhead,
+hooks included), then two tracked steps, and reports: estimated vs measured model state (at the end of the
+last step, as the ZeRO formula counts it), activations (at the end of the last forward) and peak (the largest
+accounted sample), per category; and the tracker's time inside its samples per step. A
 last row runs one process with torch's ``MemTracker`` beside ours and compares them at the same instant (the
 end of each forward), category by category.
 """
@@ -65,9 +65,19 @@ def _worker(name: str, opts: BenchOptions) -> dict[str, Any]:
         opt.zero_grad()
         return time.perf_counter() - start
 
-    off = [step(i) for i in range(opts.steps)][opts.warmup :]
+    for i in range(opts.warmup):
+        step(i)
+    # the overhead: untracked and tracked steps interleaved (so drift over the run cancels), the tracker made
+    # and closed outside the timed region; then the tracked steps whose figures the table reports
+    off, on = [], []
+    for i in range(opts.warmup, opts.steps):
+        off.append(step(2 * i))
+        timing = MemoryTracker(model, opt, timeline=False)
+        on.append(step(2 * i + 1))
+        timing.close()
     tracker = MemoryTracker(model, opt)
-    on = [step(opts.steps + i) for i in range(opts.steps)][opts.warmup :]
+    for i in range(2):
+        step(2 * opts.steps + i)
     samples = tracker.num_samples
     sample_s = tracker.sample_seconds
     state = [s for s in tracker.timeline if s["event"] == "step_end"][-1]["bytes"]
@@ -77,7 +87,7 @@ def _worker(name: str, opts: BenchOptions) -> dict[str, Any]:
         "est_model_state": est.model_state, "est_activations": est.activations,
         "model_state": sum(state.get(c, 0) for c in _STATE), "activations": acts,
         "peak": dict(tracker.peak), "step_off": statistics.median(off), "step_on": statistics.median(on),
-        "samples_per_step": samples / opts.steps, "sample_s_per_step": sample_s / opts.steps,
+        "samples_per_step": samples / 2, "sample_s_per_step": sample_s / 2,
         "peak_rss": peak_rss_bytes(),
     }
     tracker.close()
@@ -135,7 +145,7 @@ def _ratio(measured: float, est: float) -> str:
 
 def format_memory_table(rows: list[dict[str, Any]]) -> str:
     head = ["profile", "state est/meas MiB", "x", "activations est/meas MiB", "x", "peak est/meas MiB", "x",
-            "peak at", "tracker ms/step", "% of step", "step off/on s", "peak RSS MiB"]
+            "peak at", "tracker ms/step", "% of step", "step off/on s (overhead)", "peak RSS MiB"]
     lines = []
     for row in rows:
         if row["profile"] == MEMTRACKER:
@@ -148,7 +158,8 @@ def format_memory_table(rows: list[dict[str, Any]]) -> str:
                 f"{_mib(r['est_activations'])}/{_mib(r['activations'])}", _ratio(r["activations"], r["est_activations"]),
                 f"{_mib(e['peak_total'])}/{_mib(p['total'])}", _ratio(p["total"], e["peak_total"]),
                 f"{p['phase']} {p['unit'] or ''}".strip(), f"{1e3 * r['sample_s_per_step']:.1f}",
-                f"{100 * r['sample_s_per_step'] / r['step_on']:.2f}", f"{r['step_off']:.3f}/{r['step_on']:.3f}",
+                f"{100 * r['sample_s_per_step'] / r['step_on']:.2f}",
+                f"{r['step_off']:.3f}/{r['step_on']:.3f} ({100 * (r['step_on'] / r['step_off'] - 1):+.1f}%)",
                 _mib(r["peak_rss"]),
             ])
     out = []
@@ -158,7 +169,8 @@ def format_memory_table(rows: list[dict[str, Any]]) -> str:
         out += ["  ".join(c.ljust(w) for c, w in zip(x, widths)).rstrip() for x in lines]
         out.append("x: measured / estimated. state: parameters, gradients, masters and optimizer state after the "
                    "last step; activations: saved for backward at the end of the last forward; peak: the largest "
-                   "accounted sample. tracker ms/step: time inside its samples.")
+                   "accounted sample. tracker ms/step: time inside its samples; step off/on: median step "
+                   "untracked / tracked, interleaved.")
     for row in rows:
         if row["profile"] != MEMTRACKER:
             continue
