@@ -165,7 +165,8 @@ def _demo_estimate(profile: Profile, size: str, train: TrainConfig, nproc: int) 
     with torch.device("meta"):
         model = GPT(gpt_cfg)
     batch = TokenBatches(seq_len=train.seq_len, batch_size=train.batch_size, seed=train.seed).batch(0)
-    return estimate(model, profile, world_size=nproc, batch=batch, device="cuda" if torch.cuda.is_available() else "cpu")
+    return estimate(model, profile, world_size=nproc, batch=batch, device="cuda" if torch.cuda.is_available() else "cpu",
+                    micro_batches=train.micro_batches)
 
 
 def _run_demo(args: argparse.Namespace, extra: Sequence[str]) -> int:

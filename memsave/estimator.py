@@ -265,7 +265,8 @@ def _activations(meta: nn.Module, modules: list[nn.Module], prof: Profile, batch
 
 
 def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_size: int = 1, batch: Any = None,
-             units: Sequence[nn.Module] | None = None, device: str | None = None) -> Estimate:
+             units: Sequence[nn.Module] | None = None, device: str | None = None,
+             micro_batches: int = 1) -> Estimate:
     """Predict per-rank memory of training ``model`` under ``profile`` on ``world_size`` data-parallel ranks.
 
     ``model`` may live on the meta device (build it under ``with torch.device("meta"):``); it is not changed.
@@ -273,7 +274,9 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
     tensor; meta tensors are fine) or a callable ``batch(model)`` running one forward; None: model states only.
     ``units``: as for ``memsave.wrap`` (default: the blocks of the largest ``nn.ModuleList``). Nothing is
     allocated on a real device. ``device``: "cpu" or "cuda", the kind of device trained on (default: cuda when
-    available), for the attention kernel and whether host offload moves anything. See [Note: the estimated peak].
+    available), for the attention kernel and whether host offload moves anything. ``micro_batches``: backwards
+    per optimizer step (gradient accumulation under ``model.no_sync()``): at ZeRO stages 1-3 the full gradients
+    accumulate locally until the last one. See [Note: the estimated peak].
     """
     prof = load_profile(profile)
     device_type = device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -281,6 +284,8 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
         raise ValueError(f"device = {device!r} is not allowed; expected \"cpu\" or \"cuda\"")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size = {world_size!r} is not allowed; expected a positive integer")
+    if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
+        raise ValueError(f"micro_batches = {micro_batches!r} is not allowed; expected a positive integer")
     meta = meta_copy(model)
     mixed = prof.precision.compute != "fp32"
     if mixed:
@@ -312,6 +317,12 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
     if stage == 3:
         biggest = max(states["unit_full"][1:], default=0)
         held["params_gathered"] = states["unit_full"][0] + biggest
+    if micro_batches > 1:  # no_sync: every micro-batch after the first holds the full gradients in p.grad (at
+        # stage 0 beside the buckets, which adopt them at the synchronizing backward)
+        accumulated = sum(states["unit_grad_full"])
+        held["grads"] += accumulated
+        persistent_grads += accumulated if stage >= 2 else 0
+        notes.append(f"{micro_batches} micro-batches: the full gradients accumulate locally until the last backward")
     # [Note: the estimated peak]: walk backward unit by unit
     base = {k: v for k, v in held.items()}
     best = dict(base, activations=acts + outputs)  # the end of forward: the outputs are still held
@@ -397,8 +408,8 @@ def _walk_backward(best: dict[str, int], base: dict[str, int], states: dict[str,
                 grads += grads_full[u] if stage == 1 else 0
             point = dict(base)
             point["activations"] = sum(per_unit[: k if after else k + 1])
-            if stage == 1:
-                point["grads"] = grads
+            if stage == 1:  # (with micro-batches the accumulated full gradients are there throughout)
+                point["grads"] = max(base.get("grads", 0), grads)
             comm = sum(reduce_[j] for j in done[-_REDUCES_IN_FLIGHT:])
             if stage == 3:
                 point["params_gathered"] = full[0] + (0 if after else full[u])

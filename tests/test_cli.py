@@ -29,7 +29,8 @@ def _losses(text: str) -> tuple[float, float]:
 def test_demo_tiny_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     report = tmp_path / "out" / "report.json"
     argv = ["demo", *TINY, "--steps", "20", "--micro-batches", "2", "--profile", "zero2", "--no-progress",
-            "--optimizer.weight_decay=0.01", "--optimizer.warmup_steps", "2", "--report-json", str(report)]
+            "--optimizer.weight_decay=0.01", "--optimizer.warmup_steps", "2", "--report-json", str(report),
+            "--report-dir", str(tmp_path / "run")]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "memory report (zero2)" in out and "optimizer_state" in out
@@ -37,11 +38,17 @@ def test_demo_tiny_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert first > 5.0 and last < first - 0.5
     data = json.loads(report.read_text())
     assert data["schema"] == "memsave.report/2" and [r["rank"] for r in data["ranks"]] == [0, 1]
+    # tracked by default, with the estimate beside it, as JSON and as the page
+    tracked = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert all(r["timeline"] for r in tracked["ranks"]) and tracked["estimate"]["peak_total"] > 0
+    assert tracked["ranks"][0]["peak"]["total"] == pytest.approx(tracked["estimate"]["peak_total"], rel=0.1)
+    assert (tmp_path / "run" / "report.html").stat().st_size > 10_000
 
 
 def test_demo_through_python_m() -> None:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, "-m", "memsave.cli", "demo", *TINY, "--steps", "12", "--profile", "zero3"],
+    proc = subprocess.run([sys.executable, "-m", "memsave.cli", "demo", *TINY, "--steps", "12", "--profile", "zero3",
+                           "--report-dir", ""],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "memsave demo: GPT tiny" in proc.stdout and "memory report (zero3)" in proc.stdout
