@@ -47,7 +47,9 @@ def _tensors_of(holder: object) -> Iterable[tuple[MemoryCategory, torch.Tensor]]
 
 
 class MemoryTracker:
-    """Samples the memory of ``holders`` (the model first) at every phase and unit boundary; see the module doc."""
+    """Samples the memory of ``model`` and ``holders`` (its optimizer, ...) at every phase and unit boundary; see
+    the module doc. ``timeline=False`` keeps the peaks only; ``units`` overrides the units it labels samples by
+    (default: the engine's, or the blocks of the model's largest ``nn.ModuleList``)."""
 
     def __init__(self, model: nn.Module, *holders: object, timeline: bool = True,
                  units: list[nn.Module] | None = None) -> None:
