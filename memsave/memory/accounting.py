@@ -37,6 +37,8 @@ class MemoryAccount:
 
     bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     device_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    # StorageImpl addresses counted (or empty): what the tracker's activation count must not count again
+    storages: set[int] = dataclasses.field(default_factory=set, repr=False, compare=False)
 
     @property
     def total(self) -> int:
@@ -50,26 +52,27 @@ class MemoryAccount:
         return sum(self.bytes.get(c.value, 0) for c in keep)
 
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    return (str(t.device), t.untyped_storage().data_ptr())
-
-
-def account(holders: Iterable[object]) -> MemoryAccount:
-    """Sum the storages every holder reports, each storage once (first category wins)."""
-    seen: set[tuple[str, int]] = set()
+def account(holders: Iterable[object], *, by_device: bool = True) -> MemoryAccount:
+    """Sum the storages every holder reports, each storage once (first category wins), and the bytes it holds on
+    other tiers (``offloaded_bytes()``). ``by_device=False`` skips the per-device split (the tracker's hot path)."""
     out = MemoryAccount()
+    seen = out.storages
     for holder in holders:
         tensors = holder.memory_tensors() if isinstance(holder, HoldsMemory) else default_tensors(holder)
         for category, t in tensors:
-            if t.device.type == "meta" or t.untyped_storage().nbytes() == 0:
+            if t.is_meta:
                 continue
-            key = _storage_key(t)
+            storage = t.untyped_storage()
+            key = storage._cdata  # the StorageImpl: stable while a ZeRO-3 buffer is freed and re-grown
             if key in seen:
                 continue
-            seen.add(key)
-            nbytes = t.untyped_storage().nbytes()
-            out.bytes[category.value] = out.bytes.get(category.value, 0) + nbytes
-            out.device_bytes[t.device.type] = out.device_bytes.get(t.device.type, 0) + nbytes
+            seen.add(key)  # also when empty: a resharded ZeRO-3 buffer's saved views are not activations
+            nbytes = storage.nbytes()
+            if nbytes:
+                name = category._value_  # not .value (a descriptor) nor the enum as a key (a Python __hash__)
+                out.bytes[name] = out.bytes.get(name, 0) + nbytes
+                if by_device:
+                    out.device_bytes[t.device.type] = out.device_bytes.get(t.device.type, 0) + nbytes
         offloaded = getattr(holder, "offloaded_bytes", None)  # another tier: {"host": n, "disk": n}
         if callable(offloaded):
             for tier, nbytes in offloaded().items():

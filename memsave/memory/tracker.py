@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from memsave.memory.accounting import HoldsMemory, default_tensors, rss_bytes
+from memsave.memory.accounting import HoldsMemory, account, rss_bytes
 from memsave.memory.saved import SavedTensorCounter
 from memsave.models.units import default_units, output_tensors
 from memsave.phases import MemoryCategory, Phase
@@ -40,10 +40,6 @@ __all__ = ["MemoryTracker", "Sample"]
 _OFF_DEVICE = (MemoryCategory.OFFLOAD_HOST.value, MemoryCategory.OFFLOAD_DISK.value)
 
 Sample = dict[str, Any]  # one timeline entry of the memsave.report/2 schema
-
-
-def _tensors_of(holder: object) -> Iterable[tuple[MemoryCategory, torch.Tensor]]:
-    return holder.memory_tensors() if isinstance(holder, HoldsMemory) else default_tensors(holder)
 
 
 class MemoryTracker:
@@ -219,27 +215,9 @@ class MemoryTracker:
     # -- sampling ------------------------------------------------------------------------------------------
     def account(self) -> dict[str, int]:
         """Bytes per category now: every holder's storages once (first category wins), then the activations."""
-        seen: set[int] = set()
-        out: dict[str, int] = {}
-        for holder in self.holders:  # the hot loop of every sample: keep it lean (no device or enum lookups)
-            for category, t in _tensors_of(holder):
-                storage = t.untyped_storage()
-                key = storage._cdata  # the StorageImpl: stable while a ZeRO-3 buffer is freed and re-grown
-                if key in seen:
-                    continue
-                seen.add(key)  # also when empty: a resharded ZeRO-3 buffer's saved views are not activations
-                nbytes = storage.nbytes()
-                if nbytes:
-                    name = category._value_  # not .value (a descriptor) nor the enum as a key (a Python __hash__)
-                    out[name] = out.get(name, 0) + nbytes
-        for holder in self.holders:
-            offloaded = getattr(holder, "offloaded_bytes", None)
-            if callable(offloaded):
-                for tier, nbytes in offloaded().items():
-                    if nbytes:
-                        cat = f"offload_{tier}"
-                        out[cat] = out.get(cat, 0) + int(nbytes)
-        activations, _ = self.counter.live(skip=seen)
+        acct = account(self.holders, by_device=False)
+        out = acct.bytes
+        activations, _ = self.counter.live(skip=acct.storages)
         if activations:
             out[MemoryCategory.ACTIVATIONS.value] = activations
         return out
