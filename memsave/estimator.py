@@ -39,6 +39,7 @@ from memsave.models.units import default_units, output_tensors
 from memsave.offload.state import _ENTRY_ALIGN
 from memsave.offload.tiers import round_up
 from memsave.precision import compute_dtype, reduce_dtype_for
+from memsave.wrapped import user_class
 
 __all__ = ["Estimate", "estimate", "format_estimates", "meta_copy"]
 
@@ -329,7 +330,7 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
     if stage >= 1:
         best = _walk_backward(best, base, states, per_unit, stage, prof.zero.prefetch, persistent_grads)
     best = {k: int(v) for k, v in best.items() if v}
-    return Estimate(profile=prof.name, world_size=n, model=_model_name(model),
+    return Estimate(profile=prof.name, world_size=n, model=user_class(model).__name__,
                     num_params=sum(p.numel() for p in model.parameters()), bytes=best,
                     model_state=model_state, activations=acts + outputs, notes=tuple(notes))
 
@@ -424,13 +425,6 @@ def _walk_backward(best: dict[str, int], base: dict[str, int], states: dict[str,
 
 def _total(b: Mapping[str, int]) -> int:
     return sum(v for k, v in b.items() if k not in OFF_DEVICE)
-
-
-def _model_name(model: nn.Module) -> str:
-    cls = type(model)
-    if cls.__name__.startswith("Memsave") and len(cls.__bases__) > 1:
-        cls = cls.__bases__[0]
-    return cls.__name__
 
 
 def format_estimates(estimates: Sequence[Estimate]) -> str:

@@ -21,7 +21,7 @@ from torch import nn
 
 from memsave.phases import MemoryCategory
 
-__all__ = ["MemsaveModule", "MemsaveOptimizer", "swap_class", "unswap_class"]
+__all__ = ["MemsaveModule", "MemsaveOptimizer", "swap_class", "unswap_class", "user_class"]
 
 _CLASS_CACHE: dict[type, type] = {}
 
@@ -65,6 +65,12 @@ def unswap_class(module: nn.Module) -> nn.Module:
         module.__class__ = module.__class__.__bases__[0]
         del module.memsave_engine
     return module
+
+
+def user_class(module: nn.Module) -> type:
+    """The class the user built ``module`` as (the one :func:`swap_class` derived from, if it ran)."""
+    cls = type(module)
+    return cls.__bases__[0] if isinstance(module, MemsaveModule) else cls
 
 
 class MemsaveOptimizer(torch.optim.Optimizer, abc.ABC):

@@ -29,6 +29,7 @@ from memsave.memory.schema import (
     validate_report,
 )
 from memsave.memory.tracker import MemoryTracker
+from memsave.wrapped import user_class
 
 __all__ = ["MemoryReport", "RankMemory", "report"]
 
@@ -61,15 +62,6 @@ class MemoryReport:
         return [RankMemory(rank=r["rank"], bytes=dict(r["current"]), rss=r["process"]["rss"],
                            peak_rss=r["process"]["peak_rss"], device_allocated=r["process"]["device_allocated"],
                            device_peak=r["process"]["device_peak"]) for r in self.data["ranks"]]
-
-    def with_estimate(self, estimate: dict[str, Any] | None) -> MemoryReport:
-        """This report with ``estimate`` (``Estimate.to_report_dict()``, or None) beside the measurement."""
-        data = dict(self.data)
-        if estimate is not None:
-            cats = [c for c in CATEGORIES if c in data["categories"] or c in estimate["bytes"]]
-            data["categories"] = cats
-        data["estimate"] = estimate
-        return MemoryReport(data)
 
     def to_dict(self) -> dict[str, Any]:
         return self.data
@@ -123,17 +115,8 @@ def _rank_entry(holders: tuple[object, ...], tracker: MemoryTracker | None, rank
 
 def _num_params(holders: tuple[object, ...]) -> tuple[str, int]:
     for h in holders:
-        if isinstance(h, nn.Module):
-            seen: set[int] = set()
-            n = 0
-            for p in h.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    n += p.numel()
-            cls = type(h)
-            if cls.__name__.startswith("Memsave") and len(cls.__bases__) > 1:
-                cls = cls.__bases__[0]  # memsave's class swap
-            return cls.__name__, n
+        if isinstance(h, nn.Module):  # parameters() lists a tied parameter once
+            return user_class(h).__name__, sum(p.numel() for p in h.parameters())
     return "", 0
 
 

@@ -56,28 +56,28 @@ class SavedTensorCounter:
     """Live bytes of the storages kept for backward by the forwards run inside :meth:`__call__`."""
 
     def __init__(self) -> None:
-        # saved through the hooks: (weak reference to the graph's holder, StorageImpl address, bytes, device type);
+        # saved through the hooks: (weak reference to the graph's holder, StorageImpl address, bytes);
         # the address of the StorageImpl, not of its data: a ZeRO-3 buffer freed and re-grown keeps its StorageImpl
         # (and the views saved on it) but not its data
-        self._saved: list[tuple[weakref.ref[_Saved], int, int, str]] = []
+        self._saved: list[tuple[weakref.ref[_Saved], int, int]] = []
         # kept by reference (note_kept): the storage itself decides
-        self._kept: dict[int, tuple[StorageWeakRef, int, str]] = {}
+        self._kept: dict[int, tuple[StorageWeakRef, int]] = {}
         self._outer: list[tuple[Any, Any] | None] = []  # the hooks below ours, per nested entry
 
     @staticmethod
-    def _storages(obj: Any) -> list[tuple[torch.UntypedStorage, str]]:
+    def _storages(obj: Any) -> list[torch.UntypedStorage]:
         out = []
         for t in tree_leaves(obj):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            if isinstance(t, torch.Tensor) and not t.is_meta:
                 storage = t.untyped_storage()
                 if storage.nbytes():
-                    out.append((storage, t.device.type))
+                    out.append(storage)
         return out
 
     def add(self, obj: Any) -> None:
         """Tensors in ``obj`` are kept for backward by reference: count them while their storage lives."""
-        for storage, device in self._storages(obj):
-            self._kept[storage._cdata] = (StorageWeakRef(storage), storage.nbytes(), device)
+        for storage in self._storages(obj):
+            self._kept[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
 
     def pack(self, t: torch.Tensor) -> Any:
         outer = self._outer[-1] if self._outer else None
@@ -86,27 +86,22 @@ class SavedTensorCounter:
         packed = outer[0](t) if outer is not None else t.detach()
         holder = _Saved(outer, packed)
         ref = weakref.ref(holder)
-        for storage, device in self._storages(packed):  # what is actually kept (a compressed copy, ...)
-            self._saved.append((ref, storage._cdata, storage.nbytes(), device))
+        for storage in self._storages(packed):  # what is actually kept (a compressed copy, ...)
+            self._saved.append((ref, storage._cdata, storage.nbytes()))
         return holder
 
     @staticmethod
     def unpack(holder: _Saved) -> torch.Tensor:
         return holder.outer[1](holder.packed) if holder.outer is not None else holder.packed
 
-    def live(self, skip: set[int] | None = None) -> tuple[int, dict[str, int]]:
-        """``(bytes, bytes per device type)`` of the storages still kept for backward, each once, minus ``skip``
-        (StorageImpl addresses attributed to another category)."""
+    def live(self, skip: set[int] | None = None) -> int:
+        """Bytes of the storages still kept for backward, each once, minus ``skip`` (StorageImpl addresses
+        attributed to another category)."""
         self._saved = [e for e in self._saved if e[0]() is not None]
         self._kept = {k: e for k, e in self._kept.items() if not e[0].expired()}
-        sizes: dict[int, tuple[int, str]] = {key: (nbytes, device) for _, key, nbytes, device in self._saved}
-        sizes.update((key, (nbytes, device)) for key, (_, nbytes, device) in self._kept.items())
-        total, by_device = 0, {}  # type: tuple[int, dict[str, int]]
-        for key, (nbytes, device) in sizes.items():
-            if skip is None or key not in skip:
-                total += nbytes
-                by_device[device] = by_device.get(device, 0) + nbytes
-        return total, by_device
+        sizes = {key: nbytes for _, key, nbytes in self._saved}
+        sizes.update((key, nbytes) for key, (_, nbytes) in self._kept.items())
+        return sum(n for key, n in sizes.items() if skip is None or key not in skip)
 
     @contextlib.contextmanager
     def __call__(self) -> Iterator[None]:

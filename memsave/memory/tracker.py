@@ -217,7 +217,7 @@ class MemoryTracker:
         """Bytes per category now: every holder's storages once (first category wins), then the activations."""
         acct = account(self.holders, by_device=False)
         out = acct.bytes
-        activations, _ = self.counter.live(skip=acct.storages)
+        activations = self.counter.live(skip=acct.storages)
         if activations:
             out[MemoryCategory.ACTIVATIONS.value] = activations
         return out
