@@ -134,7 +134,8 @@ def wrap(
 
         offload = effective_offload(profile, mesh.device)
         if offload is not None:
-            check_offload(optimizer, offload, mesh.dp_size)
+            mixed = profile.precision.compute != "fp32" or profile.precision.loss_scale != "none"
+            check_offload(optimizer, offload, mesh.dp_size, master_elements=None if mixed else 0)
     if profile.recompute.compress != "none":  # before anything changes: a refused wrap changes nothing
         from memsave.recompute.compress import check_compress
 

@@ -373,9 +373,13 @@ def _offload(held: dict[str, int], states: dict[str, Any], prof: Profile, device
         return
     tier = "offload_disk" if off.optimizer == "disk" else "offload_host"
     per_elem = max(1, round(sum(states["unit_state"]) / max(sum(states["unit_elems"]), 1)))
-    window, chunk_elems, elems = _chunks(states["pieces"], per_elem, int(off.chunk_mb * 2**20), off.fraction)
+    masters = 4 if held.get("master") else 0  # mixed precision: the fp32 masters move with the state
+    window, chunk_elems, elems = _chunks(states["pieces"], per_elem + masters, int(off.chunk_mb * 2**20),
+                                         off.fraction)
     moved = elems * per_elem
-    held[tier] = held.get(tier, 0) + moved
+    moved_masters = min(held.get("master", 0), elems * masters)
+    held[tier] = held.get(tier, 0) + moved + moved_masters
+    held["master"] = held.get("master", 0) - moved_masters
     buffers = off.prefetch + 2 if off.prefetch else 1
     held["optimizer_state"] += buffers * window - moved
     if off.optimizer == "disk":
@@ -383,7 +387,9 @@ def _offload(held: dict[str, int], states: dict[str, Any], prof: Profile, device
     if off.params == "disk":
         held[tier] += held["params"]
         held["params"] = 0
-    notes.append(f"optimizer offload to {off.optimizer}: {format_bytes(moved)} of state off the device; streaming "
+    notes.append(f"optimizer offload to {off.optimizer}: {format_bytes(moved)} of state"
+                 + (f" and {format_bytes(moved_masters)} of fp32 masters" if moved_masters else "")
+                 + " off the device; streaming "
                  f"window {buffers} x {format_bytes(window)}"
                  + ("; parameters on disk (resident shards around their use not modelled)" if off.params == "disk"
                     else ""))

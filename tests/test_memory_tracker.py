@@ -144,15 +144,18 @@ def test_compression_stays_on_under_the_tracker_and_is_counted_compressed() -> N
     assert 0.45 * plain_acts < tracked_acts < 0.62 * plain_acts  # the covered tensors at 2 bytes, not 4
 
 
-PROFILES = tuple(memsave.list_presets())  # every preset: the "every profile that exists"
+# every preset (the "every profile that exists"), and offload under mixed precision (the fp32 masters move)
+PROFILES = (*memsave.list_presets(), 'zero3-infinity:precision.compute="bf16"',
+            'zero2-offload:offload.optimizer="disk",offload.path="tmp",precision.compute="bf16",offload.fraction=0.5')
 
 
 def _estimate_vs_measured(profiles: tuple[str, ...], offload_dir: str = "") -> list[dict[str, Any]]:
     mesh = memsave.init()
     out = []
     for name in profiles:
-        prof = memsave.load_profile(name)
-        if prof.offload.optimizer == "disk":  # the preset's folder is relative: keep the test's files in tmp
+        preset, _, overrides = name.partition(":")
+        prof = memsave.load_profile(preset, overrides.split(",") if overrides else [])
+        if prof.offload.optimizer == "disk":  # keep the test's files in tmp
             prof = memsave.load_profile(prof, [f"offload.path={offload_dir!r}"])
         data = TokenBatches(seq_len=64, batch_size=2, dp_rank=mesh.dp_rank, dp_size=mesh.dp_size)
         with torch.device("meta"):

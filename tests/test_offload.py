@@ -5,6 +5,7 @@ and 2 ranks; the state really leaves memory; the files go away on close."""
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 from pathlib import Path
 
@@ -29,6 +30,11 @@ SETTINGS: list[tuple[str, ...]] = [
     (*DISK, "offload.fraction=0.0"),
     ("offload.optimizer=cpu",),  # on CPU: nothing moves, said once
 ]
+# mixed precision: the fp32 masters move with the state; fp16 with a dynamic scale that overflows at first (skipped
+# steps, the scale halved: the scaler's state must come out the same too)
+BF16 = ('precision.compute="bf16"',)
+FP16 = ('precision.compute="fp16"', 'precision.loss_scale="dynamic"')
+MIXED_SETTINGS: list[tuple[str, ...]] = [SETTINGS[0], SETTINGS[2]]
 PARAMS = [  # stage 3 only: the parameter shards on disk too
     (*DISK, "offload.params=disk", "offload.chunk_mb=0.001"),
     (*DISK, "offload.params=disk", "offload.chunk_mb=0.002", "offload.prefetch=0"),
@@ -53,7 +59,7 @@ def _train(stage: int, overrides: tuple[str, ...], mesh: memsave.Mesh, path: str
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     calls = []
     inner.register_step_post_hook(lambda *_: calls.append(1))
-    losses = []
+    losses, skipped = [], []
     for step in range(steps):
         batch = _local(toy_batch(step, ROWS * world), rank, world)
         loss = model(**batch, use_extra=step != 1).loss  # step 1: `extra` gets no gradient anywhere
@@ -63,14 +69,20 @@ def _train(stage: int, overrides: tuple[str, ...], mesh: memsave.Mesh, path: str
         sched.step()
         opt.zero_grad()
         losses.append(loss.detach().clone())
-    assert len(calls) == steps, f"step hooks ran {len(calls)} times in {steps} steps"
-    return {"losses": losses, "params": {k: v.clone() for k, v in model.state_dict().items()},
+        skipped.append(opt.mp is not None and opt.mp.last_step_skipped)
+    assert len(calls) == steps - sum(skipped), f"step hooks ran {len(calls)} times in {steps} steps, {skipped}"
+    return {"losses": losses, "skipped": skipped, "params": {k: v.clone() for k, v in model.state_dict().items()},
             "state": copy.deepcopy(opt.state_dict()), "opt": opt, "model": model}
 
 
 def _same_state(a: dict, b: dict, what: str) -> None:
     assert a["param_groups"] == b["param_groups"], what
-    assert list(a["state"]) == list(b["state"]), (what, list(a["state"]), list(b["state"]))
+    assert list(a) == list(b), (what, list(a), list(b))
+    for i, (x, y) in enumerate(zip(a.get("master_params", []), b.get("master_params", []), strict=True)):
+        assert x.dtype == torch.float32 and torch.equal(x, y), f"{what}: master {i} differs"
+    assert a.get("loss_scaler") == b.get("loss_scaler"), what
+    # the same entries (in index order: a plain optimizer lists them in the order they were first stepped)
+    assert sorted(a["state"]) == sorted(b["state"]), (what, list(a["state"]), list(b["state"]))
     for i, st in b["state"].items():
         assert list(a["state"][i]) == list(st), (what, i)
         for key, v in st.items():
@@ -91,18 +103,24 @@ def _cases(world: int, path: str) -> str:
     handler = logging.Handler()
     handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
     _logging.get_logger().addHandler(handler)
-    for stage in (1, 2, 3):
-        ref = _train(stage, (), mesh, path)
+    for stage, prec in itertools.product((1, 2, 3), ((), BF16, FP16)):
+        ref = _train(stage, prec, mesh, path)
+        if prec == FP16:
+            assert any(ref["skipped"]) and not all(ref["skipped"]), ref["skipped"]
         own = sum(s.numel() for s in ref["opt"]._full_of if s.requires_grad)
-        for overrides in SETTINGS + (PARAMS if stage == 3 else []):
-            what = f"stage {stage} world {world} {overrides}"
-            run = _train(stage, overrides, mesh, path)
+        per_elem = 8 + (4 if prec else 0)  # AdamW's two moments, and the fp32 master under mixed precision
+        settings = (SETTINGS if not prec else MIXED_SETTINGS) + (PARAMS[: 2 if not prec else 1] if stage == 3 else [])
+        for overrides in settings:
+            what = f"stage {stage} world {world} {prec} {overrides}"
+            run = _train(stage, (*prec, *overrides), mesh, path)
             _same(run, ref, what)
             opt = run["opt"]
-            held = memsave.memory.account([opt]).bytes.get(MemoryCategory.OPTIMIZER_STATE.value, 0)
+            counted = memsave.memory.account([opt]).bytes
+            held = counted.get(MemoryCategory.OPTIMIZER_STATE.value, 0)
             on_disk = opt.offloaded_bytes()["disk"]
-            if overrides == SETTINGS[0]:  # everything offloaded: 8 bytes per own element on disk, ~none in memory
-                assert on_disk >= 8 * own, (what, on_disk, own)
+            if overrides == SETTINGS[0]:  # everything offloaded: 8 (12) bytes per own element on disk, ~none in memory
+                assert on_disk >= per_elem * own, (what, on_disk, own)
+                assert counted.get(MemoryCategory.MASTER.value, 0) == 0, (what, counted)
                 state = opt.offloaded
                 window = sum(b.untyped_storage().nbytes() for b in [*state._buffers, *state._snapshots])
                 pieces = sum(len(c.pieces) for c in state.chunks)
@@ -110,7 +128,8 @@ def _cases(world: int, path: str) -> str:
                 folder = opt.offloaded.tier.folder
                 assert sorted(p.name for p in folder.iterdir())[-1] == "unit3.state" and (folder / "OWNER").exists()
             if overrides == SETTINGS[2]:  # half: some chunks in memory, some on disk
-                assert 0 < on_disk < 8 * own and held > 0, (what, on_disk, held)
+                assert 0 < on_disk < per_elem * own and held > 0, (what, on_disk, held)
+                assert not prec or counted.get(MemoryCategory.MASTER.value, 0) > 0, (what, counted)
             if "offload.optimizer=cpu" in overrides or "offload.fraction=0.0" in overrides:
                 assert on_disk == 0, (what, on_disk)
             if "offload.optimizer=cpu" in overrides:
@@ -119,7 +138,8 @@ def _cases(world: int, path: str) -> str:
                 opt.param_offload.drain()
                 assert memsave.memory.account([opt]).bytes.get(MemoryCategory.PARAMS.value, 0) == 0, what
                 padded = sum(u.param_layout.chunk_numel for u in opt.engine.units)
-                assert opt.offloaded_param_bytes() == 4 * padded, (what, opt.offloaded_param_bytes(), padded)
+                size = 2 if prec else 4  # the model's shards: bf16 / fp16 under mixed precision
+                assert opt.offloaded_param_bytes() == size * padded, (what, opt.offloaded_param_bytes(), padded)
             # a state dict round trip: the reference's consolidated state loaded into the offloaded optimizer (and
             # the model), then one more step on both: still equal
             opt.load_state_dict(ref["state"])
@@ -139,6 +159,8 @@ def _cases(world: int, path: str) -> str:
             opt.close()
             if tier is not None and tier.kind == "disk":
                 assert not tier.folder.exists(), f"{what}: {tier.folder} left behind by close()"
+        if prec:
+            continue
         # SGD with momentum, at every stage (another state layout: one per-element entry)
         sgd = lambda g: torch.optim.SGD(g, lr=0.05, momentum=0.9)  # noqa: E731
         run = _train(stage, SETTINGS[0], mesh, path, make_opt=sgd)

@@ -81,8 +81,6 @@ def test_refusals(tmp_path: Path) -> None:
     assert type(model) is ToyLM  # refused before the model was touched
     with pytest.raises(NotImplementedError, match=r"with zero\.stage = 0 is not implemented"):
         _wrap(_disk(tmp_path), stage=0)
-    with pytest.raises(NotImplementedError, match=r"compute = 'bf16'.* master weights"):
-        _wrap((*_disk(tmp_path), "precision.compute=bf16"))
     with pytest.raises(NotImplementedError, match=r'params = "disk" is not implemented with optimizer = .none.*needs optimizer = "disk"'):
         _wrap(("offload.params=disk", f'offload.path="{tmp_path}"'))
     with pytest.raises(NotImplementedError, match=r"fraction = 0\.5"):
@@ -172,17 +170,22 @@ class _Faults:
 
 
 def _piece_agrees(opt: Any, before: dict, after: dict, state_before: dict, state_after: dict) -> tuple[int, int]:
-    """Every piece's parameters and state (``exp_avg``, ``exp_avg_sq`` on disk) are either all before or all after
-    the step, as its ``step`` count says."""
+    """Every piece's parameters and state (``exp_avg``, ``exp_avg_sq`` on disk; the fp32 master under mixed
+    precision) are either all before or all after the step, as its ``step`` count says."""
     shards = [s for g in opt.optimizer.param_groups for s in g["params"]]
     live = opt.offloaded.local_state()
+    masters = opt.offloaded.local_masters()
     counts = [0, 0]
     for chunk in opt.offloaded.chunks:
         for p in chunk.pieces:
-            name, index = opt.engine.name_of[p.shard], next(i for i, s in enumerate(shards) if s is p.shard)
+            index = next(i for i, s in enumerate(shards) if s is p.shard)
+            name = opt.offloaded.names[p.shard]
             done = int(p.scalars["step"].item()) == 3
             ref, ref_state = (after, state_after) if done else (before, state_before)
-            assert torch.equal(p.sub, ref[name].reshape(p.shard.shape)[p.start : p.stop]), (name, done)
+            assert torch.equal(p.visible, ref[name].reshape(p.shard.shape)[p.start : p.stop]), (name, done)
+            if p.low is not None:
+                master = ref_state["master_params"][index][p.start : p.stop]
+                assert torch.equal(masters[p.shard][p.start : p.stop], master), (name, "master", done)
             for key in ("exp_avg", "exp_avg_sq"):
                 mine = live[p.shard][key][p.start : p.stop]
                 assert torch.equal(mine, ref_state["state"][index][key][p.start : p.stop]), (name, key, done)
@@ -190,13 +193,14 @@ def _piece_agrees(opt: Any, before: dict, after: dict, state_before: dict, state
     return counts[0], counts[1]
 
 
-@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize(("prefetch", "prec"), [(0, "fp32"), (2, "fp32"), (2, "bf16")])
 @pytest.mark.parametrize("kind", ["write", "read"])
 def test_failed_io_stops_the_step_and_every_chunk_agrees(tmp_path: Path, monkeypatch, kind: str,
-                                                         prefetch: int) -> None:
+                                                         prefetch: int, prec: str) -> None:
     faults = _Faults(monkeypatch)
-    ref_model, ref_opt = _wrap((), stage=1)
-    model, opt = _wrap(_disk(tmp_path, f"offload.prefetch={prefetch}"), stage=1)
+    mixed = (f'precision.compute="{prec}"',)
+    ref_model, ref_opt = _wrap(mixed, stage=1)
+    model, opt = _wrap((*mixed, *_disk(tmp_path, f"offload.prefetch={prefetch}")), stage=1)
     for step in range(2):
         _step(model, opt, step)
         _step(ref_model, ref_opt, step)

@@ -23,6 +23,14 @@ and becomes current only once the write succeeded, and the chunk's parameters ar
 and put back if the write fails. A failed read skips the chunk. Either way the step stops with the error once
 the transfers in flight are done, and every chunk's parameters and state agree (before or after the step; the
 state's ``step`` count says which), so nothing half-written is ever read.
+
+[Note: offloaded masters] Under mixed precision the optimizer steps fp32 masters, and they move with the state:
+a chunk's layout holds each piece's master rows (entry ``MASTER``) beside its per-element state. A piece's
+``sub`` is then pointed at the master rows in the window buffer for the step (its own copy in an in-memory
+chunk), and after the step they are cast into ``low``, the model's rows of its low-precision shard. The full
+master tensors keep their Parameters (their ``.grad`` carries the unscaled fp32 gradients) but their storage is
+freed once every chunk holds its rows. What a failed write restores ([Note: failed I/O]) is ``low``: the master
+on the tier is still the one of the region that stays current.
 """
 
 from __future__ import annotations
@@ -44,6 +52,8 @@ from memsave.phases import MemoryCategory
 __all__ = ["OffloadedState"]
 
 _ENTRY_ALIGN = 64
+MASTER = "memsave.master"  # the fp32 master rows' entry in an offloaded chunk ([Note: offloaded masters])
+MASTER_BYTES = 4
 
 
 @dataclasses.dataclass
@@ -54,11 +64,25 @@ class _Piece:
     group: int
     start: int
     stop: int
-    sub: nn.Parameter
+    sub: nn.Parameter  # what the optimizer steps: the shard's rows, or (master mode) the fp32 master rows
+    low: torch.Tensor | None = None  # master mode: the model's low-precision rows the master is cast into
     keys: list[str] = dataclasses.field(default_factory=list)  # state key order; empty: no state yet
     scalars: dict[str, Any] = dataclasses.field(default_factory=dict)  # entries kept in memory (``step``)
     entries: list[tuple[str, torch.dtype, int]] = dataclasses.field(default_factory=list)  # (key, dtype, offset)
     state: dict[str, Any] | None = None  # in-memory chunks: the whole state dict
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.stop - self.start, *self.shard.shape[1:])) if self.shard.dim() else torch.Size((1,))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def visible(self) -> torch.Tensor:
+        """The rows the model sees (restored after a failed write)."""
+        return self.low if self.low is not None else self.sub
 
 
 @dataclasses.dataclass
@@ -73,7 +97,7 @@ class _Chunk:
 
     @property
     def numel(self) -> int:
-        return sum(p.sub.numel() for p in self.pieces)
+        return sum(p.numel for p in self.pieces)
 
 
 class OffloadedState:
@@ -94,10 +118,11 @@ class OffloadedState:
     def __init__(self, optimizer: torch.optim.Optimizer, tier: Tier, *, group_of: Callable[[torch.Tensor], str],
                  names: dict[torch.Tensor, str], fraction: float, prefetch: int, chunk_bytes: int,
                  bytes_per_element: int, device: torch.device, group_order: list[str] | None = None,
-                 hooks: Any = None) -> None:
+                 hooks: Any = None, masters: dict[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.optimizer, self.tier, self.prefetch, self.device, self.names = optimizer, tier, prefetch, device, names
         self._slots = 2 if tier.kind == "disk" else 1  # a host copy cannot fail half way ([Note: failed I/O])
-        per_elem = max(bytes_per_element, 1)
+        self.masters = dict(masters or {})
+        per_elem = max(bytes_per_element + (MASTER_BYTES if self.masters else 0), 1)
         chunk_numel = max(1, chunk_bytes // per_elem)
         self.pieces_of: dict[torch.Tensor, list[_Piece]] = {}
         pieces: list[tuple[str, _Piece]] = []
@@ -110,17 +135,18 @@ class OffloadedState:
                 for start in range(0, max(rows, 1), step):
                     stop = min(rows, start + step)
                     sub = nn.Parameter(shard.detach()[start:stop], requires_grad=shard.requires_grad)
-                    own.append(_Piece(shard, gi, start, stop, sub))
+                    low = self.masters[shard][start:stop] if shard in self.masters else None
+                    own.append(_Piece(shard, gi, start, stop, sub, low))
                     pieces.append((group_of(shard), own[-1]))
         if group_order is not None:
             pieces.sort(key=lambda fp: group_order.index(fp[0]))  # stable: group order within a file
         self.hooks = hooks
-        total = sum(p.sub.numel() for _, p in pieces)
+        total = sum(p.numel for _, p in pieces)
         self.chunks: list[_Chunk] = []
         offloaded = 0
         for gfile, piece in pieces:  # consecutive pieces of one file packed up to chunk_numel elements
             last = self.chunks[-1] if self.chunks else None
-            if last is None or last.group_file != gfile or last.numel + piece.sub.numel() > chunk_numel:
+            if last is None or last.group_file != gfile or last.numel + piece.numel > chunk_numel:
                 last = _Chunk(len(self.chunks), gfile, [], offloaded=False)
                 self.chunks.append(last)
             last.pieces.append(piece)
@@ -134,10 +160,35 @@ class OffloadedState:
         self._snapshots: list[torch.Tensor] = []
         self._raw = raw_step(optimizer)
         self.wait_seconds = 0.0  # time the step waited for reads and writes (the transfer time not hidden)
+        if self.masters:
+            self._adopt_masters()
+
+    @torch.no_grad()
+    def _adopt_masters(self) -> None:
+        """Each piece takes its fp32 master rows ([Note: offloaded masters]): a copy of its own in an in-memory
+        chunk, its chunk's region on the tier otherwise (written now); then the full masters' storage is freed."""
+        buf = aligned_empty(max(self.window_bytes, 1), self.device)
+        for chunk in self.chunks:
+            if not any(p.low is not None for p in chunk.pieces):
+                continue
+            if not chunk.offloaded:
+                for p in chunk.pieces:
+                    if p.low is not None:
+                        p.sub.data = p.sub.detach().clone()
+                continue
+            self._pack(chunk, [{MASTER: p.sub.detach()} if p.low is not None else None for p in chunk.pieces], buf)
+            self.tier.write_async(chunk.regions[0], buf).wait()
+            chunk.slot = 0
+            for p in chunk.pieces:
+                if p.low is not None:
+                    p.sub.data = torch.empty(0, dtype=p.sub.dtype, device=p.sub.device)
+        self.tier.drain()
+        for master in self.masters:
+            master.untyped_storage().resize_(0)
 
     @staticmethod
     def _layout_bytes(chunk: _Chunk, per_elem: int) -> int:
-        return sum(p.sub.numel() * per_elem + _ENTRY_ALIGN * 4 for p in chunk.pieces)  # <= 4 entries a piece
+        return sum(p.numel * per_elem + _ENTRY_ALIGN * 4 for p in chunk.pieces)  # <= 4 entries a piece
 
     # -- stepping ------------------------------------------------------------------------------------------
     def _call(self, pieces: list[_Piece]) -> None:
@@ -159,26 +210,35 @@ class OffloadedState:
         grad = piece.shard.grad
         if grad is None:
             return False
-        piece.sub.grad = grad[piece.start : piece.stop]
         if buf is None:
             state = piece.state
         elif piece.keys:
             views = {k: self._view(buf, piece, dtype, off) for k, dtype, off in piece.entries}
-            state = {k: views[k] if k in views else piece.scalars[k] for k in piece.keys}
+            if piece.low is not None:
+                piece.sub.data = views[MASTER]  # [Note: offloaded masters]
+            state = {k: views[k] if k in views else piece.scalars[k] for k in piece.keys if k != MASTER}
         else:
             state = None
+        piece.sub.grad = grad[piece.start : piece.stop]
         if state:
             self.optimizer.state[piece.sub] = state
         return True
 
     @staticmethod
     def _view(buf: torch.Tensor, piece: _Piece, dtype: torch.dtype, offset: int) -> torch.Tensor:
-        nbytes = piece.sub.numel() * dtype.itemsize
-        return buf[offset : offset + nbytes].view(dtype).view(piece.sub.shape)
+        nbytes = piece.numel * dtype.itemsize
+        return buf[offset : offset + nbytes].view(dtype).view(piece.shape)
 
     def _detach(self, piece: _Piece) -> dict[str, Any]:
         piece.sub.grad = None
         return self.optimizer.state.pop(piece.sub, {})
+
+    @staticmethod
+    def _cast(pieces: list[_Piece]) -> None:
+        """Master mode: the stepped fp32 masters into the model's low-precision rows."""
+        for p in pieces:
+            if p.low is not None:
+                p.low.copy_(p.sub)
 
     def _pack(self, chunk: _Chunk, states: list[dict[str, Any] | None], buf: torch.Tensor) -> None:
         """Record each piece's state layout and put its per-element entries into ``buf`` (regions allocated on
@@ -226,7 +286,7 @@ class OffloadedState:
             n = self.prefetch + 2 if self.prefetch else 1
             self._buffers = [aligned_empty(self.window_bytes, self.device) for _ in range(n)]
             if self.tier.kind == "disk":
-                most = max(sum(p.sub.numel() * p.sub.element_size() for p in c.pieces)
+                most = max(sum(p.numel * p.visible.element_size() for p in c.pieces)
                            for c in self.chunks if c.offloaded)
                 self._snapshots = [torch.empty(most, dtype=torch.uint8) for _ in range(n)]
 
@@ -257,6 +317,7 @@ class OffloadedState:
                 pieces = [p for c in memory for p in c.pieces if self._attach(p, None)]
                 try:
                     self._call(pieces)
+                    self._cast(pieces)
                 finally:
                     for p in pieces:
                         p.state = self._detach(p) or p.state
@@ -302,15 +363,19 @@ class OffloadedState:
         if self._snapshots:  # [Note: failed I/O]: the parameters as they were, and the scalar entries
             snap, offset = self._snapshots[index], 0
             for p in stepped:
-                n = p.sub.numel() * p.sub.element_size()
-                snap[offset : offset + n].view(p.sub.dtype).view(p.sub.shape).copy_(p.sub)
+                n = p.numel * p.visible.element_size()
+                snap[offset : offset + n].view(p.visible.dtype).view(p.shape).copy_(p.visible)
                 undo.append((p, offset, {k: v.clone() if isinstance(v, torch.Tensor) else v
                                          for k, v in p.scalars.items()}, list(p.keys), list(p.entries)))
                 offset += n
         try:
             self._call(stepped)
+            self._cast(stepped)
         finally:  # the live optimizer never keeps a piece (its state_dict() would not know it)
             states: dict[int, dict[str, Any]] = {id(p): self._detach(p) for p in stepped}
+        for p in stepped:
+            if p.low is not None:  # the master rows (a view of ``buf``, stepped in place) stay in the layout
+                states[id(p)] = {MASTER: p.sub.detach(), **states[id(p)]}
         self._pack(chunk, [states.get(id(p)) for p in chunk.pieces], buf)
         target = (chunk.slot + 1) % self._slots if chunk.slot >= 0 else 0
         return self.tier.write_async(chunk.regions[target], buf), chunk, [target, undo, index]
@@ -327,8 +392,9 @@ class OffloadedState:
             chunk.regions, chunk.region_bytes, chunk.slot = undo[0]
             for piece, offset, scalars, keys, entries in undo[1:]:  # back to the state before this step
                 assert snap is not None
-                n = piece.sub.numel() * piece.sub.element_size()
-                piece.sub.copy_(snap[offset : offset + n].view(piece.sub.dtype).view(piece.sub.shape))
+                v = piece.visible
+                n = piece.numel * v.element_size()
+                v.copy_(snap[offset : offset + n].view(v.dtype).view(piece.shape))
                 piece.scalars, piece.keys, piece.entries = scalars, keys, entries
             raise
         finally:
@@ -344,7 +410,15 @@ class OffloadedState:
 
     def local_state(self) -> dict[torch.Tensor, dict[str, Any]]:
         """Every stepped tensor's state as the plain optimizer would hold it (per-element entries whole)."""
-        parts: dict[int, list[dict[str, Any]]] = {}
+        return self._local()[0]
+
+    def local_masters(self) -> dict[torch.Tensor, torch.Tensor]:
+        """Master mode: each master's fp32 rows, whole (read back from the tier)."""
+        return self._local()[1]
+
+    def _local(self) -> tuple[dict[torch.Tensor, dict[str, Any]], dict[torch.Tensor, torch.Tensor]]:
+        parts: dict[int, dict[str, Any]] = {}
+        rows: dict[int, torch.Tensor] = {}
         for chunk in self.chunks:
             buf = self._read_sync(chunk) if chunk.offloaded and chunk.slot >= 0 else None
             for p in chunk.pieces:
@@ -352,37 +426,63 @@ class OffloadedState:
                     if not p.keys or buf is None:
                         continue
                     st = {k: self._view(buf, p, dt, off).clone() for k, dt, off in p.entries} | p.scalars
-                    parts.setdefault(id(p), []).append({k: st[k] for k in p.keys})
-                elif p.state:
-                    parts.setdefault(id(p), []).append(p.state)
+                    if MASTER in st:
+                        rows[id(p)] = st[MASTER]
+                    if any(k != MASTER for k in p.keys):
+                        parts[id(p)] = {k: st[k] for k in p.keys if k != MASTER}
+                else:
+                    if p.low is not None:
+                        rows[id(p)] = p.sub.detach().clone()
+                    if p.state:
+                        parts[id(p)] = p.state
         out: dict[torch.Tensor, dict[str, Any]] = {}
+        masters: dict[torch.Tensor, torch.Tensor] = {}
         for shard, pieces in self.pieces_of.items():
-            states = [parts[id(p)][0] for p in pieces if id(p) in parts]
+            if shard in self.masters:
+                masters[shard] = torch.cat([rows[id(p)] for p in pieces])
+            states = [parts[id(p)] for p in pieces if id(p) in parts]
             if len(states) != len(pieces):
                 continue  # never stepped (a partial set can only follow a failed step: see [Note: failed I/O])
             first = states[0]
             out[shard] = {k: (torch.cat([s[k] for s in states]) if self._per_element(v, pieces[0])
                               else (v.clone() if isinstance(v, torch.Tensor) else v)) for k, v in first.items()}
-        return out
+        return out, masters
 
     @staticmethod
     def _per_element(value: Any, piece: _Piece) -> bool:
-        return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == piece.sub.shape
+        return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == piece.shape
+
+    @staticmethod
+    def _rows_of(state: dict[str, Any] | None, piece: _Piece) -> dict[str, Any]:
+        """The piece's rows of a whole tensor's plain-optimizer state (copies)."""
+        rows = piece.shard.shape[0]
+        return {k: v[piece.start : piece.stop].clone() if isinstance(v, torch.Tensor) and v.dim() > 0
+                and v.shape[0] == rows and v.shape == piece.shard.shape else
+                (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in (state or {}).items()}
 
     @torch.no_grad()
-    def load_local_state(self, states: dict[torch.Tensor, dict[str, Any]]) -> None:
-        """Replace the state by ``states`` (tensor -> its plain-optimizer state; absent: no state)."""
+    def load_local_state(self, states: dict[torch.Tensor, dict[str, Any]],
+                         masters: dict[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Replace the state by ``states`` (tensor -> its plain-optimizer state; absent: no state); in master
+        mode also the fp32 masters by ``masters`` (None: keep them), cast into the model's rows."""
+        if self.masters and masters is None:
+            masters = self.local_masters()
         for chunk in self.chunks:
             per_piece: list[dict[str, Any] | None] = []
+            casts = [p for p in chunk.pieces if p.low is not None]
+            if casts and self.hooks is not None:
+                self.hooks.enter(chunk.group_file)  # the model's rows are about to change
             for p in chunk.pieces:
-                st = states.get(p.shard)
-                if not st:
-                    per_piece.append(None)
-                    continue
-                rows = p.shard.shape[0]
-                per_piece.append({k: v[p.start : p.stop].clone() if isinstance(v, torch.Tensor) and v.dim() > 0
-                                  and v.shape[0] == rows and v.shape == p.shard.shape else
-                                  (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()})
+                st = self._rows_of(states.get(p.shard), p)
+                if p.low is not None:
+                    assert masters is not None
+                    master = masters[p.shard][p.start : p.stop].to(p.low.device, torch.float32)
+                    p.low.copy_(master)
+                    if chunk.offloaded:
+                        st = {MASTER: master, **st}
+                    else:
+                        p.sub.copy_(master)
+                per_piece.append(st or None)
             if not chunk.offloaded:
                 for p, st in zip(chunk.pieces, per_piece):
                     p.state = st
@@ -398,6 +498,8 @@ class OffloadedState:
             self.tier.write_async(chunk.regions[target], buf).wait()
             self.tier.drain()
             chunk.slot = target
+        if self.masters and self.hooks is not None:
+            self.hooks.finish()
 
     # -- accounting and lifetime ---------------------------------------------------------------------------
     def offloaded_bytes(self) -> dict[str, int]:
@@ -411,6 +513,8 @@ class OffloadedState:
             yield MemoryCategory.COMM, s
         for c in self.chunks:
             for p in c.pieces:
+                if p.low is not None and not c.offloaded:
+                    yield MemoryCategory.MASTER, p.sub
                 for v in itertools.chain((p.state or {}).values(), p.scalars.values()):
                     if isinstance(v, torch.Tensor):
                         yield MemoryCategory.OPTIMIZER_STATE, v

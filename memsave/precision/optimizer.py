@@ -122,10 +122,14 @@ class MixedPrecisionOptimizer(MemsaveOptimizer):
         grads = [m for m, _ in self._pairs if m.grad is not None]
         return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type)
 
-    def _step(self) -> None:
+    def _step(self, step: Callable[[], None] | None = None) -> None:
+        """Unscale, check, step the masters and cast them into the parameters; ``step`` (offload: it streams the
+        masters with the optimizer state) does both of the latter itself."""
         overflow = self._unscale()
         self.last_step_skipped = overflow
-        if not overflow:
+        if not overflow and step is not None:
+            step()
+        elif not overflow:
             self.optimizer.step()
             with torch.no_grad():
                 for master, p in self._pairs:

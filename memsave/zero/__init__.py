@@ -48,7 +48,8 @@ def shard(
     if offload is not None and offload.optimizer != "none":
         from memsave.zero.offload import check_offload
 
-        check_offload(optimizer, offload, mesh.dp_size)
+        check_offload(optimizer, offload, mesh.dp_size,
+                      master_elements=None if mixed_precision or scaler is not None else 0)
     engine = ZeroEngine(model, mesh, cfg, units, reduce_dtype=reduce_dtype)
     swap_class(model, engine)
     return model, ZeroOptimizer(optimizer, engine, mixed_precision=mixed_precision, scaler=scaler, offload=offload)

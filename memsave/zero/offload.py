@@ -12,9 +12,10 @@ What moves where, by device:
   shard lives in a file between uses too (memsave/zero/param_offload.py). ``params = "cpu"`` on CPU: nothing to
   move, said once; on CUDA: not implemented yet.
 
-Offload needs an elementwise optimizer (each chunk is stepped alone) and fp32 parameters without a loss scaler
-(the fp32 master copies of mixed precision would have to be offloaded with the state); anything else is
-refused before the model is touched.
+Under mixed precision the fp32 master weights move with the optimizer state (12 bytes per element for AdamW:
+ZeRO-Offload's split, the model's bf16/fp16 shards stay): [Note: offloaded masters] in memsave/offload/state.py.
+Offload needs an elementwise optimizer (each chunk is stepped alone); anything else is refused before the model
+is touched.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from memsave._logging import warn_once
 from memsave.config import OffloadConfig, Profile
 from memsave.offload import DiskTier, HostTier, OffloadedState, check_disk_path, state_bytes_per_element
+from memsave.offload.state import MASTER_BYTES
 from memsave.offload.tiers import Tier
 from memsave.optim import Adafactor
 from memsave.zero.engine import ZeroEngine
@@ -72,12 +74,6 @@ def effective_offload(profile: Profile, device: torch.device) -> OffloadConfig |
         raise NotImplementedError(
             f"profile {name!r}: [offload] optimizer = \"disk\" on a {device.type} device is not implemented (it "
             'needs pinned bounce buffers between the files and the device); use optimizer = "cpu"')
-    prec = profile.precision
-    if prec.compute != "fp32" or prec.loss_scale != "none":
-        raise NotImplementedError(
-            f"profile {name!r}: [offload] optimizer = {off.optimizer!r} with [precision] compute = "
-            f"{prec.compute!r}, loss_scale = {prec.loss_scale!r} is not implemented: the fp32 master weights would "
-            "have to be offloaded with the optimizer state; use compute = \"fp32\" and no loss scale")
     return off
 
 
@@ -96,8 +92,10 @@ def estimate_state_bytes(optimizer: torch.optim.Optimizer, dp_size: int) -> tupl
     return per_elem, total
 
 
-def check_offload(optimizer: torch.optim.Optimizer, off: OffloadConfig, dp_size: int) -> None:
-    """Before anything changes: the optimizer can be streamed in chunks, and the disk has room."""
+def check_offload(optimizer: torch.optim.Optimizer, off: OffloadConfig, dp_size: int, *,
+                  master_elements: int | None = None) -> None:
+    """Before anything changes: the optimizer can be streamed in chunks, and the disk has room (for the state, and
+    ``master_elements`` fp32 masters on this rank; None: as many as it has elements, an upper bound)."""
     name = type(optimizer).__name__
     if isinstance(optimizer, Adafactor):
         raise NotImplementedError(
@@ -110,15 +108,19 @@ def check_offload(optimizer: torch.optim.Optimizer, off: OffloadConfig, dp_size:
             f"[offload] optimizer = {off.optimizer!r} with {name} is not implemented: offload steps the state chunk "
             f"by chunk, which is exact only for elementwise optimizers ({', '.join(sorted(ELEMENTWISE))})")
     if off.optimizer == "disk":
-        _, total = estimate_state_bytes(optimizer, dp_size)
+        per_elem, total = estimate_state_bytes(optimizer, dp_size)
+        if master_elements is None:
+            master_elements = total // max(per_elem, 1)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        check_disk_path(off.path, int(2 * total * off.fraction * local))
+        check_disk_path(off.path, int(2 * (total + MASTER_BYTES * master_elements) * off.fraction * local))
 
 
-def build_offloaded_state(optimizer: torch.optim.Optimizer, engine: ZeroEngine,
-                          off: OffloadConfig) -> tuple[OffloadedState | None, ParamOffload | None]:
-    """The chunked, offloaded state of a ZeroOptimizer's shards (its ``param_groups`` hold them already); None
-    when nothing moves on this device (said once)."""
+def build_offloaded_state(optimizer: torch.optim.Optimizer, engine: ZeroEngine, off: OffloadConfig, *,
+                          masters: dict[torch.Tensor, torch.Tensor] | None = None,
+                          ) -> tuple[OffloadedState | None, ParamOffload | None]:
+    """The chunked, offloaded state of a ZeroOptimizer's shards (its ``param_groups`` hold them already, or their
+    fp32 ``masters``: master -> the model's shard, offloaded with the state); None when nothing moves on this
+    device (said once)."""
     device = engine.mesh.device
     if off.optimizer == "cpu" and device.type != "cuda":
         warn_once(cpu_noop(device))
@@ -126,8 +128,11 @@ def build_offloaded_state(optimizer: torch.optim.Optimizer, engine: ZeroEngine,
     if off.optimizer == "disk" and device.type != "cpu":
         raise NotImplementedError(f'[offload] optimizer = "disk" on a {device.type} device is not implemented (it '
                                   'needs pinned bounce buffers between the files and the device); use "cpu"')
-    check_offload(optimizer, off, engine.dp_size)
+    masters = masters or {}
+    master_elements = sum(m.numel() for m in masters)
+    check_offload(optimizer, off, engine.dp_size, master_elements=master_elements)
     per_elem, total = estimate_state_bytes(optimizer, 1)  # the groups hold this rank's shards already
+    total += MASTER_BYTES * master_elements
     tier: Tier
     if off.optimizer == "disk":
         param_bytes = sum(u.flat_shard.numel() * u.flat_shard.element_size() for u in engine.units
@@ -137,10 +142,13 @@ def build_offloaded_state(optimizer: torch.optim.Optimizer, engine: ZeroEngine,
     else:
         tier = HostTier(device)
     units = {s: u.index for s, (u, _) in engine._slot_of.items()}
-    state = OffloadedState(optimizer, tier, group_of=lambda s: f"unit{units[s]}", names=dict(engine.name_of),
+    units |= {m: units[s] for m, s in masters.items()}
+    names = dict(engine.name_of) | {m: engine.name_of[s] for m, s in masters.items()}
+    state = OffloadedState(optimizer, tier, group_of=lambda s: f"unit{units[s]}", names=names,
                            fraction=off.fraction, prefetch=off.prefetch, chunk_bytes=int(off.chunk_mb * 2**20),
                            bytes_per_element=per_elem, device=device,
-                           group_order=[f"unit{u.index}" for u in engine.units] if off.params == "disk" else None)
+                           group_order=[f"unit{u.index}" for u in engine.units] if off.params == "disk" else None,
+                           masters=masters)
     params = None
     if off.params == "disk":  # last: the step's row pieces are views of the shards, made while they are in memory
         if engine.stage != 3 or not isinstance(tier, DiskTier):

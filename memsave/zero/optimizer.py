@@ -84,11 +84,8 @@ class ZeroOptimizer(MemsaveOptimizer):
         if offload is not None and offload.optimizer != "none":
             from memsave.zero.offload import build_offloaded_state
 
-            if self.mp is not None:
-                raise NotImplementedError(
-                    f"[offload] optimizer = {offload.optimizer!r} with mixed precision or a loss scaler is not "
-                    "implemented: the fp32 master weights would have to be offloaded with the state")
-            self.offloaded, self.param_offload = build_offloaded_state(optimizer, engine, offload)
+            masters = {m: s for m, s in self.mp._pairs if m is not s} if self.mp is not None else {}
+            self.offloaded, self.param_offload = build_offloaded_state(optimizer, engine, offload, masters=masters)
 
     # -- the step ------------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -126,15 +123,15 @@ class ZeroOptimizer(MemsaveOptimizer):
 
     def _step(self) -> None:
         if self.mp is not None:
-            self.mp._step()  # or skips it, on every rank alike
+            self.mp._step(self.offloaded.step if self.offloaded is not None else None)  # or skips it, on every rank
             if self.mp.last_step_skipped:
                 return
         elif self.offloaded is not None:
             self.offloaded.step()
-            if self.engine.mesh.device.type == "cpu":
-                mdist.after_forward()  # the host policy's trim: the chunks' transients go back to the OS too
         else:
             self.optimizer.step()
+        if self.offloaded is not None and self.engine.mesh.device.type == "cpu":
+            mdist.after_forward()  # the host policy's trim: the chunks' transients go back to the OS too
         self.engine.gather_params_after_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -193,7 +190,8 @@ class ZeroOptimizer(MemsaveOptimizer):
                 if self._is_per_element(key, state[key], shard, full_param):
                     state[key] = self._gather_full(state[key], full_param)
         if self.mp is not None:  # the format of MixedPrecisionOptimizer's, consolidated
-            sd["master_params"] = [self._gather_full(m.detach(), self._opt_full[m]) for m in shards]
+            own = self.offloaded.local_masters() if self.offloaded is not None else {}
+            sd["master_params"] = [self._gather_full(own.get(m, m).detach(), self._opt_full[m]) for m in shards]
             sd["loss_scaler"] = self.scaler.state_dict() if self.scaler is not None else None
         return sd
 
@@ -222,7 +220,17 @@ class ZeroOptimizer(MemsaveOptimizer):
             sharded["master_params"] = [self._own_rows(m.to(s.device, torch.float32), self._opt_full[s]).clone()
                                         for m, s in zip(masters, shards)]
         sharded["loss_scaler"] = state_dict.get("loss_scaler")
-        self.mp.load_state_dict(sharded)
+        if self.offloaded is None:
+            self.mp.load_state_dict(sharded)
+            return
+        # offloaded masters ([Note: offloaded masters] in memsave/offload/state.py): they go into the store with
+        # the state (absent from a plain optimizer's state dict: kept as they are)
+        self.optimizer.load_state_dict({"param_groups": sharded["param_groups"], "state": sharded["state"]})
+        own = {s: m for s, m in zip(shards, sharded["master_params"])} if masters is not None else None
+        self.offloaded.load_local_state({s: self.optimizer.state.pop(s) for s in shards if s in self.optimizer.state},
+                                        own)
+        if self.scaler is not None and sharded["loss_scaler"] is not None:
+            self.scaler.load_state_dict(sharded["loss_scaler"])
 
     @torch.no_grad()
     def full_grads(self) -> dict[str, torch.Tensor | None]:
