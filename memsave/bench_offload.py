@@ -35,17 +35,20 @@ __all__ = ["DEFAULT_OFFLOAD", "VARIANTS", "format_offload_table", "run_offload_b
 _DISK = ("offload.optimizer=disk",)
 VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "zero3": ("zero3", ()),
-    "zero3-offload-disk": ("zero3-infinity", ()),
-    "zero3-offload-disk-noprefetch": ("zero3-infinity", ("offload.prefetch=0",)),
+    "zero3-offload-disk": ("zero3-infinity", ()),  # prefetch 2, the step overlapped with the next forward
+    "zero3-offload-disk-nooverlap": ("zero3-infinity", ("offload.overlap=false",)),  # prefetch within the step
+    "zero3-offload-disk-noprefetch": ("zero3-infinity", ("offload.prefetch=0", "offload.overlap=false")),
     "zero3-offload-disk-half": ("zero3-infinity", ("offload.fraction=0.5",)),
     "zero3-offload-disk-buffered": ("zero3-infinity", ("offload.direct=false",)),
     "zero3-offload-disk-params": ("zero3-infinity", ("offload.params=disk",)),
-    "zero3-offload-disk-params-noprefetch": ("zero3-infinity", ("offload.params=disk", "offload.prefetch=0")),
+    "zero3-offload-disk-params-noprefetch": ("zero3-infinity", ("offload.params=disk", "offload.prefetch=0",
+                                                                "offload.overlap=false")),
     "zero2": ("zero2", ()),
     "zero2-offload-disk": ("zero2", (*_DISK, "offload.path=memsave-offload")),
     "zero1-offload-disk": ("zero1", (*_DISK, "offload.path=memsave-offload")),
 }
-DEFAULT_OFFLOAD = ("zero3", "zero3-offload-disk", "zero3-offload-disk-noprefetch", "zero3-offload-disk-half",
+DEFAULT_OFFLOAD = ("zero3", "zero3-offload-disk", "zero3-offload-disk-nooverlap", "zero3-offload-disk-noprefetch",
+                   "zero3-offload-disk-half",
                    "zero3-offload-disk-buffered", "zero3-offload-disk-params", "zero3-offload-disk-params-noprefetch")
 
 

@@ -134,6 +134,9 @@ class OffloadConfig(_Checked):
     chunk_mb: optimizer state per chunk in MiB; the step holds ``prefetch + 2`` chunks in memory.
     direct: the disk tier reads and writes with O_DIRECT (no page cache) where the file system supports it (else
         buffered, said once); false: always buffered.
+    overlap: stage 3: the offloaded chunks are stepped in the background, overlapped with what follows
+        ``optimizer.step()`` (zero_grad, the next batch, the next forward); each unit's gather waits for its own
+        chunks only.
     """
 
     optimizer: Literal["none", "cpu", "disk"] = "none"
@@ -144,6 +147,7 @@ class OffloadConfig(_Checked):
     prefetch: int = 2
     chunk_mb: float = 1.0
     direct: bool = True
+    overlap: bool = False
 
     _section = "offload"
 
@@ -157,6 +161,8 @@ class OffloadConfig(_Checked):
             raise _bad("offload.prefetch", self.prefetch, "a count of chunks >= 0")
         if not self.chunk_mb > 0:
             raise _bad("offload.chunk_mb", self.chunk_mb, "a positive size in MiB")
+        if self.overlap and self.optimizer == "none":
+            raise _bad("offload.overlap", self.overlap, 'false when optimizer = "none" (no offloaded step to overlap)')
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,9 +35,12 @@ SETTINGS: list[tuple[str, ...]] = [
 BF16 = ('precision.compute="bf16"',)
 FP16 = ('precision.compute="fp16"', 'precision.loss_scale="dynamic"')
 MIXED_SETTINGS: list[tuple[str, ...]] = [SETTINGS[0], SETTINGS[2]]
-PARAMS = [  # stage 3 only: the parameter shards on disk too
+PARAMS = [  # stage 3 only: the parameter shards on disk too; the step overlapped with the next forward
     (*DISK, "offload.params=disk", "offload.chunk_mb=0.001"),
     (*DISK, "offload.params=disk", "offload.chunk_mb=0.002", "offload.prefetch=0"),
+    (*DISK, "offload.chunk_mb=0.001", "offload.overlap=true"),
+    (*DISK, "offload.params=disk", "offload.chunk_mb=0.001", "offload.overlap=true"),
+    (*DISK, "offload.chunk_mb=0.002", "offload.fraction=0.5", "offload.prefetch=0", "offload.overlap=true"),
 ]
 
 
@@ -70,9 +73,11 @@ def _train(stage: int, overrides: tuple[str, ...], mesh: memsave.Mesh, path: str
         opt.zero_grad()
         losses.append(loss.detach().clone())
         skipped.append(opt.mp is not None and opt.mp.last_step_skipped)
+    out = {"losses": losses, "skipped": skipped, "params": {k: v.clone() for k, v in model.state_dict().items()},
+           "state": copy.deepcopy(opt.state_dict()), "opt": opt, "model": model}
+    # (overlapped: the last step's post-hooks ran when state_dict() waited for it)
     assert len(calls) == steps - sum(skipped), f"step hooks ran {len(calls)} times in {steps} steps, {skipped}"
-    return {"losses": losses, "skipped": skipped, "params": {k: v.clone() for k, v in model.state_dict().items()},
-            "state": copy.deepcopy(opt.state_dict()), "opt": opt, "model": model}
+    return out
 
 
 def _same_state(a: dict, b: dict, what: str) -> None:
@@ -109,7 +114,8 @@ def _cases(world: int, path: str) -> str:
             assert any(ref["skipped"]) and not all(ref["skipped"]), ref["skipped"]
         own = sum(s.numel() for s in ref["opt"]._full_of if s.requires_grad)
         per_elem = 8 + (4 if prec else 0)  # AdamW's two moments, and the fp32 master under mixed precision
-        settings = (SETTINGS if not prec else MIXED_SETTINGS) + (PARAMS[: 2 if not prec else 1] if stage == 3 else [])
+        stage3 = PARAMS if not prec else PARAMS[2:4]
+        settings = (SETTINGS if not prec else MIXED_SETTINGS) + (stage3 if stage == 3 else [])
         for overrides in settings:
             what = f"stage {stage} world {world} {prec} {overrides}"
             run = _train(stage, (*prec, *overrides), mesh, path)

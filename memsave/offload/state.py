@@ -18,6 +18,19 @@ in-memory chunks (``fraction < 1``) step first, in one call, while the first rea
 and write is waited before :meth:`OffloadedState.step` returns, so nothing touches a buffer between steps.
 ``P = 0`` is synchronous: read, step, write, wait, one chunk at a time (the "prefetch off" baseline).
 
+[Note: overlapped step] With ``overlap`` (stage 3, ``[offload] overlap``) the loop above runs on a background
+thread and ``step()`` returns once the step pre-hooks ran and the step's inputs are captured: the hyperparameters
+(a shadow of the optimizer's groups, so an LR scheduler stepping right after changes only the next step) and
+each piece's gradient rows (views that keep them alive whatever ``zero_grad`` drops). The chunks are in unit
+order, and an event per unit is set once its last chunk has stepped and been written (writes complete in
+order), so its rows are final: a failed write can no longer put them back ([Note: failed I/O]). Whatever reads a
+unit's rows first waits for its event: the stage-3 gather of that unit (forward, ``state_dict``) through
+:meth:`OffloadedState.wait_for`. Everything else that could see the state or overwrite the gradient buffers
+waits for the whole step through :meth:`OffloadedState.settle`, which also runs the step post-hooks and raises a
+failed step's error: the end of the next forward, ``backward``, ``step``, ``zero_grad`` without
+``set_to_none``, the state dicts and ``close``. So the results are those of the synchronous step; what moves is
+when the post-hooks run and where a failed transfer is raised (at the first wait after it).
+
 [Note: failed I/O] On disk a chunk's state has two regions and a current one; the new state is written to the other
 and becomes current only once the write succeeded, and the chunk's parameters are copied aside before its step
 and put back if the write fails. A failed read skips the chunk. Either way the step stops with the error once
@@ -38,14 +51,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from memsave.offload.stepping import hooked, raw_step
+from memsave.offload.stepping import hooked, post_hooks, pre_hooks, raw_step, shadow
 from memsave.offload.tiers import Handle, Tier, aligned_empty, round_up
 from memsave.phases import MemoryCategory
 
@@ -83,6 +98,21 @@ class _Piece:
     def visible(self) -> torch.Tensor:
         """The rows the model sees (restored after a failed write)."""
         return self.low if self.low is not None else self.sub
+
+
+@dataclasses.dataclass
+class _Run:
+    """One step: the hyperparameters as of ``step()`` (a shadow of the optimizer, see
+    :func:`~memsave.offload.stepping.shadow`), each piece's gradient rows, and in the background which files are
+    done ([Note: overlapped step])."""
+
+    opt: torch.optim.Optimizer
+    grads: dict[int, torch.Tensor]
+    done: dict[str, threading.Event] = dataclasses.field(default_factory=dict)
+    last_of: dict[str, int] = dataclasses.field(default_factory=dict)  # file -> its last offloaded chunk's index
+    future: Future[None] | None = None
+    error: BaseException | None = None  # set before the events, so a woken waiter sees it
+    waited: float = 0.0  # seconds this step's loop waited for reads and writes
 
 
 @dataclasses.dataclass
@@ -159,7 +189,9 @@ class OffloadedState:
         self._buffers: list[torch.Tensor] = []
         self._snapshots: list[torch.Tensor] = []
         self._raw = raw_step(optimizer)
-        self.wait_seconds = 0.0  # time the step waited for reads and writes (the transfer time not hidden)
+        self.wait_seconds = 0.0  # time the caller waited for reads and writes (the transfer time not hidden)
+        self._run: _Run | None = None  # a step running in the background ([Note: overlapped step])
+        self._executor: ThreadPoolExecutor | None = None
         if self.masters:
             self._adopt_masters()
 
@@ -191,23 +223,20 @@ class OffloadedState:
         return sum(p.numel * per_elem + _ENTRY_ALIGN * 4 for p in chunk.pieces)  # <= 4 entries a piece
 
     # -- stepping ------------------------------------------------------------------------------------------
-    def _call(self, pieces: list[_Piece]) -> None:
-        """One raw optimizer step over ``pieces`` (their state already in ``optimizer.state``)."""
-        groups = self.optimizer.param_groups
-        saved = [g["params"] for g in groups]
+    def _call(self, pieces: list[_Piece], run: _Run) -> None:
+        """One raw optimizer step over ``pieces`` (their state already in the run's shadow optimizer)."""
+        groups = run.opt.param_groups
         try:
-            for g in groups:
-                g["params"] = []
             for p in pieces:
                 groups[p.group]["params"].append(p.sub)
-            self._raw(self.optimizer)
+            self._raw(run.opt)
         finally:
-            for g, params in zip(groups, saved):
-                g["params"] = params
+            for g in groups:
+                g["params"] = []
 
-    def _attach(self, piece: _Piece, buf: torch.Tensor | None) -> bool:
+    def _attach(self, piece: _Piece, buf: torch.Tensor | None, run: _Run) -> bool:
         """Point the piece at its gradient rows and its state (from ``buf`` when offloaded); False: no grad."""
-        grad = piece.shard.grad
+        grad = run.grads.get(id(piece))
         if grad is None:
             return False
         if buf is None:
@@ -219,9 +248,9 @@ class OffloadedState:
             state = {k: views[k] if k in views else piece.scalars[k] for k in piece.keys if k != MASTER}
         else:
             state = None
-        piece.sub.grad = grad[piece.start : piece.stop]
+        piece.sub.grad = grad
         if state:
-            self.optimizer.state[piece.sub] = state
+            run.opt.state[piece.sub] = state
         return True
 
     @staticmethod
@@ -229,9 +258,10 @@ class OffloadedState:
         nbytes = piece.numel * dtype.itemsize
         return buf[offset : offset + nbytes].view(dtype).view(piece.shape)
 
-    def _detach(self, piece: _Piece) -> dict[str, Any]:
+    @staticmethod
+    def _detach(piece: _Piece, run: _Run) -> dict[str, Any]:
         piece.sub.grad = None
-        return self.optimizer.state.pop(piece.sub, {})
+        return run.opt.state.pop(piece.sub, {})
 
     @staticmethod
     def _cast(pieces: list[_Piece]) -> None:
@@ -291,15 +321,68 @@ class OffloadedState:
                 self._snapshots = [torch.empty(most, dtype=torch.uint8) for _ in range(n)]
 
     @torch.no_grad()
-    def step(self) -> None:
-        """One optimizer step over every chunk ([Note: chunk pipeline]); hooks once around it."""
-        hooked(self.optimizer, self._step_chunks)
+    def step(self, *, overlap: bool = False) -> None:
+        """One optimizer step over every chunk ([Note: chunk pipeline]); hooks once around it. ``overlap``: the
+        step runs in the background and this returns at once ([Note: overlapped step])."""
+        self.settle()
+        grads = {id(p): p.shard.grad[p.start : p.stop] for ps in self.pieces_of.values() for p in ps
+                 if p.shard.grad is not None}
+        run = _Run(shadow(self.optimizer), grads)
+        if not overlap:
+            hooked(self.optimizer, lambda: self._step_chunks(run))
+            self.wait_seconds += run.waited
+            return
+        pre_hooks(self.optimizer)
+        run.done = {c.group_file: threading.Event() for c in self.chunks}
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memsave-offload-step")
+        self._run = run
+        run.future = self._executor.submit(self._background, run)
 
-    def _step_chunks(self) -> None:
+    def _background(self, run: _Run) -> None:
+        try:
+            with torch.no_grad():
+                self._step_chunks(run)
+        except BaseException as exc:
+            run.error = exc
+            raise
+        finally:
+            for event in run.done.values():
+                event.set()
+
+    def wait_for(self, group_file: str) -> None:
+        """[Note: overlapped step] Return once the background step has stepped every chunk of ``group_file`` (its
+        rows are final); raise the step's error if it failed."""
+        run = self._run
+        if run is None:
+            return
+        event = run.done.get(group_file)
+        if event is not None and not event.is_set():
+            start = time.perf_counter()
+            event.wait()
+            self.wait_seconds += time.perf_counter() - start
+        if run.error is not None:
+            self.settle()
+
+    def settle(self) -> None:
+        """Wait for a step running in the background, raise its error, run the step post-hooks (no-op when none
+        runs)."""
+        run, self._run = self._run, None
+        if run is None or run.future is None:
+            return
+        start = time.perf_counter()
+        try:
+            run.future.result()
+        finally:
+            self.wait_seconds += time.perf_counter() - start
+        post_hooks(self.optimizer)
+
+    def _step_chunks(self, run: _Run) -> None:
         self._ensure_buffers()
-        active = [c for c in self.chunks if any(p.shard.grad is not None for p in c.pieces)]
+        active = [c for c in self.chunks if any(id(p) in run.grads for p in c.pieces)]
         memory = [c for c in active if not c.offloaded]
         remote = [c for c in active if c.offloaded]
+        run.last_of = {c.group_file: k for k, c in enumerate(remote)}  # in file order when overlapped
         nbuf = max(len(self._buffers), 1)
         reads: dict[int, Handle] = {}
         writes: dict[int, tuple[Handle, _Chunk, list[Any]]] = {}
@@ -307,38 +390,41 @@ class OffloadedState:
 
         def issue_read(k: int) -> None:
             if k < len(remote) and remote[k].slot >= 0:
-                self._finish_write(writes, k - nbuf)  # the buffer's previous chunk is written back
+                self._finish_write(writes, k - nbuf, run)  # the buffer's previous chunk is written back
                 reads[k] = self.tier.read_async(remote[k].regions[remote[k].slot], self._buffers[k % nbuf])
 
         try:
             for k in range(self.prefetch):
                 issue_read(k)
             if memory:
-                pieces = [p for c in memory for p in c.pieces if self._attach(p, None)]
+                pieces = [p for c in memory for p in c.pieces if self._attach(p, None, run)]
                 try:
-                    self._call(pieces)
+                    self._call(pieces, run)
                     self._cast(pieces)
                 finally:
                     for p in pieces:
-                        p.state = self._detach(p) or p.state
+                        p.state = self._detach(p, run) or p.state
+            for file, event in run.done.items():
+                if file not in run.last_of:
+                    event.set()
             for k, chunk in enumerate(remote):
                 issue_read(k + self.prefetch) if self.prefetch else issue_read(k)
                 if k in reads:
                     start = time.perf_counter()
                     reads.pop(k).wait()
-                    self.wait_seconds += time.perf_counter() - start
+                    run.waited += time.perf_counter() - start
                 buf = self._buffers[k % nbuf]
-                self._finish_write(writes, k - 2)  # bounds the write-behind (also the snapshot reuse)
+                self._finish_write(writes, k - 2, run)  # bounds the write-behind (also the snapshot reuse)
                 if self.hooks is not None:
                     self.hooks.enter(chunk.group_file)
-                writes[k] = self._step_one(chunk, buf, k % nbuf)
+                writes[k] = self._step_one(chunk, buf, k % nbuf, run)
                 if not self.prefetch:
-                    self._finish_write(writes, k)
+                    self._finish_write(writes, k, run)
         except BaseException as exc:
             error = exc
         for k in sorted(writes):  # drain: every transfer done before returning ([Note: failed I/O])
             try:
-                self._finish_write(writes, k)
+                self._finish_write(writes, k, run)
             except BaseException as exc:
                 error = error or exc
         for handle in reads.values():
@@ -355,10 +441,11 @@ class OffloadedState:
         if error is not None:
             raise error
 
-    def _step_one(self, chunk: _Chunk, buf: torch.Tensor, index: int) -> tuple[Handle, _Chunk, list[Any]]:
+    def _step_one(self, chunk: _Chunk, buf: torch.Tensor, index: int,
+                  run: _Run) -> tuple[Handle, _Chunk, list[Any]]:
         if chunk.slot < 0:  # no read refilled the buffer: the compute side writes it ([Note: host tier ordering])
             self.tier.claim(buf)
-        stepped = [p for p in chunk.pieces if self._attach(p, buf if chunk.slot >= 0 else None)]
+        stepped = [p for p in chunk.pieces if self._attach(p, buf if chunk.slot >= 0 else None, run)]
         undo: list[Any] = [(chunk.regions, chunk.region_bytes, chunk.slot)]
         if self._snapshots:  # [Note: failed I/O]: the parameters as they were, and the scalar entries
             snap, offset = self._snapshots[index], 0
@@ -369,10 +456,10 @@ class OffloadedState:
                                          for k, v in p.scalars.items()}, list(p.keys), list(p.entries)))
                 offset += n
         try:
-            self._call(stepped)
+            self._call(stepped, run)
             self._cast(stepped)
-        finally:  # the live optimizer never keeps a piece (its state_dict() would not know it)
-            states: dict[int, dict[str, Any]] = {id(p): self._detach(p) for p in stepped}
+        finally:  # the shadow never keeps a piece
+            states: dict[int, dict[str, Any]] = {id(p): self._detach(p, run) for p in stepped}
         for p in stepped:
             if p.low is not None:  # the master rows (a view of ``buf``, stepped in place) stay in the layout
                 states[id(p)] = {MASTER: p.sub.detach(), **states[id(p)]}
@@ -380,7 +467,7 @@ class OffloadedState:
         target = (chunk.slot + 1) % self._slots if chunk.slot >= 0 else 0
         return self.tier.write_async(chunk.regions[target], buf), chunk, [target, undo, index]
 
-    def _finish_write(self, writes: dict[int, tuple[Handle, _Chunk, list[Any]]], k: int) -> None:
+    def _finish_write(self, writes: dict[int, tuple[Handle, _Chunk, list[Any]]], k: int, run: _Run) -> None:
         if k not in writes:
             return
         handle, chunk, (target, undo, index) = writes.pop(k)
@@ -398,8 +485,10 @@ class OffloadedState:
                 piece.scalars, piece.keys, piece.entries = scalars, keys, entries
             raise
         finally:
-            self.wait_seconds += time.perf_counter() - start
+            run.waited += time.perf_counter() - start
         chunk.slot = target
+        if run.last_of.get(chunk.group_file) == k and chunk.group_file in run.done:
+            run.done[chunk.group_file].set()  # its chunks stepped and written, in order: its rows are final
 
     # -- consolidated state --------------------------------------------------------------------------------
     def _read_sync(self, chunk: _Chunk) -> torch.Tensor:
@@ -417,6 +506,7 @@ class OffloadedState:
         return self._local()[1]
 
     def _local(self) -> tuple[dict[torch.Tensor, dict[str, Any]], dict[torch.Tensor, torch.Tensor]]:
+        self.settle()
         parts: dict[int, dict[str, Any]] = {}
         rows: dict[int, torch.Tensor] = {}
         for chunk in self.chunks:
@@ -465,6 +555,7 @@ class OffloadedState:
                          masters: dict[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Replace the state by ``states`` (tensor -> its plain-optimizer state; absent: no state); in master
         mode also the fp32 masters by ``masters`` (None: keep them), cast into the model's rows."""
+        self.settle()
         if self.masters and masters is None:
             masters = self.local_masters()
         for chunk in self.chunks:
@@ -520,5 +611,11 @@ class OffloadedState:
                         yield MemoryCategory.OPTIMIZER_STATE, v
 
     def close(self) -> None:
-        self.tier.close()
+        try:
+            self.settle()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown()
+                self._executor = None
+            self.tier.close()
         self._buffers, self._snapshots = [], []

@@ -25,7 +25,7 @@ backward; a parameter that got no gradient on any rank keeps ``grad = None`` so 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -84,6 +84,7 @@ class ZeroEngine:
         self._hooks: list[Any] = []
         self._register_hooks()
         self.param_offload: Any = None  # [offload] params = "disk" (attach_param_offload)
+        self.step_waiter: Callable[[Unit], None] | None = None  # [offload] overlap (attach_step_waiter)
         self._gather_order: list[Unit] = self.units  # the order the next gathers come in (for disk reads ahead)
 
     # -- construction --------------------------------------------------------------------------------------
@@ -145,7 +146,18 @@ class ZeroEngine:
             u.before_gather = self._before_gather
             u.after_gather = offload.release
 
+    def attach_step_waiter(self, wait: Callable[[Unit], None]) -> None:
+        """Stage 3, ``[offload] overlap``: a unit's gather first waits for the optimizer step of its rows, which
+        runs in the background ([Note: overlapped step] in memsave/offload/state.py)."""
+        self.step_waiter = wait
+        for u in self.units:
+            u.before_gather = self._before_gather
+
     def _before_gather(self, unit: Unit) -> None:
+        if self.step_waiter is not None:
+            self.step_waiter(unit)
+        if self.param_offload is None:
+            return
         order = self._gather_order
         at = next((i for i, u in enumerate(order) if u is unit), len(order))
         self.param_offload.load(unit, ahead=order[at + 1 :])

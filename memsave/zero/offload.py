@@ -61,6 +61,12 @@ def effective_offload(profile: Profile, device: torch.device) -> OffloadConfig |
     if off.params == "cpu":
         warn_once(f'[offload] params = "cpu" on a {device.type} device: the parameters already live in host '
                   "memory, nothing is moved")
+    if off.overlap and (profile.zero.stage != 3 or device.type != "cpu"):
+        raise NotImplementedError(
+            f"profile {name!r}: [offload] overlap = true with optimizer = {off.optimizer!r}, zero.stage = "
+            f"{profile.zero.stage} on a {device.type} device is not implemented: it overlaps the offloaded "
+            "optimizer step with the next forward, whose stage-3 gathers wait for each unit's rows; it needs "
+            'optimizer = "disk", zero.stage = 3 and a CPU device (set overlap = false)')
     if off.optimizer == "none":
         return None
     if profile.zero.stage == 0:
@@ -147,7 +153,8 @@ def build_offloaded_state(optimizer: torch.optim.Optimizer, engine: ZeroEngine, 
     state = OffloadedState(optimizer, tier, group_of=lambda s: f"unit{units[s]}", names=names,
                            fraction=off.fraction, prefetch=off.prefetch, chunk_bytes=int(off.chunk_mb * 2**20),
                            bytes_per_element=per_elem, device=device,
-                           group_order=[f"unit{u.index}" for u in engine.units] if off.params == "disk" else None,
+                           group_order=([f"unit{u.index}" for u in engine.units]
+                                        if off.params == "disk" or off.overlap else None),
                            masters=masters)
     params = None
     if off.params == "disk":  # last: the step's row pieces are views of the shards, made while they are in memory

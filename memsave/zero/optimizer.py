@@ -86,9 +86,23 @@ class ZeroOptimizer(MemsaveOptimizer):
 
             masters = {m: s for m, s in self.mp._pairs if m is not s} if self.mp is not None else {}
             self.offloaded, self.param_offload = build_offloaded_state(optimizer, engine, offload, masters=masters)
+        # [offload] overlap: the offloaded chunks step in the background; a unit's gather waits for its rows, the
+        # end of the next forward for all of them ([Note: overlapped step] in memsave/offload/state.py)
+        self.overlap = self.offloaded is not None and offload is not None and offload.overlap
+        self._settle_hook = None
+        if self.overlap:
+            state = self.offloaded
+            engine.attach_step_waiter(lambda unit: state.wait_for(f"unit{unit.index}"))
+            self._settle_hook = engine.model.register_forward_hook(lambda *_: state.settle())
 
     # -- the step ------------------------------------------------------------------------------------------
+    def settle(self) -> None:
+        """Wait for an optimizer step still running in the background (``[offload] overlap``); raise its error."""
+        if self.offloaded is not None:
+            self.offloaded.settle()
+
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        self.settle()  # the reduce-scatters write the gradient buffers a background step may still read
         before = self.engine.num_syncs
         (self.mp.scale(loss) if self.mp is not None else loss).backward(**kwargs)
         if self.engine.require_grad_sync and self.engine.num_syncs == before:
@@ -123,11 +137,12 @@ class ZeroOptimizer(MemsaveOptimizer):
 
     def _step(self) -> None:
         if self.mp is not None:
-            self.mp._step(self.offloaded.step if self.offloaded is not None else None)  # or skips it, on every rank
+            step = (lambda: self.offloaded.step(overlap=self.overlap)) if self.offloaded is not None else None
+            self.mp._step(step)  # or skips it, on every rank
             if self.mp.last_step_skipped:
                 return
         elif self.offloaded is not None:
-            self.offloaded.step()
+            self.offloaded.step(overlap=self.overlap)
         else:
             self.optimizer.step()
         if self.offloaded is not None and self.engine.mesh.device.type == "cpu":
@@ -135,6 +150,8 @@ class ZeroOptimizer(MemsaveOptimizer):
         self.engine.gather_params_after_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if not set_to_none:
+            self.settle()  # zeroing in place would change the gradients a background step reads
         self.engine.zero_grad(set_to_none)
         if self.mp is not None:
             self.mp.zero_grad(set_to_none)
@@ -177,6 +194,7 @@ class ZeroOptimizer(MemsaveOptimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The full optimizer state, in the plain optimizer's format (collective: call on every rank)."""
+        self.settle()
         sd = self.optimizer.state_dict()
         shards = [s for g in self.optimizer.param_groups for s in g["params"]]
         if self.offloaded is not None:  # the state of every shard is in the offload store, in the plain format
@@ -197,6 +215,7 @@ class ZeroOptimizer(MemsaveOptimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full (plain-optimizer) state dict: every rank keeps its rows."""
+        self.settle()
         shards = [s for g in self.optimizer.param_groups for s in g["params"]]
         sharded: dict[str, Any] = {"param_groups": state_dict["param_groups"], "state": {}}
         for index, state in state_dict["state"].items():
@@ -277,7 +296,12 @@ class ZeroOptimizer(MemsaveOptimizer):
 
     def close(self) -> None:
         """Release the offload tier (its files are removed); the optimizer cannot step afterwards."""
-        if self.param_offload is not None:
-            self.param_offload.drain()
-        if self.offloaded is not None:
-            self.offloaded.close()
+        if self._settle_hook is not None:
+            self._settle_hook.remove()
+        try:
+            self.settle()
+        finally:
+            if self.param_offload is not None:
+                self.param_offload.drain()
+            if self.offloaded is not None:
+                self.offloaded.close()

@@ -16,12 +16,16 @@ write in flight and marks it DIRTY. ``release`` (after the gather that read it c
 a DIRTY one stays until ``finish`` (the end of the optimizer step) writes it back, into the other of its two
 regions; the file copy becomes current, and the unit is evicted, only once the write succeeded (seen at the next
 ``collect``). A failed write leaves the unit DIRTY in memory (its parameters are right there) and raises.
+With ``[offload] overlap`` the optimizer step (``enter``, ``finish``) runs on a background thread while the
+next forward's gathers ``load`` and ``release``: every transition holds one lock.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Sequence
+import functools
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -31,6 +35,14 @@ from memsave.phases import MemoryCategory
 from memsave.zero.unit import Unit
 
 __all__ = ["ParamOffload", "Residency", "StepHooks"]
+
+
+def _locked(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def call(self: ParamOffload, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return call
 
 
 class Residency(enum.Enum):
@@ -46,6 +58,7 @@ class ParamOffload:
 
     def __init__(self, units: Sequence[Unit], tier: DiskTier, *, prefetch: int) -> None:
         self.units, self.tier, self.prefetch = list(units), tier, prefetch
+        self._lock = threading.RLock()
         self.state = {u.index: Residency.DIRTY for u in self.units}
         self._regions: dict[int, list[Any]] = {}
         self._slot = {u.index: -1 for u in self.units}
@@ -73,6 +86,7 @@ class ParamOffload:
         handle.wait()
 
     # -- the transitions -----------------------------------------------------------------------------------
+    @_locked
     def read_ahead(self, units: Sequence[Unit]) -> None:
         """Start reading the EVICTED ones among the first ``prefetch`` of ``units`` (the next to be used)."""
         for u in units[: self.prefetch]:
@@ -86,6 +100,7 @@ class ParamOffload:
             self._pending[u.index] = (self.tier.read_into_async(region, self._bytes(u)), self._slot[u.index])
             self.state[u.index] = Residency.READING
 
+    @_locked
     def load(self, u: Unit, *, ahead: Sequence[Unit] = ()) -> None:
         """Make ``u``'s shard readable (a gather's input), and read ``ahead`` units."""
         self.collect()
@@ -105,12 +120,14 @@ class ParamOffload:
         assert u.flat_shard.untyped_storage().nbytes() >= u.flat_shard.numel() * u.flat_shard.element_size()
         self._in_use.add(u.index)
 
+    @_locked
     def release(self, u: Unit) -> None:
         """The gather that read ``u``'s shard completed: evict it if the file holds the same."""
         self._in_use.discard(u.index)
         if self.state[u.index] is Residency.CLEAN:
             self._evict(u)
 
+    @_locked
     def enter(self, u: Unit, *, ahead: Sequence[Unit] = ()) -> None:
         """``u``'s shard is about to change (an optimizer step, a state-dict load)."""
         self.load(u, ahead=ahead)
@@ -119,6 +136,7 @@ class ParamOffload:
             self._finish_write(u)
         self.state[u.index] = Residency.DIRTY
 
+    @_locked
     def finish(self) -> None:
         """Write every DIRTY shard back (asynchronously; evicted once written, see :meth:`collect`)."""
         for u in self.units:
@@ -138,6 +156,7 @@ class ParamOffload:
         self._slot[u.index] = target
         self.state[u.index] = Residency.CLEAN
 
+    @_locked
     def collect(self) -> None:
         """Complete the writes that are done; evict those units unless a gather reads them."""
         for u in self.units:
@@ -146,6 +165,7 @@ class ParamOffload:
                 if u.index not in self._in_use:
                     self._evict(u)
 
+    @_locked
     def drain(self) -> None:
         """Wait for every transfer and evict what no gather reads (before a checkpoint, a measurement, close)."""
         for u in self.units:
@@ -158,6 +178,7 @@ class ParamOffload:
                 self._evict(u)
 
     # -- accounting ----------------------------------------------------------------------------------------
+    @_locked
     def offloaded_bytes(self) -> dict[str, int]:
         """Parameter bytes held on disk now (``{"host": 0, "disk": n}``, as the tracker reads it)."""
         return {"host": 0, "disk": sum(self._bytes_on_disk(u) for u in self.units if self._slot[u.index] >= 0)}

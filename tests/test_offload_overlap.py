@@ -1,0 +1,138 @@
+"""``[offload] overlap`` ([Note: overlapped step] in memsave/offload/state.py): the offloaded optimizer step runs in
+the background while zero_grad and the next forward go on; a unit's gather waits for that unit's rows only, the
+post-hooks run once the step is complete, and a failed transfer surfaces at the next wait with every chunk
+consistent. Exactness against the synchronous step at 1 and 2 ranks is in tests/test_offload.py."""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import memsave
+from memsave.offload import tiers
+from tests.test_offload_errors import _Faults, _params, _piece_agrees, _step, _wrap
+from tests.toy import toy_batch
+
+OVERLAP = ("offload.optimizer=disk", "offload.chunk_mb=0.001", "offload.overlap=true")
+
+
+def _overlap(path: Path, *more: str) -> tuple[str, ...]:
+    return (*OVERLAP, f'offload.path="{path}"', *more)
+
+
+def test_the_step_runs_behind_the_next_forward(tmp_path: Path, monkeypatch) -> None:
+    """The reads of the last unit's state are held until the forward has reached the unit before it: step() and
+    zero_grad() return, units 0-2 are gathered with their stepped rows, unit 3 is not done yet; then the forward
+    completes, the post-hook has run once, and everything equals the synchronous step."""
+    gate, blocked = threading.Event(), threading.Event()
+    real = tiers._full_io
+
+    def io(fn: Any, fd: int, view: memoryview, offset: int) -> None:
+        if fn is os.preadv and os.readlink(f"/proc/self/fd/{fd}").endswith("unit3.state"):
+            blocked.set()
+            assert gate.wait(timeout=60), "the forward never released the last unit's read"
+        real(fn, fd, view, offset)
+
+    monkeypatch.setattr(tiers, "_full_io", io)
+    gate.set()
+    ref_model, ref_opt = _wrap(())
+    model, opt = _wrap(_overlap(tmp_path))
+    calls: list[int] = []
+    opt.optimizer.register_step_post_hook(lambda *_: calls.append(1))
+    for step in range(2):
+        _step(ref_model, ref_opt, step)
+        _step(model, opt, step)
+    assert len(calls) == 1  # the first step's (the second forward waited for it); the second step's is pending
+    opt.settle()
+    assert len(calls) == 2
+    gate.clear()
+    state = opt.offloaded
+    seen: dict[str, Any] = {}
+
+    def before_last(module: Any, args: Any) -> None:  # runs before the engine issues unit 3's gather
+        run = state._run
+        seen["done"] = {f: e.is_set() for f, e in run.done.items()} if run is not None else None
+        seen["calls"] = len(calls)
+        gate.set()
+
+    units = opt.engine.units
+    # the unit whose forward issues the last unit's gather ([Note: collective order]: zero.prefetch units ahead)
+    block = units[len(units) - 1 - opt.engine.config.prefetch].module
+    handle = block.register_forward_pre_hook(before_last, prepend=True)
+    try:
+        _step(ref_model, ref_opt, 2)
+        loss = model(**toy_batch(2, 2)).loss
+        opt.backward(loss)
+        blocked.clear()
+        opt.step()
+        assert blocked.wait(timeout=60) and state._run is not None and not state._run.future.done()
+        opt.zero_grad()  # set_to_none: does not wait
+        assert state._run is not None
+        out = model(**toy_batch(3, 2)).loss
+    finally:
+        gate.set()
+        handle.remove()
+    assert seen["done"] == {"unit0": True, "unit1": True, "unit2": True, "unit3": False}, seen
+    assert seen["calls"] == 2 and len(calls) == 3  # the post-hook ran when the forward's end settled the step
+    ref_out = ref_model(**toy_batch(3, 2)).loss
+    assert torch.equal(out, ref_out)
+    opt.backward(out)
+    ref_opt.backward(ref_out)
+    for o in (opt, ref_opt):
+        o.step()
+        o.zero_grad()
+    assert all(torch.equal(v, _params(ref_model)[k]) for k, v in model.state_dict().items())
+    sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+    for i, st in ref_sd["state"].items():
+        for key, v in st.items():
+            assert torch.equal(sd["state"][i][key], v), (i, key)
+    opt.close()
+    assert not list(tmp_path.glob("memsave-offload-*"))
+
+
+@pytest.mark.parametrize("kind", ["write", "read"])
+def test_a_failed_transfer_surfaces_in_the_next_forward(tmp_path: Path, monkeypatch, kind: str) -> None:
+    faults = _Faults(monkeypatch)
+    ref_model, ref_opt = _wrap(())
+    model, opt = _wrap(_overlap(tmp_path))
+    for step in range(2):
+        _step(model, opt, step)
+        _step(ref_model, ref_opt, step)
+    before, state_before = _params(model), copy.deepcopy(opt.state_dict())
+    opt.backward(model(**toy_batch(2, 2)).loss)
+    ref_opt.backward(ref_model(**toy_batch(2, 2)).loss)
+    ref_opt.step()
+    after, state_after = _params(ref_model), copy.deepcopy(ref_opt.state_dict())
+    faults.arm(kind, 3)
+    opt.step()  # returns: the failure happens in the background
+    with pytest.raises(OSError, match=r"offload: (writing|reading) .*/unit\d\.state failed: injected"):
+        model(**toy_batch(3, 2))
+    undone, done = _piece_agrees(opt, before, after, state_before, state_after)
+    assert undone > 0 and done > 0
+    faults.arm("", -1)
+    opt.load_state_dict(state_before)
+    model.load_state_dict(before)
+    opt.step()  # the gradients of step 2 are still there
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    assert all(torch.equal(v, after[k]) for k, v in model.state_dict().items())
+    for step in range(3, 5):
+        assert torch.equal(_step(model, opt, step), _step(ref_model, ref_opt, step))
+    opt.close()
+    assert not list(tmp_path.glob("memsave-offload-*"))
+
+
+def test_overlap_is_refused_where_it_cannot_work(tmp_path: Path) -> None:
+    for stage in (1, 2):
+        with pytest.raises(NotImplementedError, match=r"overlap = true .*zero\.stage = %d" % stage):
+            _wrap(_overlap(tmp_path), stage=stage)
+    with pytest.raises(ValueError, match=r"'offload.overlap' = True .*optimizer = \"none\""):
+        memsave.load_profile("zero3", ["offload.overlap=true"])
+    assert memsave.load_profile("zero3-infinity").offload.overlap
+    assert not list(tmp_path.glob("memsave-offload-*"))
