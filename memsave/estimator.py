@@ -36,7 +36,7 @@ from torch import nn
 from memsave.config import Profile, load_profile
 from memsave.memory.schema import CATEGORIES, OFF_DEVICE, format_bytes
 from memsave.models.units import default_units, output_tensors
-from memsave.offload.state import _ENTRY_ALIGN
+from memsave.offload.chunks import ENTRY_ALIGN
 from memsave.offload.tiers import round_up
 from memsave.precision import compute_dtype, reduce_dtype_for
 from memsave.wrapped import user_class
@@ -357,7 +357,7 @@ def _chunks(pieces: list[tuple[int, int, int]], per_elem: int, chunk_bytes: int,
         if c[1] and done + c[1] / 2 <= fraction * total:
             offloaded.append(c)
             done += c[1]
-    window = max((c[1] * per_elem + _ENTRY_ALIGN * 4 * c[2] for c in offloaded), default=0)
+    window = max((c[1] * per_elem + ENTRY_ALIGN * 4 * c[2] for c in offloaded), default=0)
     return round_up(window), max((c[1] for c in offloaded), default=0), done
 
 

@@ -6,7 +6,6 @@ consistent. Exactness against the synchronous step at 1 and 2 ranks is in tests/
 from __future__ import annotations
 
 import copy
-import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,6 @@ import pytest
 import torch
 
 import memsave
-from memsave.offload import tiers
 from tests.test_offload_errors import _Faults, _params, _piece_agrees, _step, _wrap
 from tests.toy import toy_batch
 
@@ -26,23 +24,23 @@ def _overlap(path: Path, *more: str) -> tuple[str, ...]:
     return (*OVERLAP, f'offload.path="{path}"', *more)
 
 
-def test_the_step_runs_behind_the_next_forward(tmp_path: Path, monkeypatch) -> None:
-    """The reads of the last unit's state are held until the forward has reached the unit before it: step() and
+def test_the_step_runs_behind_the_next_forward(tmp_path: Path) -> None:
+    """The step of the last unit's chunks is held until the forward has reached the unit before it: step() and
     zero_grad() return, units 0-2 are gathered with their stepped rows, unit 3 is not done yet; then the forward
     completes, the post-hook has run once, and everything equals the synchronous step."""
     gate, blocked = threading.Event(), threading.Event()
-    real = tiers._full_io
-
-    def io(fn: Any, fd: int, view: memoryview, offset: int) -> None:
-        if fn is os.preadv and os.readlink(f"/proc/self/fd/{fd}").endswith("unit3.state"):
-            blocked.set()
-            assert gate.wait(timeout=60), "the forward never released the last unit's read"
-        real(fn, fd, view, offset)
-
-    monkeypatch.setattr(tiers, "_full_io", io)
     gate.set()
     ref_model, ref_opt = _wrap(())
     model, opt = _wrap(_overlap(tmp_path))
+    real = opt.offloaded._step_one
+
+    def step_one(chunk: Any, *args: Any) -> Any:
+        if chunk.group_file == "unit3":
+            blocked.set()
+            assert gate.wait(timeout=60), "the forward never released the last unit"
+        return real(chunk, *args)
+
+    opt.offloaded._step_one = step_one
     calls: list[int] = []
     opt.optimizer.register_step_post_hook(lambda *_: calls.append(1))
     for step in range(2):
@@ -64,11 +62,10 @@ def test_the_step_runs_behind_the_next_forward(tmp_path: Path, monkeypatch) -> N
     units = opt.engine.units
     # the unit whose forward issues the last unit's gather ([Note: collective order]: zero.prefetch units ahead)
     block = units[len(units) - 1 - opt.engine.config.prefetch].module
-    handle = block.register_forward_pre_hook(before_last, prepend=True)
+    _step(ref_model, ref_opt, 2)
+    opt.backward(model(**toy_batch(2, 2)).loss)
+    handle = block.register_forward_pre_hook(before_last, prepend=True)  # for the next forward only
     try:
-        _step(ref_model, ref_opt, 2)
-        loss = model(**toy_batch(2, 2)).loss
-        opt.backward(loss)
         blocked.clear()
         opt.step()
         assert blocked.wait(timeout=60) and state._run is not None and not state._run.future.done()
@@ -130,7 +127,7 @@ def test_a_failed_transfer_surfaces_in_the_next_forward(tmp_path: Path, monkeypa
 
 def test_overlap_is_refused_where_it_cannot_work(tmp_path: Path) -> None:
     for stage in (1, 2):
-        with pytest.raises(NotImplementedError, match=r"overlap = true .*zero\.stage = %d" % stage):
+        with pytest.raises(NotImplementedError, match=rf"overlap = true .*zero\.stage = {stage}"):
             _wrap(_overlap(tmp_path), stage=stage)
     with pytest.raises(ValueError, match=r"'offload.overlap' = True .*optimizer = \"none\""):
         memsave.load_profile("zero3", ["offload.overlap=true"])

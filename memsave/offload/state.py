@@ -22,9 +22,9 @@ and write is waited before :meth:`OffloadedState.step` returns, so nothing touch
 thread and ``step()`` returns once the step pre-hooks ran and the step's inputs are captured: the hyperparameters
 (a shadow of the optimizer's groups, so an LR scheduler stepping right after changes only the next step) and
 each piece's gradient rows (views that keep them alive whatever ``zero_grad`` drops). The chunks are in unit
-order, and an event per unit is set once its last chunk has stepped and been written (writes complete in
-order), so its rows are final: a failed write can no longer put them back ([Note: failed I/O]). Whatever reads a
-unit's rows first waits for its event: the stage-3 gather of that unit (forward, ``state_dict``) through
+order, and an event per unit is set once its last chunk has stepped and its writes are issued. Whatever reads
+a unit's rows first waits for that event and then for the unit's writes, since a failed write puts the rows
+back ([Note: failed I/O]): the stage-3 gather of that unit (forward, ``state_dict``) through
 :meth:`OffloadedState.wait_for`. Everything else that could see the state or overwrite the gradient buffers
 waits for the whole step through :meth:`OffloadedState.settle`, which also runs the step post-hooks and raises a
 failed step's error: the end of the next forward, ``backward``, ``step``, ``zero_grad`` without
@@ -53,52 +53,29 @@ import itertools
 import math
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 from torch import nn
 
+from memsave.offload.chunks import (
+    ENTRY_ALIGN,
+    MASTER,
+    MASTER_BYTES,
+    Chunk,
+    Piece,
+    layout_bytes,
+    per_element,
+    view,
+)
+from memsave.offload.consolidated import Consolidated
 from memsave.offload.stepping import hooked, post_hooks, pre_hooks, raw_step, shadow
 from memsave.offload.tiers import Handle, Tier, aligned_empty, round_up
 from memsave.phases import MemoryCategory
 
 __all__ = ["OffloadedState"]
-
-_ENTRY_ALIGN = 64
-MASTER = "memsave.master"  # the fp32 master rows' entry in an offloaded chunk ([Note: offloaded masters])
-MASTER_BYTES = 4
-
-
-@dataclasses.dataclass
-class _Piece:
-    """Rows ``[start, stop)`` of one stepped tensor (``shard``), as a sub-parameter sharing its storage."""
-
-    shard: torch.Tensor
-    group: int
-    start: int
-    stop: int
-    sub: nn.Parameter  # what the optimizer steps: the shard's rows, or (master mode) the fp32 master rows
-    low: torch.Tensor | None = None  # master mode: the model's low-precision rows the master is cast into
-    keys: list[str] = dataclasses.field(default_factory=list)  # state key order; empty: no state yet
-    scalars: dict[str, Any] = dataclasses.field(default_factory=dict)  # entries kept in memory (``step``)
-    entries: list[tuple[str, torch.dtype, int]] = dataclasses.field(default_factory=list)  # (key, dtype, offset)
-    state: dict[str, Any] | None = None  # in-memory chunks: the whole state dict
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.stop - self.start, *self.shard.shape[1:])) if self.shard.dim() else torch.Size((1,))
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def visible(self) -> torch.Tensor:
-        """The rows the model sees (restored after a failed write)."""
-        return self.low if self.low is not None else self.sub
-
 
 @dataclasses.dataclass
 class _Run:
@@ -110,27 +87,13 @@ class _Run:
     grads: dict[int, torch.Tensor]
     done: dict[str, threading.Event] = dataclasses.field(default_factory=dict)
     last_of: dict[str, int] = dataclasses.field(default_factory=dict)  # file -> its last offloaded chunk's index
+    writes_of: dict[str, list[Handle]] = dataclasses.field(default_factory=dict)  # file -> its chunks' writes
     future: Future[None] | None = None
     error: BaseException | None = None  # set before the events, so a woken waiter sees it
     waited: float = 0.0  # seconds this step's loop waited for reads and writes
 
 
-@dataclasses.dataclass
-class _Chunk:
-    index: int
-    group_file: str
-    pieces: list[_Piece]
-    offloaded: bool
-    regions: list[Any] = dataclasses.field(default_factory=list)  # two on disk ([Note: failed I/O]), one on host
-    region_bytes: int = 0  # bytes of the current layout
-    slot: int = -1  # the region holding the current state; -1: none yet
-
-    @property
-    def numel(self) -> int:
-        return sum(p.numel for p in self.pieces)
-
-
-class OffloadedState:
+class OffloadedState(Consolidated):
     """The state of ``optimizer``'s tensors, chunked, a ``fraction`` of it on ``tier``.
 
     Args:
@@ -154,8 +117,8 @@ class OffloadedState:
         self.masters = dict(masters or {})
         per_elem = max(bytes_per_element + (MASTER_BYTES if self.masters else 0), 1)
         chunk_numel = max(1, chunk_bytes // per_elem)
-        self.pieces_of: dict[torch.Tensor, list[_Piece]] = {}
-        pieces: list[tuple[str, _Piece]] = []
+        self.pieces_of: dict[torch.Tensor, list[Piece]] = {}
+        pieces: list[tuple[str, Piece]] = []
         for gi, g in enumerate(optimizer.param_groups):
             for shard in g["params"]:
                 rows = shard.shape[0]
@@ -166,25 +129,25 @@ class OffloadedState:
                     stop = min(rows, start + step)
                     sub = nn.Parameter(shard.detach()[start:stop], requires_grad=shard.requires_grad)
                     low = self.masters[shard][start:stop] if shard in self.masters else None
-                    own.append(_Piece(shard, gi, start, stop, sub, low))
+                    own.append(Piece(shard, gi, start, stop, sub, low))
                     pieces.append((group_of(shard), own[-1]))
         if group_order is not None:
             pieces.sort(key=lambda fp: group_order.index(fp[0]))  # stable: group order within a file
         self.hooks = hooks
         total = sum(p.numel for _, p in pieces)
-        self.chunks: list[_Chunk] = []
+        self.chunks: list[Chunk] = []
         offloaded = 0
         for gfile, piece in pieces:  # consecutive pieces of one file packed up to chunk_numel elements
             last = self.chunks[-1] if self.chunks else None
             if last is None or last.group_file != gfile or last.numel + piece.numel > chunk_numel:
-                last = _Chunk(len(self.chunks), gfile, [], offloaded=False)
+                last = Chunk(len(self.chunks), gfile, [], offloaded=False)
                 self.chunks.append(last)
             last.pieces.append(piece)
         for c in self.chunks:  # whole chunks, in order, while the offloaded share stays nearest to fraction
             if c.numel and offloaded + c.numel / 2 <= fraction * total:
                 c.offloaded = True
                 offloaded += c.numel
-        self.window_bytes = round_up(max((self._layout_bytes(c, per_elem) for c in self.chunks if c.offloaded),
+        self.window_bytes = round_up(max((layout_bytes(c, per_elem) for c in self.chunks if c.offloaded),
                                          default=0))
         self._buffers: list[torch.Tensor] = []
         self._snapshots: list[torch.Tensor] = []
@@ -218,12 +181,8 @@ class OffloadedState:
         for master in self.masters:
             master.untyped_storage().resize_(0)
 
-    @staticmethod
-    def _layout_bytes(chunk: _Chunk, per_elem: int) -> int:
-        return sum(p.numel * per_elem + _ENTRY_ALIGN * 4 for p in chunk.pieces)  # <= 4 entries a piece
-
     # -- stepping ------------------------------------------------------------------------------------------
-    def _call(self, pieces: list[_Piece], run: _Run) -> None:
+    def _call(self, pieces: list[Piece], run: _Run) -> None:
         """One raw optimizer step over ``pieces`` (their state already in the run's shadow optimizer)."""
         groups = run.opt.param_groups
         try:
@@ -234,7 +193,7 @@ class OffloadedState:
             for g in groups:
                 g["params"] = []
 
-    def _attach(self, piece: _Piece, buf: torch.Tensor | None, run: _Run) -> bool:
+    def _attach(self, piece: Piece, buf: torch.Tensor | None, run: _Run) -> bool:
         """Point the piece at its gradient rows and its state (from ``buf`` when offloaded); False: no grad."""
         grad = run.grads.get(id(piece))
         if grad is None:
@@ -242,7 +201,7 @@ class OffloadedState:
         if buf is None:
             state = piece.state
         elif piece.keys:
-            views = {k: self._view(buf, piece, dtype, off) for k, dtype, off in piece.entries}
+            views = {k: view(buf, piece, dtype, off) for k, dtype, off in piece.entries}
             if piece.low is not None:
                 piece.sub.data = views[MASTER]  # [Note: offloaded masters]
             state = {k: views[k] if k in views else piece.scalars[k] for k in piece.keys if k != MASTER}
@@ -254,29 +213,24 @@ class OffloadedState:
         return True
 
     @staticmethod
-    def _view(buf: torch.Tensor, piece: _Piece, dtype: torch.dtype, offset: int) -> torch.Tensor:
-        nbytes = piece.numel * dtype.itemsize
-        return buf[offset : offset + nbytes].view(dtype).view(piece.shape)
-
-    @staticmethod
-    def _detach(piece: _Piece, run: _Run) -> dict[str, Any]:
+    def _detach(piece: Piece, run: _Run) -> dict[str, Any]:
         piece.sub.grad = None
         return run.opt.state.pop(piece.sub, {})
 
     @staticmethod
-    def _cast(pieces: list[_Piece]) -> None:
+    def _cast(pieces: list[Piece]) -> None:
         """Master mode: the stepped fp32 masters into the model's low-precision rows."""
         for p in pieces:
             if p.low is not None:
                 p.low.copy_(p.sub)
 
-    def _pack(self, chunk: _Chunk, states: list[dict[str, Any] | None], buf: torch.Tensor) -> None:
+    def _pack(self, chunk: Chunk, states: list[dict[str, Any] | None], buf: torch.Tensor) -> None:
         """Record each piece's state layout and put its per-element entries into ``buf`` (regions allocated on
         first use, or again if the layout grew). ``None``: the piece was not stepped, keep what ``buf`` holds."""
         full: list[dict[str, Any]] = []
         for piece, state in zip(chunk.pieces, states):
             if state is None and piece.keys:
-                views = {k: self._view(buf, piece, dt, off) for k, dt, off in piece.entries}
+                views = {k: view(buf, piece, dt, off) for k, dt, off in piece.entries}
                 state = {k: views[k] if k in views else piece.scalars[k] for k in piece.keys}
             full.append(state or {})
         layout: list[tuple[list[str], list[tuple[str, torch.dtype, int]], dict[str, Any]]] = []
@@ -284,9 +238,9 @@ class OffloadedState:
         for piece, state in zip(chunk.pieces, full):
             entries, scalars = [], {}
             for key, value in state.items():
-                if self._per_element(value, piece):
+                if per_element(value, piece):
                     entries.append((key, value.dtype, offset))
-                    offset += round_up(value.numel() * value.element_size(), _ENTRY_ALIGN)
+                    offset += round_up(value.numel() * value.element_size(), ENTRY_ALIGN)
                 else:
                     scalars[key] = value
             layout.append((list(state), entries, scalars))
@@ -298,13 +252,13 @@ class OffloadedState:
         if all(entries == piece.entries for piece, (_, entries, _) in zip(chunk.pieces, layout)):
             sources = full  # the usual case: the optimizer updated the buffer's views in place
         else:  # a new layout: copy out first, the old entries may overlap the new ones
-            sources = [{k: v.clone() for k, v in s.items() if self._per_element(v, p)}
+            sources = [{k: v.clone() for k, v in s.items() if per_element(v, p)}
                        for p, s in zip(chunk.pieces, full)]
         for piece, (keys, entries, scalars), source in zip(chunk.pieces, layout, sources):
             for key, dtype, off in entries:
-                view = self._view(buf, piece, dtype, off)
-                if source[key].data_ptr() != view.data_ptr():
-                    view.copy_(source[key])
+                target = view(buf, piece, dtype, off)
+                if source[key].data_ptr() != target.data_ptr():
+                    target.copy_(source[key])
             piece.keys, piece.entries, piece.scalars = keys, entries, scalars
         if offset > chunk.region_bytes or not chunk.regions:
             chunk.regions = [self.tier.allocate(chunk.group_file, max(offset, 1)) for _ in range(self._slots)]
@@ -356,10 +310,17 @@ class OffloadedState:
         run = self._run
         if run is None:
             return
+        start = time.perf_counter()
         event = run.done.get(group_file)
-        if event is not None and not event.is_set():
-            start = time.perf_counter()
+        if event is not None:
             event.wait()
+        try:  # the file's writes: once they succeeded, a failed write can no longer put its rows back
+            for handle in list(run.writes_of.get(group_file, ())):
+                handle.wait()
+        except BaseException:
+            self.settle()  # waits for the step to put every chunk right, then raises its error
+            raise
+        finally:
             self.wait_seconds += time.perf_counter() - start
         if run.error is not None:
             self.settle()
@@ -385,7 +346,7 @@ class OffloadedState:
         run.last_of = {c.group_file: k for k, c in enumerate(remote)}  # in file order when overlapped
         nbuf = max(len(self._buffers), 1)
         reads: dict[int, Handle] = {}
-        writes: dict[int, tuple[Handle, _Chunk, list[Any]]] = {}
+        writes: dict[int, tuple[Handle, Chunk, list[Any]]] = {}
         error: BaseException | None = None
 
         def issue_read(k: int) -> None:
@@ -418,6 +379,9 @@ class OffloadedState:
                 if self.hooks is not None:
                     self.hooks.enter(chunk.group_file)
                 writes[k] = self._step_one(chunk, buf, k % nbuf, run)
+                run.writes_of.setdefault(chunk.group_file, []).append(writes[k][0])
+                if run.last_of[chunk.group_file] == k and chunk.group_file in run.done:
+                    run.done[chunk.group_file].set()  # every chunk of the file stepped, its writes issued
                 if not self.prefetch:
                     self._finish_write(writes, k, run)
         except BaseException as exc:
@@ -441,8 +405,8 @@ class OffloadedState:
         if error is not None:
             raise error
 
-    def _step_one(self, chunk: _Chunk, buf: torch.Tensor, index: int,
-                  run: _Run) -> tuple[Handle, _Chunk, list[Any]]:
+    def _step_one(self, chunk: Chunk, buf: torch.Tensor, index: int,
+                  run: _Run) -> tuple[Handle, Chunk, list[Any]]:
         if chunk.slot < 0:  # no read refilled the buffer: the compute side writes it ([Note: host tier ordering])
             self.tier.claim(buf)
         stepped = [p for p in chunk.pieces if self._attach(p, buf if chunk.slot >= 0 else None, run)]
@@ -467,7 +431,7 @@ class OffloadedState:
         target = (chunk.slot + 1) % self._slots if chunk.slot >= 0 else 0
         return self.tier.write_async(chunk.regions[target], buf), chunk, [target, undo, index]
 
-    def _finish_write(self, writes: dict[int, tuple[Handle, _Chunk, list[Any]]], k: int, run: _Run) -> None:
+    def _finish_write(self, writes: dict[int, tuple[Handle, Chunk, list[Any]]], k: int, run: _Run) -> None:
         if k not in writes:
             return
         handle, chunk, (target, undo, index) = writes.pop(k)
@@ -487,110 +451,6 @@ class OffloadedState:
         finally:
             run.waited += time.perf_counter() - start
         chunk.slot = target
-        if run.last_of.get(chunk.group_file) == k and chunk.group_file in run.done:
-            run.done[chunk.group_file].set()  # its chunks stepped and written, in order: its rows are final
-
-    # -- consolidated state --------------------------------------------------------------------------------
-    def _read_sync(self, chunk: _Chunk) -> torch.Tensor:
-        buf = aligned_empty(round_up(max(chunk.region_bytes, 1)), self.device)
-        self.tier.read_async(chunk.regions[chunk.slot], buf).wait()
-        self.tier.drain()
-        return buf
-
-    def local_state(self) -> dict[torch.Tensor, dict[str, Any]]:
-        """Every stepped tensor's state as the plain optimizer would hold it (per-element entries whole)."""
-        return self._local()[0]
-
-    def local_masters(self) -> dict[torch.Tensor, torch.Tensor]:
-        """Master mode: each master's fp32 rows, whole (read back from the tier)."""
-        return self._local()[1]
-
-    def _local(self) -> tuple[dict[torch.Tensor, dict[str, Any]], dict[torch.Tensor, torch.Tensor]]:
-        self.settle()
-        parts: dict[int, dict[str, Any]] = {}
-        rows: dict[int, torch.Tensor] = {}
-        for chunk in self.chunks:
-            buf = self._read_sync(chunk) if chunk.offloaded and chunk.slot >= 0 else None
-            for p in chunk.pieces:
-                if chunk.offloaded:
-                    if not p.keys or buf is None:
-                        continue
-                    st = {k: self._view(buf, p, dt, off).clone() for k, dt, off in p.entries} | p.scalars
-                    if MASTER in st:
-                        rows[id(p)] = st[MASTER]
-                    if any(k != MASTER for k in p.keys):
-                        parts[id(p)] = {k: st[k] for k in p.keys if k != MASTER}
-                else:
-                    if p.low is not None:
-                        rows[id(p)] = p.sub.detach().clone()
-                    if p.state:
-                        parts[id(p)] = p.state
-        out: dict[torch.Tensor, dict[str, Any]] = {}
-        masters: dict[torch.Tensor, torch.Tensor] = {}
-        for shard, pieces in self.pieces_of.items():
-            if shard in self.masters:
-                masters[shard] = torch.cat([rows[id(p)] for p in pieces])
-            states = [parts[id(p)] for p in pieces if id(p) in parts]
-            if len(states) != len(pieces):
-                continue  # never stepped (a partial set can only follow a failed step: see [Note: failed I/O])
-            first = states[0]
-            out[shard] = {k: (torch.cat([s[k] for s in states]) if self._per_element(v, pieces[0])
-                              else (v.clone() if isinstance(v, torch.Tensor) else v)) for k, v in first.items()}
-        return out, masters
-
-    @staticmethod
-    def _per_element(value: Any, piece: _Piece) -> bool:
-        return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == piece.shape
-
-    @staticmethod
-    def _rows_of(state: dict[str, Any] | None, piece: _Piece) -> dict[str, Any]:
-        """The piece's rows of a whole tensor's plain-optimizer state (copies)."""
-        rows = piece.shard.shape[0]
-        return {k: v[piece.start : piece.stop].clone() if isinstance(v, torch.Tensor) and v.dim() > 0
-                and v.shape[0] == rows and v.shape == piece.shard.shape else
-                (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in (state or {}).items()}
-
-    @torch.no_grad()
-    def load_local_state(self, states: dict[torch.Tensor, dict[str, Any]],
-                         masters: dict[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Replace the state by ``states`` (tensor -> its plain-optimizer state; absent: no state); in master
-        mode also the fp32 masters by ``masters`` (None: keep them), cast into the model's rows."""
-        self.settle()
-        if self.masters and masters is None:
-            masters = self.local_masters()
-        for chunk in self.chunks:
-            per_piece: list[dict[str, Any] | None] = []
-            casts = [p for p in chunk.pieces if p.low is not None]
-            if casts and self.hooks is not None:
-                self.hooks.enter(chunk.group_file)  # the model's rows are about to change
-            for p in chunk.pieces:
-                st = self._rows_of(states.get(p.shard), p)
-                if p.low is not None:
-                    assert masters is not None
-                    master = masters[p.shard][p.start : p.stop].to(p.low.device, torch.float32)
-                    p.low.copy_(master)
-                    if chunk.offloaded:
-                        st = {MASTER: master, **st}
-                    else:
-                        p.sub.copy_(master)
-                per_piece.append(st or None)
-            if not chunk.offloaded:
-                for p, st in zip(chunk.pieces, per_piece):
-                    p.state = st
-                continue
-            for p in chunk.pieces:
-                p.keys, p.entries, p.scalars = [], [], {}
-            if all(s is None for s in per_piece):
-                chunk.slot = -1
-                continue
-            buf = aligned_empty(max(self.window_bytes, 1), self.device)
-            self._pack(chunk, per_piece, buf)
-            target = (chunk.slot + 1) % self._slots if chunk.slot >= 0 else 0
-            self.tier.write_async(chunk.regions[target], buf).wait()
-            self.tier.drain()
-            chunk.slot = target
-        if self.masters and self.hooks is not None:
-            self.hooks.finish()
 
     # -- accounting and lifetime ---------------------------------------------------------------------------
     def offloaded_bytes(self) -> dict[str, int]:

@@ -27,7 +27,7 @@ import torch
 from memsave._logging import warn_once
 from memsave.config import OffloadConfig, Profile
 from memsave.offload import DiskTier, HostTier, OffloadedState, check_disk_path, state_bytes_per_element
-from memsave.offload.state import MASTER_BYTES
+from memsave.offload.chunks import MASTER_BYTES
 from memsave.offload.tiers import Tier
 from memsave.optim import Adafactor
 from memsave.zero.engine import ZeroEngine

@@ -84,7 +84,8 @@ class ZeroOptimizer(MemsaveOptimizer):
         if offload is not None and offload.optimizer != "none":
             from memsave.zero.offload import build_offloaded_state
 
-            masters = {m: s for m, s in self.mp._pairs if m is not s} if self.mp is not None else {}
+            masters: dict[torch.Tensor, torch.Tensor] = (
+                {m: s for m, s in self.mp._pairs if m is not s} if self.mp is not None else {})
             self.offloaded, self.param_offload = build_offloaded_state(optimizer, engine, offload, masters=masters)
         # [offload] overlap: the offloaded chunks step in the background; a unit's gather waits for its rows, the
         # end of the next forward for all of them ([Note: overlapped step] in memsave/offload/state.py)
@@ -92,6 +93,7 @@ class ZeroOptimizer(MemsaveOptimizer):
         self._settle_hook = None
         if self.overlap:
             state = self.offloaded
+            assert state is not None
             engine.attach_step_waiter(lambda unit: state.wait_for(f"unit{unit.index}"))
             self._settle_hook = engine.model.register_forward_hook(lambda *_: state.settle())
 
@@ -137,7 +139,8 @@ class ZeroOptimizer(MemsaveOptimizer):
 
     def _step(self) -> None:
         if self.mp is not None:
-            step = (lambda: self.offloaded.step(overlap=self.overlap)) if self.offloaded is not None else None
+            offloaded = self.offloaded
+            step = (lambda: offloaded.step(overlap=self.overlap)) if offloaded is not None else None
             self.mp._step(step)  # or skips it, on every rank
             if self.mp.last_step_skipped:
                 return
