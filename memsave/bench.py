@@ -560,6 +560,9 @@ def add_parser(sub: Any) -> None:
                    help="instead: optimizer-state offload against the same run in memory (memsave/bench_offload.py), "
                         "e.g. zero3,zero3-offload-disk,zero3-offload-disk-noprefetch,zero3-offload-disk-half")
     p.add_argument("--offload-path", default=None, help="--offload: folder for the disk tier (default: the temp dir)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="--offload: run the configurations this many times, round-robin, and report medians (the "
+                        "disk and the heap's peak vary from run to run)")
     p.add_argument("--memory", default=None,
                    help="instead: the memory tracker and estimator per profile (memsave/bench_memory.py): estimated "
                         "vs measured state, activations and peak, tracking overhead; 'memtracker' adds torch's "
@@ -579,7 +582,7 @@ def run_command(args: Any, extra: Any) -> int:
     if args.offload:
         from memsave.bench_offload import run_command as run_offload
 
-        return run_offload(args.offload, opts, args.json, args.offload_path)
+        return run_offload(args.offload, opts, args.json, args.offload_path, repeat=args.repeat)
     if args.recompute:
         from memsave.recompute import parse_policy
 

@@ -111,31 +111,53 @@ def _worker(name: str, path: str, opts: BenchOptions) -> dict[str, Any]:
     return out
 
 
+def _row(name: str, ranks: list[dict[str, Any]], opts: BenchOptions) -> dict[str, Any]:
+    w = opts.warmup
+    per_step = [max(r["times"][s] for r in ranks) for s in range(opts.steps)]
+    r0 = ranks[0]
+    return {
+        "name": name, "profile": r0["profile"], "overrides": r0["overrides"], "params": r0["psi"],
+        "nproc": opts.nproc, "median_step_s": statistics.median(per_step[w:]),
+        "median_optimizer_step_s": statistics.median(max(r["opt_times"][s] for r in ranks)
+                                                     for s in range(w, opts.steps)),
+        "io_s": max(r["io_s"] for r in ranks), "wait_s": max(r["wait_s"] for r in ranks),
+        "peak_rss": [r["peak_rss"] for r in ranks],
+        "state_in_memory": [r["state_in_memory"] for r in ranks],
+        "state_on_disk": [r["state_on_disk"] for r in ranks], "direct": r0["direct"],
+        "losses": r0["losses"], "final_loss": r0["losses"][-1],
+    }
+
+
+def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from repeated runs of a configuration: the median of each timing and of each rank's peak RSS, with
+    every run's step time and largest peak kept beside them."""
+    out = dict(runs[len(runs) // 2])
+    for key in ("median_step_s", "median_optimizer_step_s", "io_s", "wait_s"):
+        out[key] = statistics.median(r[key] for r in runs)
+    out["peak_rss"] = [statistics.median(r["peak_rss"][i] for r in runs) for i in range(len(runs[0]["peak_rss"]))]
+    out["runs_step_s"] = [r["median_step_s"] for r in runs]
+    out["runs_peak_rss"] = [max(r["peak_rss"]) for r in runs]
+    assert all(r["final_loss"] == out["final_loss"] for r in runs), "repeated runs must end at the same loss"
+    return out
+
+
 def run_offload_bench(names: list[str], opts: BenchOptions, *, path: str | None = None,
-                      timeout_s: float = 1800) -> list[dict[str, Any]]:
-    """Every configuration in fresh processes; the first is the in-memory reference."""
+                      timeout_s: float = 1800, repeat: int = 1) -> list[dict[str, Any]]:
+    """Every configuration in fresh processes, ``repeat`` times round-robin (medians); the first is the in-memory
+    reference."""
     from memsave._launch import spawn_local
 
+    if repeat < 1:
+        raise ValueError(f"bench option repeat={repeat} is not allowed; expected >= 1")
     folder = path or tempfile.gettempdir()
     for name in names:
         variant(name, folder)  # a bad name fails before any run
-    rows = []
-    for name in names:
-        ranks = spawn_local(_worker, opts.nproc, (name, folder, opts), timeout_s=timeout_s)
-        w = opts.warmup
-        per_step = [max(r["times"][s] for r in ranks) for s in range(opts.steps)]
-        r0 = ranks[0]
-        rows.append({
-            "name": name, "profile": r0["profile"], "overrides": r0["overrides"], "params": r0["psi"],
-            "nproc": opts.nproc, "median_step_s": statistics.median(per_step[w:]),
-            "median_optimizer_step_s": statistics.median(max(r["opt_times"][s] for r in ranks)
-                                                         for s in range(w, opts.steps)),
-            "io_s": max(r["io_s"] for r in ranks), "wait_s": max(r["wait_s"] for r in ranks),
-            "peak_rss": [r["peak_rss"] for r in ranks],
-            "state_in_memory": [r["state_in_memory"] for r in ranks],
-            "state_on_disk": [r["state_on_disk"] for r in ranks], "direct": r0["direct"],
-            "losses": r0["losses"], "final_loss": r0["losses"][-1],
-        })
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for _ in range(repeat):
+        for name in names:
+            ranks = spawn_local(_worker, opts.nproc, (name, folder, opts), timeout_s=timeout_s)
+            runs[name].append(_row(name, ranks, opts))
+    rows = [_median_row(runs[name]) for name in names]
     _estimates(rows, opts)
     ref = rows[0]
     # the other end: the run with everything offloaded and prefetch on (the preset's own settings)
@@ -193,15 +215,30 @@ def format_offload_table(rows: list[dict[str, Any]]) -> str:
     out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
     ratios = []
     on = {r["name"]: r for r in rows}
-    for name in ("zero3-offload-disk", "zero3-offload-disk-params"):
-        if name in on and f"{name}-noprefetch" in on:
-            a, b = on[name], on[f"{name}-noprefetch"]
-            ratios.append(f"{name}: prefetch on vs off: step {b['median_step_s'] / a['median_step_s']:.2f}x faster, "
-                          f"optimizer step {b['median_optimizer_step_s'] / a['median_optimizer_step_s']:.2f}x faster")
     r0 = rows[0]
+
+    def cost(r: dict[str, Any]) -> float:  # what offload adds to the in-memory step
+        return r["median_step_s"] - r0["median_step_s"]
+
+    for name, other, what in (("zero3-offload-disk", "zero3-offload-disk-noprefetch", "prefetch on vs off"),
+                              ("zero3-offload-disk", "zero3-offload-disk-nooverlap", "overlap on vs off"),
+                              ("zero3-offload-disk-params", "zero3-offload-disk-params-noprefetch",
+                               "prefetch on vs off")):
+        if name in on and other in on:
+            a, b = on[name], on[other]
+            line = (f"{name}: {what}: step {b['median_step_s'] / a['median_step_s']:.2f}x faster, optimizer step "
+                    f"{b['median_optimizer_step_s'] / a['median_optimizer_step_s']:.2f}x faster")
+            if cost(a) > 0 and cost(b) > 0:
+                line += f", offload's cost per step {cost(b):.3f} s -> {cost(a):.3f} s ({cost(b) / cost(a):.2f}x)"
+            ratios.append(line)
+    for r in rows:
+        if len(r.get("runs_step_s", ())) > 1:
+            ratios.append(f"{r['name']}: runs: step s " + ", ".join(f"{x:.3f}" for x in r["runs_step_s"])
+                          + "; peak RSS MiB " + ", ".join(_mib(x) for x in r["runs_peak_rss"]))
     out.append(f"model: {r0['params']:,} parameters, {r0['nproc']} processes, fp32 AdamW; 'x ref' and 'RSS cut' "
                f"against {r0['reference']} (its optimizer state: {_mib(max(r0['state_in_memory']))} MiB/rank); "
-               "I/O s: time the tier's threads spent per step, waited s: the part the step waited for")
+               "I/O s: time the tier's threads spent per step, waited s: the part the training loop waited for "
+               "(in the step, or with overlap in the next forward); medians over runs where repeated")
     return "\n".join(out + ratios)
 
 
@@ -210,10 +247,10 @@ def to_json(rows: list[dict[str, Any]], opts: BenchOptions) -> str:
                       indent=2)
 
 
-def run_command(spec: str, opts: BenchOptions, json_path: Path | None, path: str | None) -> int:
+def run_command(spec: str, opts: BenchOptions, json_path: Path | None, path: str | None, *, repeat: int = 1) -> int:
     """``memsave bench --offload NAMES``: run, print the table, write the JSON."""
     names = [n.strip() for n in spec.split(",") if n.strip()] or list(DEFAULT_OFFLOAD)
-    rows = run_offload_bench(names, opts, path=path)
+    rows = run_offload_bench(names, opts, path=path, repeat=repeat)
     print(format_offload_table(rows))
     if json_path is not None:
         json_path.write_text(to_json(rows, opts))

@@ -136,3 +136,22 @@ def test_recompute_bench_tiny(tmp_path: Path) -> None:
     assert rows["full"]["peak_by_category"]["Activation"] <= none["peak_by_category"]["Activation"]
     table = format_recompute_table(list(rows.values()))
     assert table.splitlines()[0].startswith("policy") and "torch-selective" in table and "reference" not in table
+
+
+def test_offload_bench_tiny(tmp_path: Path) -> None:
+    """`memsave bench --offload` on the tiny GPT, repeated round-robin: every configuration ends at the in-memory
+    loss, the state moves to disk (and with fraction 0.5 half of it), and the rows carry every run."""
+    from memsave.bench_offload import format_offload_table, run_offload_bench
+
+    opts = BenchOptions(size="tiny", seq_len=32, batch_size=2, steps=3, warmup=1, nproc=1)
+    names = ["zero3", "zero3-offload-disk", "zero3-offload-disk-noprefetch", "zero3-offload-disk-half"]
+    rows = {r["name"]: r for r in run_offload_bench(names, opts, path=str(tmp_path), timeout_s=120, repeat=2)}
+    state = max(rows["zero3"]["state_in_memory"])
+    for name, r in rows.items():
+        assert r["final_loss_diff"] == 0.0 and len(r["runs_step_s"]) == 2, (name, r)
+    assert max(rows["zero3-offload-disk"]["state_on_disk"]) >= 0.99 * state  # all but the scalar `step`s
+    assert 0 < max(rows["zero3-offload-disk-half"]["state_on_disk"]) < state
+    assert "predicted_step_s" in rows["zero3-offload-disk-half"]
+    table = format_offload_table(list(rows.values()))
+    assert "prefetch on vs off" in table and "runs: step s" in table
+    assert not list(tmp_path.glob("memsave-offload-*"))
