@@ -174,7 +174,7 @@ def _model_states(groups: list[list[nn.Parameter]], order: list[nn.Parameter], p
     # in the model's parameter order: the optimizer's, when it is built over model.parameters()
     pieces = [(unit_of[p], (_local_rows(_rows(p.shape)[0], shard) if len(p.shape) else 1), _rows(p.shape)[1])
               for p in order if p.requires_grad]
-    return {"bytes": out, "pieces": pieces, "param_bytes": 4 if mixed else c, "unit_full": unit_full, "unit_padded": unit_padded, "unit_grad_full": unit_grad_full,
+    return {"bytes": out, "pieces": pieces, "param_bytes": c, "unit_full": unit_full, "unit_padded": unit_padded, "unit_grad_full": unit_grad_full,
             "unit_reduce": unit_reduce, "unit_state": unit_state, "unit_elems": unit_elems}
 
 
@@ -336,7 +336,7 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
 
 
 def _chunks(pieces: list[tuple[int, int, int]], per_elem: int, chunk_bytes: int,
-            fraction: float) -> tuple[int, int, int]:
+            fraction: float, offload_last: bool = False) -> tuple[int, int, int]:
     """The chunk plan of ``memsave.offload.OffloadedState`` from shapes alone: ``pieces`` are ``(unit, local rows,
     row numel)`` of every trainable shard in the optimizer's order. Returns the window buffer's bytes, the largest
     offloaded chunk's elements and the offloaded elements."""
@@ -353,7 +353,7 @@ def _chunks(pieces: list[tuple[int, int, int]], per_elem: int, chunk_bytes: int,
     total = sum(c[1] for c in chunks)
     offloaded: list[list[int]] = []
     done = 0
-    for c in chunks:  # whole chunks, in order, while the offloaded share stays nearest to fraction
+    for c in reversed(chunks) if offload_last else chunks:  # whole chunks while nearest to fraction
         if c[1] and done + c[1] / 2 <= fraction * total:
             offloaded.append(c)
             done += c[1]
@@ -374,8 +374,11 @@ def _offload(held: dict[str, int], states: dict[str, Any], prof: Profile, device
     tier = "offload_disk" if off.optimizer == "disk" else "offload_host"
     per_elem = max(1, round(sum(states["unit_state"]) / max(sum(states["unit_elems"]), 1)))
     masters = 4 if held.get("master") else 0  # mixed precision: the fp32 masters move with the state
-    window, chunk_elems, elems = _chunks(states["pieces"], per_elem + masters, int(off.chunk_mb * 2**20),
-                                         off.fraction)
+    pieces = states["pieces"]
+    if off.params == "disk" or off.overlap:  # stepped unit by unit (a stable sort, as OffloadedState's)
+        pieces = sorted(pieces, key=lambda piece: piece[0])
+    window, chunk_elems, elems = _chunks(pieces, per_elem + masters, int(off.chunk_mb * 2**20), off.fraction,
+                                         offload_last=off.overlap)
     moved = elems * per_elem
     moved_masters = min(held.get("master", 0), elems * masters)
     held[tier] = held.get(tier, 0) + moved + moved_masters

@@ -145,7 +145,7 @@ def test_compression_stays_on_under_the_tracker_and_is_counted_compressed() -> N
 
 
 # every preset (the "every profile that exists"), and offload under mixed precision (the fp32 masters move)
-PROFILES = (*memsave.list_presets(), 'zero3-infinity:precision.compute="bf16"',
+PROFILES = (*memsave.list_presets(), 'zero3-infinity:precision.compute="bf16"', "zero3-infinity:offload.fraction=0.5",
             'zero2-offload:offload.optimizer="disk",offload.path="tmp",precision.compute="bf16",offload.fraction=0.5')
 
 

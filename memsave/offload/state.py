@@ -106,12 +106,16 @@ class OffloadedState(Consolidated):
         bytes_per_element: per-element state bytes (:func:`state_bytes_per_element`), for sizes.
         group_order: step the chunks grouped by file, in this order (offloaded parameters are loaded per file).
         hooks: with ``enter(file)`` (before a chunk of that file steps) and ``finish()`` (after the last).
+        masters: master mode ([Note: offloaded masters]): stepped fp32 tensor -> the model's low-precision shard.
+        offload_last: with ``fraction < 1``, offload the last chunks and keep the first in memory (overlapped: the
+            next forward needs the first units first, before their transfers could hide behind anything).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, tier: Tier, *, group_of: Callable[[torch.Tensor], str],
                  names: dict[torch.Tensor, str], fraction: float, prefetch: int, chunk_bytes: int,
                  bytes_per_element: int, device: torch.device, group_order: list[str] | None = None,
-                 hooks: Any = None, masters: dict[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 hooks: Any = None, masters: dict[torch.Tensor, torch.Tensor] | None = None,
+                 offload_last: bool = False) -> None:
         self.optimizer, self.tier, self.prefetch, self.device, self.names = optimizer, tier, prefetch, device, names
         self._slots = 2 if tier.kind == "disk" else 1  # a host copy cannot fail half way ([Note: failed I/O])
         self.masters = dict(masters or {})
@@ -143,7 +147,9 @@ class OffloadedState(Consolidated):
                 last = Chunk(len(self.chunks), gfile, [], offloaded=False)
                 self.chunks.append(last)
             last.pieces.append(piece)
-        for c in self.chunks:  # whole chunks, in order, while the offloaded share stays nearest to fraction
+        # whole chunks, in order (from the last when ``offload_last``), while the offloaded share stays nearest to
+        # fraction
+        for c in reversed(self.chunks) if offload_last else self.chunks:
             if c.numel and offloaded + c.numel / 2 <= fraction * total:
                 c.offloaded = True
                 offloaded += c.numel

@@ -155,7 +155,7 @@ def build_offloaded_state(optimizer: torch.optim.Optimizer, engine: ZeroEngine, 
                            bytes_per_element=per_elem, device=device,
                            group_order=([f"unit{u.index}" for u in engine.units]
                                         if off.params == "disk" or off.overlap else None),
-                           masters=masters)
+                           masters=masters, offload_last=off.overlap)
     params = None
     if off.params == "disk":  # last: the step's row pieces are views of the shards, made while they are in memory
         if engine.stage != 3 or not isinstance(tier, DiskTier):
