@@ -82,6 +82,6 @@ memory_report = memsave.report(model, optimizer, profile=str(args.profile))
 if master:
     print(memory_report.to_text())
 
-# Leave the process group before exiting: without it, gloo's worker threads can outlive the interpreter and
-# abort the process at exit ("terminate called without an active exception").
+# Leave the process group before exiting: the ranks meet first, so no gloo worker thread is still releasing a
+# collective's tensors while the interpreter shuts down ([Note: gloo at exit] in memsave/dist/collectives.py).
 memsave.dist.shutdown()

@@ -16,33 +16,38 @@ from memsave.dist.collectives import (
     reduce_scatter_into,
     shutdown,
 )
-from memsave.dist.host_memory import HostMemoryPolicy, after_forward, configure_host_memory, host_memory_policy
+from memsave.dist.host_memory import (
+    HostMemoryPolicy,
+    after_forward,
+    configure_host_memory,
+    host_memory_policy,
+)
 from memsave.dist.init import default_device, init, launch_env
 from memsave.dist.mesh import AXES, Mesh, validate_degrees
 
 __all__ = [
     "AXES",
     "COMM_STATS",
-    "HostMemoryPolicy",
     "CommStats",
     "Handle",
+    "HostMemoryPolicy",
     "Mesh",
     "ProcessGroup",
     "ReduceOp",
+    "after_forward",
     "all_gather_into",
     "all_gather_object",
     "all_reduce",
     "barrier",
     "broadcast",
+    "configure_host_memory",
     "default_device",
     "group_rank",
     "group_size",
+    "host_memory_policy",
     "init",
     "launch_env",
     "reduce_scatter_into",
     "shutdown",
-    "after_forward",
-    "configure_host_memory",
-    "host_memory_policy",
     "validate_degrees",
 ]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -187,9 +188,37 @@ def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
 
 
 def shutdown() -> None:
-    """Destroy the default process group (if any): the clean end of a run, needed by NCCL."""
+    """Destroy the default process group (if any): the clean end of a run, needed by NCCL.
+
+    [Note: gloo at exit] Gloo's worker thread drops a finished collective's work object just after the caller's
+    ``wait()`` returns, and when that releases the last reference to a tensor Python has already freed, it takes
+    the GIL. A rank that goes from its last collective straight into interpreter exit can be finalizing by then,
+    and a thread taking the GIL during finalization is unwound into ``std::terminate`` ("terminate called without
+    an active exception": about 1 run in 10 of examples/train_gpt.py on 2 gloo ranks). A gloo barrier does not
+    help (its work holds the previous works and is dropped the same way), so the ranks meet through the store
+    instead, which takes no worker thread, and give the workers a moment before the group goes."""
     if dist.is_initialized():
+        if dist.get_world_size() > 1:
+            _store_barrier("memsave/shutdown")
+        time.sleep(0.02)
         dist.destroy_process_group()
+
+
+_store_rounds: dict[str, int] = {}
+
+
+def _store_barrier(name: str, timeout_s: float = 300.0) -> None:
+    """Every rank of the default group reaches this point (through its TCP store, not a collective)."""
+    store = dist.distributed_c10d._get_default_store()
+    _store_rounds[name] = _store_rounds.get(name, 0) + 1
+    key = f"{name}/{_store_rounds[name]}"
+    world = dist.get_world_size()
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add(key, 0) < world:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"memsave.dist.shutdown: not every rank reached it within {timeout_s:.0f} s")
+        time.sleep(0.001)
 
 
 def barrier(group: ProcessGroup | None = None) -> None:
