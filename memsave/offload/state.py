@@ -201,7 +201,7 @@ class OffloadedState(Consolidated):
 
     def _attach(self, piece: Piece, buf: torch.Tensor | None, run: _Run) -> bool:
         """Point the piece at its gradient rows and its state (from ``buf`` when offloaded); False: no grad."""
-        grad = run.grads.get(id(piece))
+        grad = run.grads.pop(id(piece), None)  # dropped as the step goes (mixed precision: fp32 copies)
         if grad is None:
             return False
         if buf is None:
