@@ -201,15 +201,7 @@ def test_failed_io_stops_the_step_and_every_chunk_agrees(tmp_path: Path, monkeyp
     mixed = (f'precision.compute="{prec}"',)
     ref_model, ref_opt = _wrap(mixed, stage=1)
     model, opt = _wrap((*mixed, *_disk(tmp_path, f"offload.prefetch={prefetch}")), stage=1)
-    for step in range(2):
-        _step(model, opt, step)
-        _step(ref_model, ref_opt, step)
-    before, state_before = _params(model), copy.deepcopy(opt.state_dict())
-    loss = model(**toy_batch(2, 2)).loss
-    opt.backward(loss)
-    ref_opt.backward(ref_model(**toy_batch(2, 2)).loss)
-    ref_opt.step()
-    after, state_after = _params(ref_model), copy.deepcopy(ref_opt.state_dict())
+    before, state_before, after, state_after = _up_to_the_third_step(model, opt, ref_model, ref_opt)
     faults.arm(kind, 3)
     with pytest.raises(OSError, match=r"offload: (writing|reading) .*/unit\d\.state failed: injected"):
         opt.step()
@@ -220,17 +212,36 @@ def test_failed_io_stops_the_step_and_every_chunk_agrees(tmp_path: Path, monkeyp
     if prefetch == 0 and kind == "read":  # synchronous: the third read failed, two chunks stepped
         assert done > 0
     faults.arm("", -1)
-    # the state that was kept is readable and consistent: a fresh start from it equals the reference
+    _resumes(model, opt, ref_model, ref_opt, before, state_before, after)
+    opt.close()
+    assert not list(tmp_path.glob("memsave-offload-*"))
+
+
+def _up_to_the_third_step(model: Any, opt: Any, ref_model: Any, ref_opt: Any) -> tuple[dict, dict, dict, dict]:
+    """Two steps on both, then the third backward on both and the reference's third step: the parameters and
+    state before and after that step."""
+    for step in range(2):
+        _step(model, opt, step)
+        _step(ref_model, ref_opt, step)
+    before, state_before = _params(model), copy.deepcopy(opt.state_dict())
+    opt.backward(model(**toy_batch(2, 2)).loss)
+    ref_opt.backward(ref_model(**toy_batch(2, 2)).loss)
+    ref_opt.step()
+    return before, state_before, _params(ref_model), copy.deepcopy(ref_opt.state_dict())
+
+
+def _resumes(model: Any, opt: Any, ref_model: Any, ref_opt: Any, before: dict, state_before: dict,
+             after: dict) -> None:
+    """The state kept after a failure is readable and consistent: a fresh start from it (the third step again,
+    with its gradients still there) equals the reference, and so do two more steps."""
     opt.load_state_dict(state_before)
     model.load_state_dict(before)
-    opt.step()  # the gradients of step 2 are still there
+    opt.step()
     opt.zero_grad()
     ref_opt.zero_grad()
     assert all(torch.equal(v, after[k]) for k, v in model.state_dict().items())
     for step in range(3, 5):
         assert torch.equal(_step(model, opt, step), _step(ref_model, ref_opt, step))
-    opt.close()
-    assert not list(tmp_path.glob("memsave-offload-*"))
 
 
 # -- what the memory tracker reads ----------------------------------------------------------------------------

@@ -5,7 +5,6 @@ consistent. Exactness against the synchronous step at 1 and 2 ranks is in tests/
 
 from __future__ import annotations
 
-import copy
 import threading
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,15 @@ import pytest
 import torch
 
 import memsave
-from tests.test_offload_errors import _Faults, _params, _piece_agrees, _step, _wrap
+from tests.test_offload_errors import (
+    _Faults,
+    _params,
+    _piece_agrees,
+    _resumes,
+    _step,
+    _up_to_the_third_step,
+    _wrap,
+)
 from tests.toy import toy_batch
 
 OVERLAP = ("offload.optimizer=disk", "offload.chunk_mb=0.001", "offload.overlap=true")
@@ -98,14 +105,7 @@ def test_a_failed_transfer_surfaces_in_the_next_forward(tmp_path: Path, monkeypa
     faults = _Faults(monkeypatch)
     ref_model, ref_opt = _wrap(())
     model, opt = _wrap(_overlap(tmp_path))
-    for step in range(2):
-        _step(model, opt, step)
-        _step(ref_model, ref_opt, step)
-    before, state_before = _params(model), copy.deepcopy(opt.state_dict())
-    opt.backward(model(**toy_batch(2, 2)).loss)
-    ref_opt.backward(ref_model(**toy_batch(2, 2)).loss)
-    ref_opt.step()
-    after, state_after = _params(ref_model), copy.deepcopy(ref_opt.state_dict())
+    before, state_before, after, state_after = _up_to_the_third_step(model, opt, ref_model, ref_opt)
     faults.arm(kind, 3)
     opt.step()  # returns: the failure happens in the background
     with pytest.raises(OSError, match=r"offload: (writing|reading) .*/unit\d\.state failed: injected"):
@@ -113,14 +113,7 @@ def test_a_failed_transfer_surfaces_in_the_next_forward(tmp_path: Path, monkeypa
     undone, done = _piece_agrees(opt, before, after, state_before, state_after)
     assert undone > 0 and done > 0
     faults.arm("", -1)
-    opt.load_state_dict(state_before)
-    model.load_state_dict(before)
-    opt.step()  # the gradients of step 2 are still there
-    opt.zero_grad()
-    ref_opt.zero_grad()
-    assert all(torch.equal(v, after[k]) for k, v in model.state_dict().items())
-    for step in range(3, 5):
-        assert torch.equal(_step(model, opt, step), _step(ref_model, ref_opt, step))
+    _resumes(model, opt, ref_model, ref_opt, before, state_before, after)
     opt.close()
     assert not list(tmp_path.glob("memsave-offload-*"))
 
