@@ -36,7 +36,7 @@ from torch import nn
 from memsave.config import Profile, load_profile
 from memsave.memory.schema import CATEGORIES, OFF_DEVICE, format_bytes
 from memsave.models.units import default_units, output_tensors
-from memsave.offload.chunks import ENTRY_ALIGN
+from memsave.offload.chunks import plan, row_pieces, window_bytes
 from memsave.offload.tiers import round_up
 from memsave.precision import compute_dtype, reduce_dtype_for
 from memsave.wrapped import user_class
@@ -337,28 +337,17 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
 
 def _chunks(pieces: list[tuple[int, int, int]], per_elem: int, chunk_bytes: int,
             fraction: float, offload_last: bool = False) -> tuple[int, int, int]:
-    """The chunk plan of ``memsave.offload.OffloadedState`` from shapes alone: ``pieces`` are ``(unit, local rows,
-    row numel)`` of every trainable shard in the optimizer's order. Returns the window buffer's bytes, the largest
-    offloaded chunk's elements and the offloaded elements."""
+    """The chunk plan of ``memsave.offload.OffloadedState`` from shapes alone (the same
+    :func:`memsave.offload.chunks.plan`): ``pieces`` are ``(unit, local rows, row numel)`` of every trainable shard
+    in step order. Returns the window buffer's bytes, the largest offloaded chunk's elements and the offloaded
+    elements."""
     chunk_numel = max(1, chunk_bytes // per_elem)
-    chunks: list[list[int]] = []  # [unit, elements, pieces]
-    for unit, rows, row in pieces:
-        step = max(1, chunk_numel // max(row, 1))
-        for start in range(0, max(rows, 1), step):
-            numel = (min(rows, start + step) - start) * row
-            if not chunks or chunks[-1][0] != unit or chunks[-1][1] + numel > chunk_numel:
-                chunks.append([unit, 0, 0])
-            chunks[-1][1] += numel
-            chunks[-1][2] += 1
-    total = sum(c[1] for c in chunks)
-    offloaded: list[list[int]] = []
-    done = 0
-    for c in reversed(chunks) if offload_last else chunks:  # whole chunks while nearest to fraction
-        if c[1] and done + c[1] / 2 <= fraction * total:
-            offloaded.append(c)
-            done += c[1]
-    window = max((c[1] * per_elem + ENTRY_ALIGN * 4 * c[2] for c in offloaded), default=0)
-    return round_up(window), max((c[1] for c in offloaded), default=0), done
+    cut = [(unit, (stop - start) * row) for unit, rows, row in pieces
+           for start, stop in row_pieces(rows, row, chunk_numel)]
+    sizes = [(sum(cut[i][1] for i in idx), len(idx))
+             for idx, offloaded in plan(cut, chunk_numel, fraction, offload_last=offload_last) if offloaded]
+    window = max((window_bytes(numel, n, per_elem) for numel, n in sizes), default=0)
+    return round_up(window), max((numel for numel, _ in sizes), default=0), sum(numel for numel, _ in sizes)
 
 
 def _offload(held: dict[str, int], states: dict[str, Any], prof: Profile, device_type: str, notes: list[str]) -> None:

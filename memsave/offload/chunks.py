@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["ENTRY_ALIGN", "MASTER", "MASTER_BYTES", "Chunk", "Piece", "layout_bytes", "per_element", "rows_of", "view"]
+__all__ = ["ENTRY_ALIGN", "MASTER", "MASTER_BYTES", "Chunk", "Piece", "per_element", "plan", "row_pieces", "rows_of", "view",
+           "window_bytes"]
 
 ENTRY_ALIGN = 64
 MASTER = "memsave.master"  # the fp32 master rows' entry in an offloaded chunk ([Note: offloaded masters])
@@ -78,5 +80,38 @@ def rows_of(state: dict[str, Any] | None, piece: Piece) -> dict[str, Any]:
             (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in (state or {}).items()}
 
 
-def layout_bytes(chunk: Chunk, per_elem: int) -> int:
-    return sum(p.numel * per_elem + ENTRY_ALIGN * 4 for p in chunk.pieces)  # <= 4 entries a piece
+def window_bytes(numel: int, npieces: int, per_elem: int) -> int:
+    """Bytes of a chunk's buffer: its elements' state, each piece's (at most 4) entries aligned."""
+    return numel * per_elem + ENTRY_ALIGN * 4 * npieces
+
+
+def row_pieces(rows: int, row_numel: int, chunk_numel: int) -> list[tuple[int, int]]:
+    """A tensor's ``rows`` cut into ``[start, stop)`` slices of at most ``chunk_numel`` elements (a row at least)."""
+    step = max(1, chunk_numel // max(row_numel, 1))
+    return [(start, min(rows, start + step)) for start in range(0, max(rows, 1), step)]
+
+
+def plan(pieces: Sequence[tuple[Hashable, int]], chunk_numel: int, fraction: float, *,
+         offload_last: bool = False) -> list[tuple[list[int], bool]]:
+    """The chunks of ``pieces`` (``(file, elements)``, in step order): consecutive pieces of one file packed up to
+    ``chunk_numel`` elements; whole chunks offloaded, in order (from the last when ``offload_last``), while the
+    offloaded share stays nearest to ``fraction``. Each chunk: its pieces' indices, and whether it is offloaded.
+    OffloadedState builds its chunks with it, ``memsave.estimate`` its prediction."""
+    chunks: list[list[int]] = []
+    files: list[Hashable] = []
+    sizes: list[int] = []
+    for i, (file, numel) in enumerate(pieces):
+        if not chunks or files[-1] != file or sizes[-1] + numel > chunk_numel:
+            chunks.append([])
+            files.append(file)
+            sizes.append(0)
+        chunks[-1].append(i)
+        sizes[-1] += numel
+    total = sum(sizes)
+    offloaded = [False] * len(chunks)
+    done = 0
+    for c in reversed(range(len(chunks))) if offload_last else range(len(chunks)):
+        if sizes[c] and done + sizes[c] / 2 <= fraction * total:
+            offloaded[c] = True
+            done += sizes[c]
+    return list(zip(chunks, offloaded, strict=True))

@@ -66,9 +66,11 @@ from memsave.offload.chunks import (
     MASTER_BYTES,
     Chunk,
     Piece,
-    layout_bytes,
     per_element,
+    plan,
+    row_pieces,
     view,
+    window_bytes,
 )
 from memsave.offload.consolidated import Consolidated
 from memsave.offload.stepping import hooked, post_hooks, pre_hooks, raw_step, shadow
@@ -125,12 +127,8 @@ class OffloadedState(Consolidated):
         pieces: list[tuple[str, Piece]] = []
         for gi, g in enumerate(optimizer.param_groups):
             for shard in g["params"]:
-                rows = shard.shape[0]
-                row_numel = math.prod(shard.shape[1:])
-                step = max(1, chunk_numel // max(row_numel, 1))
                 own = self.pieces_of.setdefault(shard, [])
-                for start in range(0, max(rows, 1), step):
-                    stop = min(rows, start + step)
+                for start, stop in row_pieces(shard.shape[0], math.prod(shard.shape[1:]), chunk_numel):
                     sub = nn.Parameter(shard.detach()[start:stop], requires_grad=shard.requires_grad)
                     low = self.masters[shard][start:stop] if shard in self.masters else None
                     own.append(Piece(shard, gi, start, stop, sub, low))
@@ -138,23 +136,11 @@ class OffloadedState(Consolidated):
         if group_order is not None:
             pieces.sort(key=lambda fp: group_order.index(fp[0]))  # stable: group order within a file
         self.hooks = hooks
-        total = sum(p.numel for _, p in pieces)
-        self.chunks: list[Chunk] = []
-        offloaded = 0
-        for gfile, piece in pieces:  # consecutive pieces of one file packed up to chunk_numel elements
-            last = self.chunks[-1] if self.chunks else None
-            if last is None or last.group_file != gfile or last.numel + piece.numel > chunk_numel:
-                last = Chunk(len(self.chunks), gfile, [], offloaded=False)
-                self.chunks.append(last)
-            last.pieces.append(piece)
-        # whole chunks, in order (from the last when ``offload_last``), while the offloaded share stays nearest to
-        # fraction
-        for c in reversed(self.chunks) if offload_last else self.chunks:
-            if c.numel and offloaded + c.numel / 2 <= fraction * total:
-                c.offloaded = True
-                offloaded += c.numel
-        self.window_bytes = round_up(max((layout_bytes(c, per_elem) for c in self.chunks if c.offloaded),
-                                         default=0))
+        chunks = plan([(f, p.numel) for f, p in pieces], chunk_numel, fraction, offload_last=offload_last)
+        self.chunks = [Chunk(k, pieces[idx[0]][0], [pieces[i][1] for i in idx], offloaded=off)
+                       for k, (idx, off) in enumerate(chunks)]
+        self.window_bytes = round_up(max((window_bytes(c.numel, len(c.pieces), per_elem)
+                                          for c in self.chunks if c.offloaded), default=0))
         self._buffers: list[torch.Tensor] = []
         self._snapshots: list[torch.Tensor] = []
         self._raw = raw_step(optimizer)
