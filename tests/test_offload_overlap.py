@@ -126,3 +126,45 @@ def test_overlap_is_refused_where_it_cannot_work(tmp_path: Path) -> None:
         memsave.load_profile("zero3", ["offload.overlap=true"])
     assert memsave.load_profile("zero3-infinity").offload.overlap
     assert not list(tmp_path.glob("memsave-offload-*"))
+
+
+def _foreign(world: int, path: str) -> str:
+    """Models memsave did not write: Hugging Face GPT-2 (keyword arguments, a ModelOutput, tied wte / lm_head) and
+    an nn.Sequential (no ModuleList: one root unit), under zero3-infinity (disk, overlap) against zero3 in memory,
+    fp32 and (GPT-2) bf16: the same losses and parameters, bit for bit."""
+    from tests.test_zero_models import _gpt2, _hf_batch, _seq_batch, _sequential
+
+    mesh = memsave.init()
+    seq_loss = lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    bf16 = ('precision.compute="bf16"',)
+    for build, batch_fn, loss_fn, precs in ((_gpt2, _hf_batch, lambda m, b: m(**b).loss, ((), bf16)),
+                                            (_sequential, _seq_batch, seq_loss, ((),))):  # (fp32 inputs)
+        for prec in precs:
+            runs = []
+            for name, over in (("zero3", prec), ("zero3-infinity", (*prec, f'offload.path="{path}"',
+                                                                   "offload.chunk_mb=0.002"))):
+                model = build()
+                model, opt = memsave.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                          memsave.load_profile(name, over), mesh=mesh)
+                losses = []
+                for step in range(3):
+                    loss = loss_fn(model, batch_fn(step, mesh.dp_rank))
+                    opt.backward(loss)
+                    opt.step()
+                    opt.zero_grad()
+                    losses.append(loss.detach())
+                runs.append((losses, {k: v.clone() for k, v in model.state_dict().items()}))
+                if name == "zero3-infinity":
+                    assert opt.overlap and opt.offloaded_bytes()["disk"] > 0
+                    opt.close()
+            (ref_losses, ref_params), (losses, params) = runs
+            assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True)), (build, prec)
+            assert all(torch.equal(params[k], v) for k, v in ref_params.items()), (build, prec)
+    return "ok"
+
+
+def test_foreign_models_train_the_same_with_overlapped_offload(tmp_path: Path) -> None:
+    from tests.harness import run_ranks
+
+    assert run_ranks(_foreign, 2, 2, str(tmp_path), timeout=300) == ["ok", "ok"]
+    assert not list(tmp_path.glob("memsave-offload-*"))
