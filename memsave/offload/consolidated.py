@@ -40,13 +40,14 @@ class Consolidated:
 
     def local_state(self) -> dict[torch.Tensor, dict[str, Any]]:
         """Every stepped tensor's state as the plain optimizer would hold it (per-element entries whole)."""
-        return self._local()[0]
+        return self.local()[0]
 
     def local_masters(self) -> dict[torch.Tensor, torch.Tensor]:
         """Master mode: each master's fp32 rows, whole (read back from the tier)."""
-        return self._local()[1]
+        return self.local()[1]
 
-    def _local(self) -> tuple[dict[torch.Tensor, dict[str, Any]], dict[torch.Tensor, torch.Tensor]]:
+    def local(self) -> tuple[dict[torch.Tensor, dict[str, Any]], dict[torch.Tensor, torch.Tensor]]:
+        """Both, in one read of the tier: ``(local_state(), local_masters())``."""
         self.settle()
         parts: dict[int, dict[str, Any]] = {}
         rows: dict[int, torch.Tensor] = {}

@@ -200,8 +200,9 @@ class ZeroOptimizer(MemsaveOptimizer):
         self.settle()
         sd = self.optimizer.state_dict()
         shards = [s for g in self.optimizer.param_groups for s in g["params"]]
+        own: dict[torch.Tensor, torch.Tensor] = {}  # offloaded fp32 masters
         if self.offloaded is not None:  # the state of every shard is in the offload store, in the plain format
-            local = self.offloaded.local_state()
+            local, own = self.offloaded.local()
             sd["state"] = {i: local[s] for i, s in enumerate(shards) if s in local}
         for index, live in sd["state"].items():
             shard = shards[index]
@@ -211,7 +212,6 @@ class ZeroOptimizer(MemsaveOptimizer):
                 if self._is_per_element(key, state[key], shard, full_param):
                     state[key] = self._gather_full(state[key], full_param)
         if self.mp is not None:  # the format of MixedPrecisionOptimizer's, consolidated
-            own = self.offloaded.local_masters() if self.offloaded is not None else {}
             sd["master_params"] = [self._gather_full(own.get(m, m).detach(), self._opt_full[m]) for m in shards]
             sd["loss_scaler"] = self.scaler.state_dict() if self.scaler is not None else None
         return sd
