@@ -5,7 +5,6 @@ many bytes of state the optimizer keeps per element."""
 from __future__ import annotations
 
 import collections
-import copy
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -65,7 +64,8 @@ def shadow(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """A shallow copy of ``optimizer`` that a raw step can be pointed at: its own ``param_groups`` (each group's
     hyperparameters as they are now, an empty ``params``) and its own ``state``, so neither the user's groups nor
     an LR scheduler changing them while a step runs in the background are touched."""
-    twin = copy.copy(optimizer)
+    twin = object.__new__(type(optimizer))  # every attribute kept (copy.copy keeps only __getstate__'s)
+    twin.__dict__.update(optimizer.__dict__)
     twin.param_groups = [{**{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in g.items()
                              if k != "params"}, "params": []} for g in optimizer.param_groups]
     twin.state = collections.defaultdict(dict)
