@@ -128,7 +128,8 @@ class OffloadConfig(_Checked):
     params: "none", "cpu" or "disk": where stage 3 keeps its parameter shards (not implemented yet but "cpu" on a
         CPU device, where nothing moves).
     activations: "none" or "cpu": saved activations moved to host memory between forward and backward.
-    fraction: share of the optimizer state that is offloaded, 0..1 (whole chunks; the rest stays in memory).
+    fraction: share of the optimizer state that is offloaded, 0..1 (whole chunks; the rest stays in memory: the
+        last units' chunks, or with ``overlap`` the first units', which the next forward needs first).
     path: folder for the disk tier (a run-unique subfolder is created in it and removed on close).
     prefetch: chunks of optimizer state read ahead while one is stepped; 0 = synchronous.
     chunk_mb: optimizer state per chunk in MiB; the step holds ``prefetch + 2`` chunks in memory.
