@@ -58,6 +58,25 @@ def test_host_offload_is_exact_and_pinned(stage: int, prefetch: int) -> None:
     assert held - window <= 4 * sum(len(c.pieces) for c in state.chunks)  # only the `step` scalars stay
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_host_offload_moves_the_fp32_masters_under_bf16(stage: int) -> None:
+    """[Note: offloaded masters] on the host tier: bf16 compute, the fp32 masters and AdamW's moments in pinned host
+    memory (12 bytes per element), the same losses, parameters and masters as bf16 without offload."""
+    bf16 = ('precision.compute="bf16"',)
+    ref = _run(bf16, stage)
+    run = _run((*bf16, "offload.optimizer=cpu", "offload.chunk_mb=0.004"), stage)
+    for a, b in zip(run["losses"], ref["losses"], strict=True):
+        assert torch.equal(a, b)
+    for name, v in ref["params"].items():
+        assert torch.equal(run["params"][name], v), name
+    for a, b in zip(run["state"]["master_params"], ref["state"]["master_params"], strict=True):
+        assert a.dtype == torch.float32 and torch.equal(a.cpu(), b.cpu())
+    opt = run["opt"]
+    own = sum(s.numel() for s in opt._full_of if s.requires_grad)
+    assert opt.offloaded_bytes()["host"] >= 12 * own
+    assert memsave.memory.account([opt]).bytes.get(MemoryCategory.MASTER.value, 0) == 0
+
+
 def test_host_tier_orders_copies_on_its_side_stream() -> None:
     tier = HostTier(torch.device("cuda"))
     region = tier.allocate("unit0", 1 << 20)
