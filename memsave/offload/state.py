@@ -88,7 +88,6 @@ class _Run:
     opt: torch.optim.Optimizer
     grads: dict[int, torch.Tensor]
     done: dict[str, threading.Event] = dataclasses.field(default_factory=dict)
-    last_of: dict[str, int] = dataclasses.field(default_factory=dict)  # file -> its last offloaded chunk's index
     writes_of: dict[str, list[Handle]] = dataclasses.field(default_factory=dict)  # file -> its chunks' writes
     future: Future[None] | None = None
     error: BaseException | None = None  # set before the events, so a woken waiter sees it
@@ -335,7 +334,7 @@ class OffloadedState(Consolidated):
         active = [c for c in self.chunks if any(id(p) in run.grads for p in c.pieces)]
         memory = [c for c in active if not c.offloaded]
         remote = [c for c in active if c.offloaded]
-        run.last_of = {c.group_file: k for k, c in enumerate(remote)}  # in file order when overlapped
+        last_of = {c.group_file: k for k, c in enumerate(remote)}  # in file order when overlapped
         nbuf = max(len(self._buffers), 1)
         reads: dict[int, Handle] = {}
         writes: dict[int, tuple[Handle, Chunk, list[Any]]] = {}
@@ -358,7 +357,7 @@ class OffloadedState(Consolidated):
                     for p in pieces:
                         p.state = self._detach(p, run) or p.state
             for file, event in run.done.items():
-                if file not in run.last_of:
+                if file not in last_of:
                     event.set()
             for k, chunk in enumerate(remote):
                 issue_read(k + self.prefetch) if self.prefetch else issue_read(k)
@@ -372,7 +371,7 @@ class OffloadedState(Consolidated):
                     self.hooks.enter(chunk.group_file)
                 writes[k] = self._step_one(chunk, buf, k % nbuf, run)
                 run.writes_of.setdefault(chunk.group_file, []).append(writes[k][0])
-                if run.last_of[chunk.group_file] == k and chunk.group_file in run.done:
+                if last_of[chunk.group_file] == k and chunk.group_file in run.done:
                     run.done[chunk.group_file].set()  # every chunk of the file stepped, its writes issued
                 if not self.prefetch:
                     self._finish_write(writes, k, run)
