@@ -36,7 +36,7 @@ from torch import nn
 from memsave.config import Profile, load_profile
 from memsave.memory.schema import CATEGORIES, OFF_DEVICE, format_bytes
 from memsave.models.units import default_units, output_tensors
-from memsave.offload.chunks import plan, row_pieces, window_bytes
+from memsave.offload.chunks import MASTER_BYTES, plan, row_pieces, window_bytes
 from memsave.offload.tiers import round_up
 from memsave.precision import compute_dtype, reduce_dtype_for
 from memsave.wrapped import user_class
@@ -362,7 +362,7 @@ def _offload(held: dict[str, int], states: dict[str, Any], prof: Profile, device
         return
     tier = "offload_disk" if off.optimizer == "disk" else "offload_host"
     per_elem = max(1, round(sum(states["unit_state"]) / max(sum(states["unit_elems"]), 1)))
-    masters = 4 if held.get("master") else 0  # mixed precision: the fp32 masters move with the state
+    masters = MASTER_BYTES if held.get("master") else 0  # mixed precision: the fp32 masters move with the state
     pieces = states["pieces"]
     if off.params == "disk" or off.overlap:  # stepped unit by unit (a stable sort, as OffloadedState's)
         pieces = sorted(pieces, key=lambda piece: piece[0])
