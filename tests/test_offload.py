@@ -136,6 +136,10 @@ def _cases(world: int, path: str) -> str:
             if overrides == SETTINGS[2]:  # half: some chunks in memory, some on disk
                 assert 0 < on_disk < per_elem * own and held > 0, (what, on_disk, held)
                 assert not prec or counted.get(MemoryCategory.MASTER.value, 0) > 0, (what, counted)
+            if "offload.fraction=0.5" in overrides:  # the first chunks stay when overlapped, the last otherwise
+                chunks = opt.offloaded.chunks
+                overlapped = "offload.overlap=true" in overrides
+                assert chunks[0].offloaded != overlapped and chunks[-1].offloaded == overlapped, what
             if "offload.optimizer=cpu" in overrides or "offload.fraction=0.0" in overrides:
                 assert on_disk == 0, (what, on_disk)
             if "offload.optimizer=cpu" in overrides:
