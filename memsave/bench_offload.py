@@ -137,7 +137,9 @@ def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out["peak_rss"] = [statistics.median(r["peak_rss"][i] for r in runs) for i in range(len(runs[0]["peak_rss"]))]
     out["runs_step_s"] = [r["median_step_s"] for r in runs]
     out["runs_peak_rss"] = [max(r["peak_rss"]) for r in runs]
-    assert all(r["final_loss"] == out["final_loss"] for r in runs), "repeated runs must end at the same loss"
+    if any(r["final_loss"] != out["final_loss"] for r in runs):
+        raise RuntimeError(f"{out['name']}: repeated runs ended at different losses "
+                           f"{[r['final_loss'] for r in runs]}; the bench's runs are deterministic")
     return out
 
 
