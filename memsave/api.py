@@ -60,15 +60,21 @@ def sync_module_states(model: nn.Module, mesh: Mesh) -> None:
             mdist.broadcast(t.data, 0, mesh.dp_group)
 
 
-def _prepare_model(model: nn.Module, mesh: Mesh) -> None:
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+def _prepare_model(model: nn.Module, mesh: Mesh, dtype: torch.dtype | None) -> None:
+    """Move ``model`` to the mesh's device; with ``dtype`` (mixed precision) its floating-point parameters are
+    cast on the way, one at a time, so the device never holds the fp32 model (a bf16 model larger than the fp32
+    one would fit, as host-offloaded training needs)."""
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if t.device.type == "meta":
             raise ValueError(
                 f"model tensor {name!r} is on the meta device; materialize the model (model.to_empty(...) and "
                 "initialize) before memsave.wrap"
             )
+    if dtype is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.is_floating_point() and (p.dtype != dtype or p.device != mesh.device):
+                    p.data = p.data.to(dtype).to(mesh.device)  # cast where it is: the same rounding anywhere
     model.to(mesh.device)
 
 
@@ -112,6 +118,8 @@ def wrap(
         ``(model, optimizer)``: the same model object and a :class:`~memsave.wrapped.MemsaveOptimizer` with
         ``backward``, ``clip_grad_norm``, ``step``, ``zero_grad``, ``state_dict`` and ``load_state_dict``.
     """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(model, MemsaveModule):
         raise ValueError(f"model of class {type(model).__name__} is already wrapped by memsave; wrap it once")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -140,7 +148,16 @@ def wrap(
         from memsave.recompute.compress import check_compress
 
         check_compress(profile.recompute.compress, mesh.device)
-    _prepare_model(model, mesh)
+    prec = profile.precision
+    mixed = prec.compute != "fp32"
+    scaler = scaler_for(prec)
+    if (mixed or scaler is not None) and optimizer.state:  # before the cast: a refused wrap changes nothing
+        raise ValueError(f"optimizer already has state for {len(optimizer.state)} parameters; memsave.wrap must "
+                         "come before the first step (load a checkpoint with optimizer.load_state_dict after wrapping)")
+    if mixed and profile.zero.stage:
+        from memsave.zero import ZeroOptimizer
+
+        ZeroOptimizer.check(optimizer, profile.zero.stage)  # before the cast, for the same reason
     _check_optimizer_params(model, optimizer)
     recompute = profile.recompute.policy != "none"
     if profile.zero.stage == 0 and units is not None and not recompute:
@@ -150,21 +167,12 @@ def wrap(
         )
     if recompute and profile.zero.stage == 3:
         _check_not_nested(model, units if units is not None else default_units(model))
-    prec = profile.precision
-    mixed = prec.compute != "fp32"
-    scaler = scaler_for(prec)
-    if (mixed or scaler is not None) and optimizer.state:  # before the cast: a refused wrap changes nothing
-        raise ValueError(f"optimizer already has state for {len(optimizer.state)} parameters; memsave.wrap must "
-                         "come before the first step (load a checkpoint with optimizer.load_state_dict after wrapping)")
+    _prepare_model(model, mesh, compute_dtype(prec) if mixed else None)
     if prec.compute == "fp16" and mesh.device.type == "cpu":
         warn_once('[precision] compute = "fp16" on CPU: torch runs fp16 matmuls on most CPUs through a slow '
                   "fallback (measured on this project's CI CPU: a matmul 100x slower than in fp32); bf16 is the fast half precision on CPUs")
     if mixed:
-        if profile.zero.stage:
-            from memsave.zero import ZeroOptimizer
-
-            ZeroOptimizer.check(optimizer, profile.zero.stage)  # before the cast, for the same reason
-        cast_parameters(model, compute_dtype(prec))
+        cast_parameters(model, compute_dtype(prec))  # a no-op after _prepare_model (kept: the documented order)
     reduce_dtype = reduce_dtype_for(prec)
     sync_module_states(model, mesh)
     # The documented order: recompute, then ZeRO / DP (whose hooks on a unit then run outside the recomputed

@@ -563,6 +563,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--repeat", type=int, default=1,
                    help="--offload: run the configurations this many times, round-robin, and report medians (the "
                         "disk and the heap's peak vary from run to run)")
+    p.add_argument("--fit", default=None,
+                   help="instead, on a CUDA device: the largest reference GPT each configuration trains within "
+                        "--device-gib of device memory, and the step-time overhead of offload (memsave/bench_fit.py), "
+                        "e.g. zero3-bf16,zero3-bf16-offload,zero3-bf16-offload-params")
+    p.add_argument("--device-gib", type=float, default=4.0, help="--fit: the device-memory cap in GiB (default: 4)")
+    p.add_argument("--d-model", type=int, default=1024, help="--fit: the GPT's width (default: 1024)")
+    p.add_argument("--fit-steps", type=int, default=3, help="--fit: steps per trial (default: 3)")
     p.add_argument("--memory", default=None,
                    help="instead: the memory tracker and estimator per profile (memsave/bench_memory.py): estimated "
                         "vs measured state, activations and peak, tracking overhead; 'memtracker' adds torch's "
@@ -575,6 +582,13 @@ def run_command(args: Any, extra: Any) -> int:
         raise ValueError(f"memsave bench: unrecognized arguments: {' '.join(extra)}")
     opts = BenchOptions(size=args.size, tie_weights=args.tied, batch_size=args.batch_size, seq_len=args.seq_len,
                         steps=args.steps, warmup=args.warmup, nproc=args.nproc)
+    if args.fit:
+        from memsave.bench_fit import FitOptions
+        from memsave.bench_fit import run_command as run_fit
+
+        return run_fit(args.fit, FitOptions(device_gib=args.device_gib, d_model=args.d_model,
+                                            n_head=max(1, args.d_model // 64), batch_size=args.batch_size,
+                                            seq_len=args.seq_len, steps=args.fit_steps), args.json)
     if args.memory:
         from memsave.bench_memory import run_command as run_memory
 

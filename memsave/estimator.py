@@ -353,8 +353,9 @@ def _chunks(pieces: list[tuple[int, int, int]], per_elem: int, chunk_bytes: int,
 def _offload(held: dict[str, int], states: dict[str, Any], prof: Profile, device_type: str, notes: list[str]) -> None:
     """``[offload]``: the offloaded share of the optimizer state on its tier, and the streaming window that stays
     in memory: ``prefetch + 2`` window buffers (one without prefetch) as big as the largest offloaded chunk, and
-    on disk as many snapshots of a chunk's parameters (memsave/offload/state.py). Parameters on disk (stage 3)
-    move the shards there; the shards resident around their use are not modelled."""
+    on disk as many snapshots of a chunk's parameters (memsave/offload/state.py). Offloaded parameters (stage 3:
+    on disk, or in pinned host memory on CUDA) move the shards there; the shards resident around their use are
+    not modelled."""
     off = prof.offload
     if not (off.optimizer == "disk" or (off.optimizer == "cpu" and device_type == "cuda")) or off.fraction == 0:
         if off.optimizer == "cpu":
@@ -364,7 +365,8 @@ def _offload(held: dict[str, int], states: dict[str, Any], prof: Profile, device
     per_elem = max(1, round(sum(states["unit_state"]) / max(sum(states["unit_elems"]), 1)))
     masters = MASTER_BYTES if held.get("master") else 0  # mixed precision: the fp32 masters move with the state
     pieces = states["pieces"]
-    if off.params == "disk" or off.overlap:  # stepped unit by unit (a stable sort, as OffloadedState's)
+    moves_params = off.params == "disk" or (off.params == "cpu" and device_type == "cuda")
+    if moves_params or off.overlap:  # stepped unit by unit (a stable sort, as OffloadedState's)
         pieces = sorted(pieces, key=lambda piece: piece[0])
     window, chunk_elems, elems = _chunks(pieces, per_elem + masters, int(off.chunk_mb * 2**20), off.fraction,
                                          offload_last=off.overlap)
@@ -376,15 +378,15 @@ def _offload(held: dict[str, int], states: dict[str, Any], prof: Profile, device
     held["optimizer_state"] += buffers * window - moved
     if off.optimizer == "disk":
         held["comm"] = held.get("comm", 0) + buffers * chunk_elems * states["param_bytes"]
-    if off.params == "disk":
+    if moves_params:
         held[tier] += held["params"]
         held["params"] = 0
     notes.append(f"optimizer offload to {off.optimizer}: {format_bytes(moved)} of state"
                  + (f" and {format_bytes(moved_masters)} of fp32 masters" if moved_masters else "")
                  + " off the device; streaming "
                  f"window {buffers} x {format_bytes(window)}"
-                 + ("; parameters on disk (resident shards around their use not modelled)" if off.params == "disk"
-                    else ""))
+                 + (f"; parameters on {off.params} (resident shards around their use not modelled)"
+                    if moves_params else ""))
 
 
 _REDUCES_IN_FLIGHT = 2  # memsave/zero/engine.py keeps at most this many reduce-scatters in flight

@@ -44,13 +44,31 @@ PARAMS = [  # stage 3 only: the parameter shards on disk too; the step overlappe
 ]
 
 
+class _GradSpy:
+    """Step hooks recording, before each offloaded chunk steps, whether any fp32 master holds a whole ``.grad``."""
+
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+        self.opt = None
+
+    def attach(self, opt) -> None:
+        self.opt = opt
+        opt.offloaded.hooks = self
+
+    def enter(self, file: str) -> None:
+        self.seen.append(any(m.grad is not None for m in self.opt.offloaded.masters))
+
+    def finish(self) -> None:
+        pass
+
+
 def _local(batch: dict, rank: int, world: int) -> dict:
     rows = batch["input_ids"].shape[0] // world
     return {k: v[rank * rows : (rank + 1) * rows] for k, v in batch.items()}
 
 
 def _train(stage: int, overrides: tuple[str, ...], mesh: memsave.Mesh, path: str, steps: int = 4,
-           make_opt=None) -> dict:
+           make_opt=None, clip: bool = True, on_wrap=None) -> dict:
     """Train the toy for ``steps`` (an LR schedule, clipping, a branch unused on some steps); return what to
     compare, plus the live optimizer."""
     rank, world = mesh.dp_rank, mesh.dp_size
@@ -59,6 +77,8 @@ def _train(stage: int, overrides: tuple[str, ...], mesh: memsave.Mesh, path: str
     inner = make_opt(groups) if make_opt else torch.optim.AdamW(groups, lr=1e-2)
     over = (*overrides, f'offload.path="{path}"') if "offload.optimizer=disk" in overrides else overrides
     model, opt = memsave.wrap(model, inner, memsave.load_profile(f"zero{stage}", over), mesh=mesh)
+    if on_wrap is not None:
+        on_wrap(opt)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     calls = []
     inner.register_step_post_hook(lambda *_: calls.append(1))
@@ -67,7 +87,8 @@ def _train(stage: int, overrides: tuple[str, ...], mesh: memsave.Mesh, path: str
         batch = _local(toy_batch(step, ROWS * world), rank, world)
         loss = model(**batch, use_extra=step != 1).loss  # step 1: `extra` gets no gradient anywhere
         opt.backward(loss)
-        opt.clip_grad_norm(0.5)
+        if clip:
+            opt.clip_grad_norm(0.5)
         opt.step()
         sched.step()
         opt.zero_grad()
@@ -169,6 +190,12 @@ def _cases(world: int, path: str) -> str:
             opt.close()
             if tier is not None and tier.kind == "disk":
                 assert not tier.folder.exists(), f"{what}: {tier.folder} left behind by close()"
+        if prec == BF16:  # no loss scale, no clipping: the chunks cast the model's gradients, no fp32 copy is made
+            spy = _GradSpy()
+            run = _train(stage, (*BF16, *SETTINGS[0]), mesh, path, clip=False, on_wrap=spy.attach)
+            _same(run, _train(stage, BF16, mesh, path, clip=False), f"bf16 stage {stage} world {world} no clip")
+            assert spy.seen and not any(spy.seen), spy.seen
+            run["opt"].close()
         if prec:
             continue
         # SGD with momentum, at every stage (another state layout: one per-element entry)

@@ -41,8 +41,10 @@ state's ``step`` count says which), so nothing half-written is ever read.
 a chunk's layout holds each piece's master rows (entry ``MASTER``) beside its per-element state. A piece's
 ``sub`` is then pointed at the master rows in the window buffer for the step (its own copy in an in-memory
 chunk), and after the step they are cast into ``low``, the model's rows of its low-precision shard. The full
-master tensors keep their Parameters (their ``.grad`` carries the unscaled fp32 gradients) but their storage is
-freed once every chunk holds its rows. What a failed write restores ([Note: failed I/O]) is ``low``: the master
+master tensors keep their Parameters but their storage is freed once every chunk holds its rows. Their ``.grad``
+carries the unscaled fp32 gradients where a loss scale or ``clip_grad_norm`` needs them all at once; otherwise
+(bf16 without clipping) no full fp32 copy is made: each piece casts its rows of the model's gradient
+(``low_grad``) when its chunk steps, the same values a whole ``.float()`` gives. What a failed write restores ([Note: failed I/O]) is ``low``: the master
 on the tier is still the one of the region that stays current.
 """
 
@@ -116,10 +118,12 @@ class OffloadedState(Consolidated):
                  names: dict[torch.Tensor, str], fraction: float, prefetch: int, chunk_bytes: int,
                  bytes_per_element: int, device: torch.device, group_order: list[str] | None = None,
                  hooks: Any = None, masters: dict[torch.Tensor, torch.Tensor] | None = None,
-                 offload_last: bool = False) -> None:
+                 offload_last: bool = False,
+                 low_grad: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> None:
         self.optimizer, self.tier, self.prefetch, self.device, self.names = optimizer, tier, prefetch, device, names
         self._slots = 2 if tier.kind == "disk" else 1  # a host copy cannot fail half way ([Note: failed I/O])
         self.masters = dict(masters or {})
+        self._low_grad = low_grad
         per_elem = max(bytes_per_element + (MASTER_BYTES if self.masters else 0), 1)
         chunk_numel = max(1, chunk_bytes // per_elem)
         self.pieces_of: dict[torch.Tensor, list[Piece]] = {}
@@ -189,6 +193,8 @@ class OffloadedState(Consolidated):
         grad = run.grads.pop(id(piece), None)  # dropped as the step goes (mixed precision: fp32 copies)
         if grad is None:
             return False
+        if grad.dtype != piece.sub.dtype:  # the model's low-precision rows: the same values as a whole .float()
+            grad = grad.to(piece.sub.dtype)
         if buf is None:
             state = piece.state
         elif piece.keys:
@@ -270,8 +276,14 @@ class OffloadedState(Consolidated):
         """One optimizer step over every chunk ([Note: chunk pipeline]); hooks once around it. ``overlap``: the
         step runs in the background and this returns at once ([Note: overlapped step])."""
         self.settle()
-        grads = {id(p): p.shard.grad[p.start : p.stop] for ps in self.pieces_of.values() for p in ps
-                 if p.shard.grad is not None}
+        grads = {}
+        for shard, pieces in self.pieces_of.items():
+            grad = shard.grad
+            if grad is None and shard in self.masters and self._low_grad is not None:
+                grad = self._low_grad(shard)  # [Note: offloaded masters]: cast to fp32 chunk by chunk
+            if grad is not None:
+                grad = grad.view(shard.shape)
+                grads.update((id(p), grad[p.start : p.stop]) for p in pieces)
         run = _Run(shadow(self.optimizer), grads)
         if not overlap:
             hooked(self.optimizer, lambda: self._step_chunks(run))

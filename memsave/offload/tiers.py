@@ -65,10 +65,17 @@ class Handle(Protocol):
         """Block until the transfer is done (the buffer's bytes are usable), raising its error if it failed."""
         ...
 
+    def done(self) -> bool:
+        """The transfer is complete (waiting would not block)."""
+        ...
+
 
 class _Done:
     def wait(self) -> None:
         return None
+
+    def done(self) -> bool:
+        return True
 
 
 class _FutureHandle:
@@ -77,6 +84,9 @@ class _FutureHandle:
 
     def wait(self) -> None:
         self.future.result()
+
+    def done(self) -> bool:
+        return self.future.done()
 
 
 class Tier(Protocol):
@@ -306,6 +316,9 @@ class _EventHandle:
     def wait(self) -> None:
         torch.cuda.current_stream().wait_event(self.event)  # the compute stream waits; the host does not
 
+    def done(self) -> bool:
+        return bool(self.event.query())
+
 
 class HostTier:
     """Regions in pinned host memory; copies on one side stream ([Note: host tier ordering] below).
@@ -351,6 +364,18 @@ class HostTier:
     def write_async(self, region: torch.Tensor, buf: torch.Tensor) -> Handle:
         self._copy(region, buf[: region.numel()])
         return _Done()  # reuse of buf is ordered by the stream ([Note: host tier ordering])
+
+    def read_into_async(self, region: torch.Tensor, target: torch.Tensor) -> Handle:
+        """``[offload] params = "cpu"``: copy the region into ``target`` (a stage-3 shard's bytes on the device)."""
+        return self._copy(target, region[: target.numel()])
+
+    def write_from_async(self, region: torch.Tensor, source: torch.Tensor) -> Handle:
+        """Copy ``source`` (a shard's bytes on the device) into the region. Its handle's ``wait`` orders the
+        compute stream after the copy, so the shard's storage may be freed then; ``done`` says the copy ran."""
+        return self._copy(region[: source.numel()], source)
+
+    def bounce_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:
+        return iter(())  # copies go straight between pinned regions and device tensors
 
     def claim(self, buf: torch.Tensor) -> None:
         """The compute stream is about to fill ``buf`` without a read: it waits for the side stream's copies

@@ -9,8 +9,10 @@ What moves where, by device:
 - ``optimizer = "cpu"`` on CUDA: the state lives in pinned host memory and is streamed to the device in chunks
   on a side stream; the step runs on the device. On CPU there is nothing to move: said once, no offload.
 - ``params = "disk"`` on CPU, stage 3, with ``optimizer = "disk"`` and ``fraction = 1``: each unit's parameter
-  shard lives in a file between uses too (memsave/zero/param_offload.py). ``params = "cpu"`` on CPU: nothing to
-  move, said once; on CUDA: not implemented yet.
+  shard lives in a file between uses too (memsave/zero/param_offload.py). ``params = "cpu"`` on CUDA, stage 3,
+  with ``optimizer = "cpu"`` and ``fraction = 1``: each unit's shard lives in pinned host memory between uses
+  and is copied in ahead of its gathers and its step on the host tier's side stream. ``params = "cpu"`` on CPU:
+  nothing to move, said once.
 
 Under mixed precision the fp32 master weights move with the optimizer state (12 bytes per element for AdamW:
 ZeRO-Offload's split, the model's bf16/fp16 shards stay): [Note: offloaded masters] in memsave/offload/state.py.
@@ -49,16 +51,19 @@ def effective_offload(profile: Profile, device: torch.device) -> OffloadConfig |
     implemented and says once what is ignored on this hardware."""
     off = profile.offload
     name = profile.name
-    if off.params == "cpu" and device.type == "cuda":
+    if off.params == "cpu" and device.type == "cuda" and (off.optimizer != "cpu" or off.fraction != 1.0
+                                                          or profile.zero.stage != 3):
         raise NotImplementedError(
-            f"profile {name!r}: [offload] params = \"cpu\" on a CUDA device is not implemented yet (params = "
-            '"disk" is, on CPU devices, and optimizer = "cpu" is on CUDA); set params = "none"')
+            f"profile {name!r}: [offload] params = \"cpu\" on a CUDA device is not implemented with optimizer = "
+            f"{off.optimizer!r}, fraction = {off.fraction}, zero.stage = {profile.zero.stage}: it needs optimizer = "
+            '"cpu", fraction = 1 and zero.stage = 3 (the step streams each unit\'s parameters with its optimizer '
+            "state)")
     if off.params == "disk" and (device.type != "cpu" or off.optimizer != "disk" or off.fraction != 1.0):
         raise NotImplementedError(
             f"profile {name!r}: [offload] params = \"disk\" is not implemented with optimizer = {off.optimizer!r}, "
             f"fraction = {off.fraction} on a {device.type} device: it needs optimizer = \"disk\" and fraction = 1 "
             "on a CPU device (the step streams each unit's parameters with its optimizer state)")
-    if off.params == "cpu":
+    if off.params == "cpu" and device.type != "cuda":
         warn_once(f'[offload] params = "cpu" on a {device.type} device: the parameters already live in host '
                   "memory, nothing is moved")
     if off.overlap and (profile.zero.stage != 3 or device.type != "cpu"):
@@ -134,6 +139,8 @@ def build_offloaded_state(optimizer: torch.optim.Optimizer, engine: ZeroEngine, 
     if off.optimizer == "disk" and device.type != "cpu":
         raise NotImplementedError(f'[offload] optimizer = "disk" on a {device.type} device is not implemented (it '
                                   'needs pinned bounce buffers between the files and the device); use "cpu"')
+    # stage-3 parameter shards on the optimizer state's tier: files on a CPU device, pinned memory on CUDA
+    moves_params = off.params == "disk" or (off.params == "cpu" and device.type == "cuda")
     masters = masters or {}
     master_elements = sum(m.numel() for m in masters)
     check_offload(optimizer, off, engine.dp_size, master_elements=master_elements)
@@ -154,12 +161,13 @@ def build_offloaded_state(optimizer: torch.optim.Optimizer, engine: ZeroEngine, 
                            fraction=off.fraction, prefetch=off.prefetch, chunk_bytes=int(off.chunk_mb * 2**20),
                            bytes_per_element=per_elem, device=device,
                            group_order=([f"unit{u.index}" for u in engine.units]
-                                        if off.params == "disk" or off.overlap else None),
-                           masters=masters, offload_last=off.overlap)
+                                        if moves_params or off.overlap else None),
+                           masters=masters, offload_last=off.overlap,
+                           low_grad=lambda master: engine.shard_grad(masters[master]))
     params = None
-    if off.params == "disk":  # last: the step's row pieces are views of the shards, made while they are in memory
-        if engine.stage != 3 or not isinstance(tier, DiskTier):
-            raise NotImplementedError(f'[offload] params = "disk" needs zero.stage = 3, not {engine.stage}')
+    if moves_params:  # last: the step's row pieces are views of the shards, made while they are in memory
+        if engine.stage != 3:
+            raise NotImplementedError(f"[offload] params = {off.params!r} needs zero.stage = 3, not {engine.stage}")
         params = ParamOffload(engine.units, tier, prefetch=off.prefetch)
         engine.attach_param_offload(params)
         state.hooks = StepHooks(params)

@@ -87,6 +87,8 @@ class ZeroOptimizer(MemsaveOptimizer):
             masters: dict[torch.Tensor, torch.Tensor] = (
                 {m: s for m, s in self.mp._pairs if m is not s} if self.mp is not None else {})
             self.offloaded, self.param_offload = build_offloaded_state(optimizer, engine, offload, masters=masters)
+            if self.offloaded is not None and masters and self.mp is not None:
+                self.mp.defer_master_grads = True  # each chunk casts its rows of the model's gradients
         # [offload] overlap: the offloaded chunks step in the background; a unit's gather waits for its rows, the
         # end of the next forward for all of them ([Note: overlapped step] in memsave/offload/state.py)
         self.overlap = self.offloaded is not None and offload is not None and offload.overlap
@@ -289,13 +291,16 @@ class ZeroOptimizer(MemsaveOptimizer):
 
     def offloaded_bytes(self) -> dict[str, int]:
         """Bytes held off the device now, by tier (``"host"``, ``"disk"``): optimizer state, and at stage 3 with
-        ``[offload] params = "disk"`` the parameter shards (see :meth:`offloaded_param_bytes`)."""
+        ``[offload] params`` the parameter shards (see :meth:`offloaded_param_bytes`)."""
         out = self.offloaded.offloaded_bytes() if self.offloaded is not None else {"host": 0, "disk": 0}
-        out["disk"] += self.offloaded_param_bytes()
+        if self.param_offload is not None:
+            for tier, n in self.param_offload.offloaded_bytes().items():
+                out[tier] += n
         return out
 
     def offloaded_param_bytes(self) -> int:
-        return self.param_offload.offloaded_bytes()["disk"] if self.param_offload is not None else 0
+        """Stage 3 with ``[offload] params``: the parameter shard bytes held on the tier (disk or pinned host)."""
+        return sum(self.param_offload.offloaded_bytes().values()) if self.param_offload is not None else 0
 
     def close(self) -> None:
         """Release the offload tier (its files are removed); the optimizer cannot step afterwards."""

@@ -1,21 +1,27 @@
-"""``[offload] params = "disk"``: stage 3's parameter shards in files between uses (ZeRO-Infinity, Rajbhandari et
-al., 2021, parameter offload to NVMe).
+"""``[offload] params``: stage 3's parameter shards off the compute device between uses (ZeRO-Infinity,
+Rajbhandari et al., 2021, parameter offload): in files (``"disk"``, CPU devices) or in pinned host memory
+(``"cpu"``, CUDA devices: copies on the host tier's side stream, [Note: host tier ordering] in
+memsave/offload/tiers.py).
 
 Each unit's ``flat_shard`` (this rank's rows of the unit, C elements) is the only persistent copy of its
-parameters at stage 3. With params on disk it lives in the unit's file and is in memory only while it is used:
-as the input of the unit's all-gather (forward, backward, ``state_dict``) and while the optimizer steps the
-unit's chunks. Reads run ahead of use on the tier's thread pool, ``prefetch`` units ahead in the order of use
+parameters at stage 3. With params offloaded it lives in the unit's region on the tier and is in memory only
+while it is used: as the input of the unit's all-gather (forward, backward, ``state_dict``) and while the
+optimizer steps the unit's chunks. Reads run ahead of use, ``prefetch`` units ahead in the order of use
 (forward order in forward, backward order in backward, unit order in the optimizer step, whose chunks are
-sorted by unit). Evicting a unit shrinks its storage to 0 bytes, as [Note: stage-3 storage] in unit.py does for
-the gathered parameters, so every view (the shards the optimizer steps, their row pieces) stays valid.
+sorted by unit): on the disk tier's thread pool, or on the host tier's side stream. Evicting a unit shrinks its
+storage to 0 bytes, as [Note: stage-3 storage] in unit.py does for the gathered parameters, so every view (the
+shards the optimizer steps, their row pieces) stays valid.
 
-[Note: parameter residency] A unit is EVICTED, READING, CLEAN (in memory, equal to the file), DIRTY (changed
-in memory: stepped, or loaded by ``load_state_dict``) or WRITING. ``load`` makes it readable (waiting for a read
-in flight; a unit being written is readable as it is). ``enter`` (before the unit is changed) also waits for a
-write in flight and marks it DIRTY. ``release`` (after the gather that read it completed) evicts a CLEAN unit;
-a DIRTY one stays until ``finish`` (the end of the optimizer step) writes it back, into the other of its two
-regions; the file copy becomes current, and the unit is evicted, only once the write succeeded (seen at the next
-``collect``). A failed write leaves the unit DIRTY in memory (its parameters are right there) and raises.
+[Note: parameter residency] A unit is EVICTED, READING, CLEAN (in memory, equal to the tier's copy), DIRTY
+(changed in memory: stepped, or loaded by ``load_state_dict``) or WRITING. ``load`` makes it readable (waiting
+for a read in flight; a unit being written is readable as it is). ``enter`` (before the unit is changed) also
+waits for a write in flight and marks it DIRTY. ``release`` (after the gather that read it completed) evicts a
+CLEAN unit; a DIRTY one stays until ``finish`` (the end of the optimizer step) writes it back. On disk that write
+goes into the other of its two regions, and the file copy becomes current, and the unit is evicted, only once
+the write succeeded (seen at the next ``collect``); a failed write leaves the unit DIRTY in memory (its
+parameters are right there) and raises. On the host tier a unit has one region (a copy cannot fail half way);
+"waiting" for a transfer there orders the compute stream after it, so a shard's storage is freed only after the
+side stream's copy out of it, and refilled only by a copy issued after the compute stream's work that read it.
 With ``[offload] overlap`` the optimizer step (``enter``, ``finish``) runs on a background thread while the
 next forward's gathers ``load`` and ``release``: every transition holds one lock.
 """
@@ -30,7 +36,6 @@ from typing import Any
 
 import torch
 
-from memsave.offload import DiskTier
 from memsave.phases import MemoryCategory
 from memsave.zero.unit import Unit
 
@@ -54,10 +59,12 @@ class Residency(enum.Enum):
 
 
 class ParamOffload:
-    """The stage-3 parameter shards of ``units`` on ``tier`` ([Note: parameter residency])."""
+    """The stage-3 parameter shards of ``units`` on ``tier`` (a ``DiskTier`` or a ``HostTier``; [Note: parameter
+    residency])."""
 
-    def __init__(self, units: Sequence[Unit], tier: DiskTier, *, prefetch: int) -> None:
+    def __init__(self, units: Sequence[Unit], tier: Any, *, prefetch: int) -> None:
         self.units, self.tier, self.prefetch = list(units), tier, prefetch
+        self._slots = 2 if tier.kind == "disk" else 1
         self._lock = threading.RLock()
         self.state = {u.index: Residency.DIRTY for u in self.units}
         self._regions: dict[int, list[Any]] = {}
@@ -66,7 +73,8 @@ class ParamOffload:
         self._in_use: set[int] = set()  # a gather reads the shard
         for u in self.units:
             nbytes = self._bytes(u).numel()
-            self._regions[u.index] = [tier.allocate(f"params-unit{u.index}", max(nbytes, 1)) for _ in range(2)]
+            self._regions[u.index] = [tier.allocate(f"params-unit{u.index}", max(nbytes, 1))
+                                      for _ in range(self._slots)]
         self.finish()
         for u in self.units:  # before training: every shard on disk, none in memory
             self._finish_write(u)
@@ -141,7 +149,7 @@ class ParamOffload:
         """Write every DIRTY shard back (asynchronously; evicted once written, see :meth:`collect`)."""
         for u in self.units:
             if self.state[u.index] is Residency.DIRTY:
-                target = (self._slot[u.index] + 1) % 2
+                target = (self._slot[u.index] + 1) % self._slots
                 self._pending[u.index] = (self.tier.write_from_async(self._regions[u.index][target], self._bytes(u)),
                                           target)
                 self.state[u.index] = Residency.WRITING
@@ -160,7 +168,7 @@ class ParamOffload:
     def collect(self) -> None:
         """Complete the writes that are done; evict those units unless a gather reads them."""
         for u in self.units:
-            if self.state[u.index] is Residency.WRITING and self._pending[u.index][0].future.done():
+            if self.state[u.index] is Residency.WRITING and self._pending[u.index][0].done():
                 self._finish_write(u)
                 if u.index not in self._in_use:
                     self._evict(u)
@@ -180,11 +188,13 @@ class ParamOffload:
     # -- accounting ----------------------------------------------------------------------------------------
     @_locked
     def offloaded_bytes(self) -> dict[str, int]:
-        """Parameter bytes held on disk now (``{"host": 0, "disk": n}``, as the tracker reads it)."""
-        return {"host": 0, "disk": sum(self._bytes_on_disk(u) for u in self.units if self._slot[u.index] >= 0)}
+        """Parameter bytes held on the tier now (``{"host": n, "disk": 0}`` or the reverse, as the tracker reads
+        it)."""
+        held = sum(self._bytes_held(u) for u in self.units if self._slot[u.index] >= 0)
+        return {"host": 0, "disk": 0, self.tier.kind: held}
 
     @staticmethod
-    def _bytes_on_disk(u: Unit) -> int:
+    def _bytes_held(u: Unit) -> int:
         return u.param_layout.chunk_numel * u.flat_shard.element_size()
 
     def memory_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:
