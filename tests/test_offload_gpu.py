@@ -138,3 +138,28 @@ def test_params_on_host_round_trip_a_state_dict() -> None:
     a, b = first["model"].state_dict(), second_model.state_dict()
     for name, v in a.items():
         assert torch.equal(b[name], v), name
+
+
+def test_host_offload_never_holds_the_fp32_masters_on_the_device() -> None:
+    """bf16 with the optimizer on the host: the fp32 masters are made on the host and go to the tier from there;
+    the device peak of wrap and a step stays far below the 4 bytes per parameter the masters would add."""
+    mesh = memsave.init()
+    model = ToyLM(seed=0, d=256)
+    psi = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(param_groups(model), lr=1e-2)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    over = ('precision.compute="bf16"', "offload.optimizer=cpu", "offload.params=cpu", "offload.chunk_mb=0.05")
+    model, opt = memsave.wrap(model, opt, memsave.load_profile("zero3", over), mesh=mesh)
+    wrap_peak = torch.cuda.max_memory_allocated() - base
+    assert wrap_peak < 4 * psi, (wrap_peak, psi)  # the bf16 model and a unit's staging; masters would be 6 * psi
+    assert all(m.device.type == "cuda" and m.untyped_storage().nbytes() == 0 for m in opt.offloaded.masters)
+    batch = {k: v.cuda() for k, v in toy_batch(0, 4).items()}
+    opt.backward(model(**batch).loss)
+    opt.step()
+    opt.zero_grad()
+    opt.param_offload.drain()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - base < 2 * psi  # between steps: no parameters, masters or state
+    opt.close()

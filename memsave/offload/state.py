@@ -41,7 +41,8 @@ state's ``step`` count says which), so nothing half-written is ever read.
 a chunk's layout holds each piece's master rows (entry ``MASTER``) beside its per-element state. A piece's
 ``sub`` is then pointed at the master rows in the window buffer for the step (its own copy in an in-memory
 chunk), and after the step they are cast into ``low``, the model's rows of its low-precision shard. The full
-master tensors keep their Parameters but their storage is freed once every chunk holds its rows. Their ``.grad``
+master tensors keep their Parameters but their storage is freed once every chunk holds its rows (on CUDA they
+are made on the host, so the device never holds them all: their Parameters then get an empty device tensor). Their ``.grad``
 carries the unscaled fp32 gradients where a loss scale or ``clip_grad_norm`` needs them all at once; otherwise
 (bf16 without clipping) no full fp32 copy is made: each piece casts its rows of the model's gradient
 (``low_grad``) when its chunk steps, the same values a whole ``.float()`` gives. What a failed write restores ([Note: failed I/O]) is ``low``: the master
@@ -164,7 +165,7 @@ class OffloadedState(Consolidated):
             if not chunk.offloaded:
                 for p in chunk.pieces:
                     if p.low is not None:
-                        p.sub.data = p.sub.detach().clone()
+                        p.sub.data = p.sub.detach().to(self.device, copy=True)
                 continue
             self._pack(chunk, [{MASTER: p.sub.detach()} if p.low is not None else None for p in chunk.pieces], buf)
             self.tier.write_async(chunk.regions[0], buf).wait()
@@ -174,6 +175,10 @@ class OffloadedState(Consolidated):
                     p.sub.data = torch.empty(0, dtype=p.sub.dtype, device=p.sub.device)
         self.tier.drain()
         for master in self.masters:
+            if master.device != self.device:  # made on the host: an empty tensor on the device takes its place
+                empty = torch.empty_like(master, device=self.device)
+                empty.untyped_storage().resize_(0)
+                master.data = empty
             master.untyped_storage().resize_(0)
 
     # -- stepping ------------------------------------------------------------------------------------------
@@ -276,7 +281,7 @@ class OffloadedState(Consolidated):
         """One optimizer step over every chunk ([Note: chunk pipeline]); hooks once around it. ``overlap``: the
         step runs in the background and this returns at once ([Note: overlapped step])."""
         self.settle()
-        grads = {}
+        grads: dict[int, torch.Tensor] = {}
         for shard, pieces in self.pieces_of.items():
             grad = shard.grad
             if grad is None and shard in self.masters and self._low_grad is not None:

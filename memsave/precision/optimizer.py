@@ -43,6 +43,8 @@ class MixedPrecisionOptimizer(MemsaveOptimizer):
     """fp32 master weights and optional dynamic loss scaling around any ``torch.optim.Optimizer``.
 
     scaler: a :class:`LossScaler` (fp16 needs one), or None (bf16: its range needs no scaling).
+    master_device: where the fp32 masters are made (default: beside each parameter); offload makes them on the
+        host and moves them to its tier, so the device never holds them all ([Note: offloaded masters]).
     group: the process group whose ranks must agree on skipping a step, when their gradients differ (each
         rank checks its own; one MAX all-reduce). None: decide locally, right when gradients are identical on
         every rank (a single process, or after torch DDP's all-reduce).
@@ -53,7 +55,8 @@ class MixedPrecisionOptimizer(MemsaveOptimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, scaler: LossScaler | None = None,
                  group: mdist.ProcessGroup | None = None,
-                 grad_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> None:
+                 grad_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+                 master_device: torch.device | None = None) -> None:
         super().__init__(optimizer)
         if optimizer.state:
             raise ValueError(f"optimizer already has state for {len(optimizer.state)} parameters; wrap it before "
@@ -68,8 +71,8 @@ class MixedPrecisionOptimizer(MemsaveOptimizer):
             for p in g["params"]:
                 if not p.is_floating_point():
                     raise ValueError(f"parameter of dtype {p.dtype} cannot have an fp32 master weight")
-                master = p if p.dtype == torch.float32 else nn.Parameter(p.detach().float(),
-                                                                         requires_grad=p.requires_grad)
+                master = p if p.dtype == torch.float32 else nn.Parameter(
+                    p.detach().to(master_device or p.device, torch.float32), requires_grad=p.requires_grad)
                 self._pairs.append((master, p))
                 masters.append(master)
             g["params"] = masters

@@ -71,7 +71,11 @@ class ZeroOptimizer(MemsaveOptimizer):
             group["params"] = shards
         # Mixed precision: the optimizer steps fp32 master shards (4/N bytes per parameter), cast into the
         # compute-dtype shards after the step; overflow is agreed over dp (each rank checks its own rows).
-        self.mp = (MixedPrecisionOptimizer(optimizer, scaler=scaler, group=engine.group, grad_of=engine.shard_grad)
+        # With offload on CUDA the masters are made on the host and go to the tier from there: the device never
+        # holds 4 bytes per parameter of them ([Note: offloaded masters] in memsave/offload/state.py).
+        host_masters = (offload is not None and offload.optimizer == "cpu" and engine.mesh.device.type == "cuda")
+        self.mp = (MixedPrecisionOptimizer(optimizer, scaler=scaler, group=engine.group, grad_of=engine.shard_grad,
+                                           master_device=torch.device("cpu") if host_masters else None)
                    if mixed_precision or scaler is not None else None)
         # what the optimizer steps (a shard, or its master) -> the full parameter
         self._opt_full = ({m: self._full_of[s] for m, s in self.mp._pairs} if self.mp is not None

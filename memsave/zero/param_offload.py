@@ -145,9 +145,10 @@ class ParamOffload:
         self.state[u.index] = Residency.DIRTY
 
     @_locked
-    def finish(self) -> None:
-        """Write every DIRTY shard back (asynchronously; evicted once written, see :meth:`collect`)."""
-        for u in self.units:
+    def finish(self, units: Sequence[Unit] | None = None) -> None:
+        """Write every DIRTY shard (of ``units``; default: all) back, asynchronously; evicted once written, see
+        :meth:`collect`."""
+        for u in self.units if units is None else units:
             if self.state[u.index] is Residency.DIRTY:
                 target = (self._slot[u.index] + 1) % self._slots
                 self._pending[u.index] = (self.tier.write_from_async(self._regions[u.index][target], self._bytes(u)),
@@ -208,11 +209,19 @@ class StepHooks:
     def __init__(self, offload: ParamOffload) -> None:
         self.offload = offload
         self.by_file = {f"unit{u.index}": k for k, u in enumerate(offload.units)}
+        self._last: int | None = None
 
     def enter(self, file: str) -> None:
         units = self.offload.units
         k = self.by_file[file]
+        if self._last is not None and self._last != k and self.offload.tier.kind == "host":
+            # the chunks go unit by unit, so the last unit is stepped: written back now and evicted once copied,
+            # and the step holds a few units' shards, not all. (On disk the write waits for finish(): a failed
+            # state write still restores the unit's rows in memory, [Note: failed I/O] in offload/state.py.)
+            self.offload.finish([units[self._last]])
+        self._last = k
         self.offload.enter(units[k], ahead=units[k + 1 :])
 
     def finish(self) -> None:
+        self._last = None
         self.offload.finish()
