@@ -161,5 +161,6 @@ def test_host_offload_never_holds_the_fp32_masters_on_the_device() -> None:
     opt.zero_grad()
     opt.param_offload.drain()
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() - base < 2 * psi  # between steps: no parameters, masters or state
+    # between steps: the bf16 gradient shards (2 bytes per parameter) and the window; no parameter, master or state
+    assert torch.cuda.memory_allocated() - base < 3 * psi
     opt.close()
