@@ -153,7 +153,9 @@ def test_host_offload_never_holds_the_fp32_masters_on_the_device() -> None:
     over = ('precision.compute="bf16"', "offload.optimizer=cpu", "offload.params=cpu", "offload.chunk_mb=0.05")
     model, opt = memsave.wrap(model, opt, memsave.load_profile("zero3", over), mesh=mesh)
     wrap_peak = torch.cuda.max_memory_allocated() - base
-    assert wrap_peak < 4 * psi, (wrap_peak, psi)  # the bf16 model and a unit's staging; masters would be 6 * psi
+    # the bf16 model, its bf16 gradient shards and a unit's staging: about 5 bytes per parameter; the fp32
+    # masters made on the device would add 4 more
+    assert wrap_peak < 7 * psi, (wrap_peak, psi)
     assert all(m.device.type == "cuda" and m.untyped_storage().nbytes() == 0 for m in opt.offloaded.masters)
     batch = {k: v.cuda() for k, v in toy_batch(0, 4).items()}
     opt.backward(model(**batch).loss)
