@@ -125,8 +125,9 @@ class OffloadConfig(_Checked):
 
     optimizer: "none", "cpu" (pinned host memory, on a CUDA device; on CPU nothing moves) or "disk" (files under
         ``path``): where the optimizer state of ZeRO's shards lives between steps (zero.stage >= 1).
-    params: "none", "cpu" or "disk": where stage 3 keeps its parameter shards (not implemented yet but "cpu" on a
-        CPU device, where nothing moves).
+    params: "none", "cpu" or "disk": where stage 3 keeps its parameter shards between uses: "cpu" is pinned host
+        memory on a CUDA device (with optimizer = "cpu", fraction = 1; on a CPU device nothing moves), "disk" is
+        files under ``path`` on a CPU device (with optimizer = "disk", fraction = 1).
     activations: "none" or "cpu": saved activations moved to host memory between forward and backward.
     fraction: share of the optimizer state that is offloaded, 0..1 (whole chunks; the rest stays in memory: the
         last units' chunks, or with ``overlap`` the first units', which the next forward needs first).

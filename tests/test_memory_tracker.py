@@ -290,3 +290,26 @@ def test_estimate_with_gradient_accumulation() -> None:
     beside the buckets): the estimate with micro_batches=2 follows the measured peak (measured: exact)."""
     for name, est, measured in run_ranks(_accumulating, 2, ("ddp", "zero1", "zero2", "zero3"), timeout=180)[0]:
         assert measured == pytest.approx(est, rel=0.02), (name, est, measured)
+
+
+def test_estimate_host_offload_on_cuda_moves_state_masters_and_parameters() -> None:
+    """zero3-bf16 with ``optimizer = "cpu"`` and ``params = "cpu"`` on a CUDA device: the 12 bytes per element of
+    fp32 masters and AdamW moments, and the bf16 parameter shards, go to pinned host memory (estimated on the
+    meta device; nothing is allocated)."""
+    with torch.device("meta"):
+        model = GPT(gpt_config("bench", n_layer=12))
+    psi = sum(p.numel() for p in model.parameters())
+    plain = estimate(model, "zero3-bf16", world_size=8, batch=None, device="cuda")
+    over = memsave.load_profile("zero3-bf16", ("offload.optimizer=cpu", "offload.params=cpu"))
+    est = estimate(model, over, world_size=8, batch=None, device="cuda")
+    assert est.bytes["offload_host"] == pytest.approx((12 + 2) * psi / 8, rel=0.02), est.bytes
+    assert est.bytes.get("params", 0) == 0 and est.bytes.get("master", 0) == 0
+    assert est.model_state < plain.model_state / 4, (est.model_state, plain.model_state)
+    from memsave.zero.offload import effective_offload  # what wrap refuses on CUDA, before anything changes
+
+    assert effective_offload(over, torch.device("cuda")) is over.offload
+    for bad in (("offload.params=cpu",), ("offload.optimizer=cpu", "offload.params=cpu", "offload.fraction=0.5")):
+        with pytest.raises(NotImplementedError, match='params = "cpu" on a CUDA device is not implemented with'):
+            effective_offload(memsave.load_profile("zero3-bf16", bad), torch.device("cuda"))
+    with pytest.raises(ValueError, match="needs zero.stage = 3"):  # the profile itself is refused
+        memsave.load_profile("zero2", ("offload.optimizer=cpu", "offload.params=cpu"))
