@@ -311,5 +311,5 @@ def test_estimate_host_offload_on_cuda_moves_state_masters_and_parameters() -> N
     for bad in (("offload.params=cpu",), ("offload.optimizer=cpu", "offload.params=cpu", "offload.fraction=0.5")):
         with pytest.raises(NotImplementedError, match='params = "cpu" on a CUDA device is not implemented with'):
             effective_offload(memsave.load_profile("zero3-bf16", bad), torch.device("cuda"))
-    with pytest.raises(ValueError, match="needs zero.stage = 3"):  # the profile itself is refused
+    with pytest.raises(ValueError, match=r"needs zero\.stage = 3"):  # the profile itself is refused
         memsave.load_profile("zero2", ("offload.optimizer=cpu", "offload.params=cpu"))
