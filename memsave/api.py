@@ -71,10 +71,7 @@ def _prepare_model(model: nn.Module, mesh: Mesh, dtype: torch.dtype | None) -> N
                 "initialize) before memsave.wrap"
             )
     if dtype is not None:
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.is_floating_point() and (p.dtype != dtype or p.device != mesh.device):
-                    p.data = p.data.to(dtype).to(mesh.device)  # cast where it is: the same rounding anywhere
+        cast_parameters(model, dtype)  # where the model is: the same rounding anywhere
     model.to(mesh.device)
 
 
@@ -171,8 +168,6 @@ def wrap(
     if prec.compute == "fp16" and mesh.device.type == "cpu":
         warn_once('[precision] compute = "fp16" on CPU: torch runs fp16 matmuls on most CPUs through a slow '
                   "fallback (measured on this project's CI CPU: a matmul 100x slower than in fp32); bf16 is the fast half precision on CPUs")
-    if mixed:
-        cast_parameters(model, compute_dtype(prec))  # a no-op after _prepare_model (kept: the documented order)
     reduce_dtype = reduce_dtype_for(prec)
     sync_module_states(model, mesh)
     # The documented order: recompute, then ZeRO / DP (whose hooks on a unit then run outside the recomputed

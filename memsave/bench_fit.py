@@ -16,18 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import socket
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_FIT", "FIT_VARIANTS", "FitOptions", "format_fit_table", "largest_fitting", "run_fit_bench"]
+__all__ = ["FIT_VARIANTS", "FitOptions", "format_fit_table", "largest_fitting", "run_fit_bench"]
 
 _OFFLOAD = ("offload.optimizer=cpu", "offload.params=cpu", "offload.chunk_mb=16")
 FIT_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -38,8 +34,6 @@ FIT_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "zero3-bf16-offload": ("zero3-bf16", ("offload.optimizer=cpu", "offload.chunk_mb=16")),
     "zero3-bf16-offload-params": ("zero3-bf16", _OFFLOAD),
 }
-DEFAULT_FIT = ("zero3-bf16", "zero3-bf16-offload", "zero3-bf16-offload-params")
-_RESULT = "MEMSAVE-FIT-RESULT "
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,20 +136,11 @@ def _trial(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run_trial(name: str, n_layer: int, opts: FitOptions, timeout: float) -> dict[str, Any]:
+    from memsave._launch import spawn_local
+
     profile, overrides = FIT_VARIANTS.get(name, (name, ()))
     spec = {"profile": profile, "overrides": list(overrides), "n_layer": n_layer, "opts": dataclasses.asdict(opts)}
-    with socket.socket() as s:  # a fresh port per trial: the last trial's may still be in TIME_WAIT
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="1", RANK="0",
-               LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    proc = subprocess.run([sys.executable, "-m", "memsave.bench_fit", json.dumps(spec)], env=env, timeout=timeout,
-                          capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith(_RESULT):
-            return json.loads(line[len(_RESULT):])
-    raise RuntimeError(f"memsave bench --fit: the trial of {name!r} at n_layer={n_layer} failed (exit "
-                       f"{proc.returncode}):\n{proc.stderr[-3000:]}")
+    return spawn_local(_trial, 1, (spec,), timeout_s=timeout)[0]
 
 
 def run_fit_bench(names: list[str], opts: FitOptions, *, timeout: float = 600.0,
@@ -219,10 +204,3 @@ def run_command(names: str, opts: FitOptions, json_path: Any) -> int:
                                          "rows": rows}, indent=2))
     return 0
 
-
-if __name__ == "__main__":
-    result = _trial(json.loads(sys.argv[1]))
-    print(_RESULT + json.dumps(result), flush=True)
-    from memsave import dist as _mdist
-
-    _mdist.shutdown()

@@ -122,7 +122,7 @@ class OffloadedState(Consolidated):
                  offload_last: bool = False,
                  low_grad: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> None:
         self.optimizer, self.tier, self.prefetch, self.device, self.names = optimizer, tier, prefetch, device, names
-        self._slots = 2 if tier.kind == "disk" else 1  # a host copy cannot fail half way ([Note: failed I/O])
+        self._slots = tier.slots
         self.masters = dict(masters or {})
         self._low_grad = low_grad
         per_elem = max(bytes_per_element + (MASTER_BYTES if self.masters else 0), 1)
@@ -287,7 +287,6 @@ class OffloadedState(Consolidated):
             if grad is None and shard in self.masters and self._low_grad is not None:
                 grad = self._low_grad(shard)  # [Note: offloaded masters]: cast to fp32 chunk by chunk
             if grad is not None:
-                grad = grad.view(shard.shape)
                 grads.update((id(p), grad[p.start : p.stop]) for p in pieces)
         run = _Run(shadow(self.optimizer), grads)
         if not overlap:

@@ -91,6 +91,7 @@ class _FutureHandle:
 
 class Tier(Protocol):
     kind: str
+    slots: int  # regions per chunk or unit: 2 where a write can fail half way ([Note: failed I/O]), else 1
     io_seconds: float
     io_bytes: int
 
@@ -180,6 +181,7 @@ class DiskTier:
     on ``threads`` threads, ``O_DIRECT`` when ``direct`` (None: where the file system supports it)."""
 
     kind = "disk"
+    slots = 2  # a write goes to the other region, current once it succeeded ([Note: failed I/O])
 
     def __init__(self, path: str, *, rank: int, needed_bytes: int, direct: bool | None = None,
                  threads: int = 2) -> None:
@@ -334,6 +336,7 @@ class HostTier:
     """
 
     kind = "host"
+    slots = 1  # a copy into pinned memory cannot fail half way
 
     def __init__(self, device: torch.device) -> None:
         if device.type != "cuda":

@@ -78,10 +78,6 @@ class MixedPrecisionOptimizer(MemsaveOptimizer):
             g["params"] = masters
         self._checked: bool | None = None  # overflow found in this step's gradients (None: not checked yet)
         self.last_step_skipped = False
-        # Offloaded masters with no loss scale: the step's ``step`` callable reads the model's gradients and
-        # casts them chunk by chunk, so no full fp32 copy is made ([Note: offloaded masters] in
-        # memsave/offload/state.py). clip_grad_norm still makes one (it needs every gradient at once).
-        self.defer_master_grads = False
 
     @property
     def unscaled(self) -> bool:
@@ -131,9 +127,12 @@ class MixedPrecisionOptimizer(MemsaveOptimizer):
 
     def _step(self, step: Callable[[], None] | None = None) -> None:
         """Unscale, check, step the masters and cast them into the parameters; ``step`` (offload: it streams the
-        masters with the optimizer state) does both of the latter itself."""
-        if self.defer_master_grads and step is not None and self.scaler is None and self._checked is None:
-            self._checked = False  # nothing to unscale or check: ``step`` casts the gradients as it goes
+        masters with the optimizer state) does both of the latter itself. With no loss scale there is nothing to
+        unscale or check, so ``step`` gets no fp32 gradient copies: it casts the model's gradients chunk by chunk
+        ([Note: offloaded masters] in memsave/offload/state.py); ``clip_grad_norm`` still makes them (it needs
+        every gradient at once)."""
+        if step is not None and self.scaler is None and self._checked is None:
+            self._checked = False
         overflow = self._unscale()
         self.last_step_skipped = overflow
         if not overflow and step is not None:

@@ -83,7 +83,7 @@ class ZeroEngine:
         self._bwd_ran: set[int] = set()
         self._hooks: list[Any] = []
         self._register_hooks()
-        self.param_offload: Any = None  # [offload] params = "disk" (attach_param_offload)
+        self.param_offload: Any = None  # [offload] params = "disk" | "cpu" (attach_param_offload)
         self.step_waiter: Callable[[Unit], None] | None = None  # [offload] overlap (attach_step_waiter)
         self._gather_order: list[Unit] = self.units  # the order the next gathers come in (for disk reads ahead)
 
@@ -139,7 +139,7 @@ class ZeroEngine:
             self._fwd_issued += 1
 
     def attach_param_offload(self, offload: Any) -> None:
-        """Stage 3, ``[offload] params = "disk"``: the units' shards are loaded before each gather (reading
+        """Stage 3, ``[offload] params`` (``"disk"``, or ``"cpu"`` on CUDA): the units' shards are loaded before each gather (reading
         ``offload.prefetch`` units ahead in the order of the gathers) and evicted after it."""
         self.param_offload = offload
         for u in self.units:

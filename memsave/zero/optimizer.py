@@ -91,8 +91,6 @@ class ZeroOptimizer(MemsaveOptimizer):
             masters: dict[torch.Tensor, torch.Tensor] = (
                 {m: s for m, s in self.mp._pairs if m is not s} if self.mp is not None else {})
             self.offloaded, self.param_offload = build_offloaded_state(optimizer, engine, offload, masters=masters)
-            if self.offloaded is not None and masters and self.mp is not None:
-                self.mp.defer_master_grads = True  # each chunk casts its rows of the model's gradients
         # [offload] overlap: the offloaded chunks step in the background; a unit's gather waits for its rows, the
         # end of the next forward for all of them ([Note: overlapped step] in memsave/offload/state.py)
         self.overlap = self.offloaded is not None and offload is not None and offload.overlap

@@ -64,7 +64,7 @@ class ParamOffload:
 
     def __init__(self, units: Sequence[Unit], tier: Any, *, prefetch: int) -> None:
         self.units, self.tier, self.prefetch = list(units), tier, prefetch
-        self._slots = 2 if tier.kind == "disk" else 1
+        self._slots = tier.slots
         self._lock = threading.RLock()
         self.state = {u.index: Residency.DIRTY for u in self.units}
         self._regions: dict[int, list[Any]] = {}

@@ -68,7 +68,7 @@ class Unit:
         self.param_layout = ShardLayout([p.shape for p in self.params], dp_size)
         self.grad_layout = ShardLayout([self.params[i].shape for i in self.trainable], dp_size)
         self.state = ShardedState.UNSHARDED
-        # [offload] params = "disk": called before a gather reads flat_shard and after it completed
+        # [offload] params = "disk" | "cpu": called before a gather reads flat_shard and after it completed
         # ([Note: parameter residency] in memsave/zero/param_offload.py)
         self.before_gather: Callable[[Unit], None] | None = None
         self.after_gather: Callable[[Unit], None] | None = None
