@@ -214,3 +214,29 @@ def test_offload_is_exact(world: int, tmp_path: Path) -> None:
     assert run_ranks(_cases, world, world, str(tmp_path), timeout=300) == ["ok"] * world
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("memsave-offload-")], list(tmp_path.iterdir())
 
+
+
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_step_hooks_write_each_unit_back_once_stepped_on_the_host_tier(kind: str) -> None:
+    """The chunked step goes unit by unit: on the host tier a unit's shard is written back as soon as the step
+    moves to the next unit (the device then holds a few units' shards, not all); on disk only at the end, so a
+    failed state write can still restore the rows in memory."""
+    from types import SimpleNamespace
+
+    from memsave.zero.param_offload import StepHooks
+
+    calls: list[tuple[str, list[int] | None]] = []
+    units = [SimpleNamespace(index=i) for i in range(3)]
+    offload = SimpleNamespace(
+        units=units, tier=SimpleNamespace(kind=kind),
+        enter=lambda u, ahead: calls.append(("enter", [u.index])),
+        finish=lambda which=None: calls.append(("finish", None if which is None else [u.index for u in which])))
+    hooks = StepHooks(offload)  # type: ignore[arg-type]
+    for file in ("unit0", "unit0", "unit1", "unit2"):
+        hooks.enter(file)
+    hooks.finish()
+    early = [c for c in calls if c[0] == "finish" and c[1] is not None]
+    assert early == ([("finish", [0]), ("finish", [1])] if kind == "host" else []), calls
+    assert calls[-1] == ("finish", None)
+    hooks.enter("unit2")  # a new step starts with no unit behind it
+    assert calls[-1] == ("enter", [2])
