@@ -21,7 +21,7 @@ from torch import nn
 
 from memsave.phases import MemoryCategory
 
-__all__ = ["MemsaveModule", "MemsaveOptimizer", "swap_class", "unswap_class", "user_class"]
+__all__ = ["MemsaveModule", "MemsaveOptimizer", "route_zero_grad", "swap_class", "unswap_class", "user_class"]
 
 _CLASS_CACHE: dict[type, type] = {}
 
@@ -46,6 +46,23 @@ class MemsaveModule:
         finally:
             engine.require_grad_sync = previous
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``, plus the gradients the engine keeps for the model's parameters (reduced shards,
+        fp32 reduce buckets): after it the next backward starts from fresh gradients, as with the optimizer's."""
+        self.memsave_engine.zero_grad(set_to_none)
+        nn.Module.zero_grad(self, set_to_none)  # type: ignore[arg-type]
+
+    def unshard(self) -> None:
+        """ZeRO-3: gather every unit's full parameters (collective: call on every rank), e.g. to read weights
+        outside the forward; :meth:`reshard` frees them again. No-op at other stages."""
+        if hasattr(self.memsave_engine, "unshard_all"):
+            self.memsave_engine.unshard_all()
+
+    def reshard(self) -> None:
+        """ZeRO-3: free the units gathered by :meth:`unshard` (or on access). No-op at other stages."""
+        if hasattr(self.memsave_engine, "reshard_all"):
+            self.memsave_engine.reshard_all()
+
 
 def swap_class(module: nn.Module, engine: Any) -> nn.Module:
     """Make ``module`` an instance of ``Memsave<Class>(Class, MemsaveModule)`` in place and attach ``engine``."""
@@ -53,7 +70,10 @@ def swap_class(module: nn.Module, engine: Any) -> nn.Module:
     if isinstance(module, MemsaveModule):
         raise ValueError(f"module of class {cls.__name__} is already wrapped by memsave; wrap it once")
     if cls not in _CLASS_CACHE:
-        _CLASS_CACHE[cls] = type(f"Memsave{cls.__name__}", (cls, MemsaveModule), {"__module__": cls.__module__})
+        # MemsaveModule's methods come first: zero_grad must reach the engine whatever the user's class defines
+        _CLASS_CACHE[cls] = type(f"Memsave{cls.__name__}", (cls, MemsaveModule), {
+            "__module__": cls.__module__, "zero_grad": MemsaveModule.zero_grad,
+            "unshard": MemsaveModule.unshard, "reshard": MemsaveModule.reshard})
     module.__class__ = _CLASS_CACHE[cls]
     module.memsave_engine = engine
     return module
@@ -71,6 +91,13 @@ def user_class(module: nn.Module) -> type:
     """The class the user built ``module`` as (the one :func:`swap_class` derived from, if it ran)."""
     cls = type(module)
     return cls.__bases__[0] if isinstance(module, MemsaveModule) else cls
+
+
+def route_zero_grad(inner: torch.optim.Optimizer, wrapper: MemsaveOptimizer) -> None:
+    """Make the user's own optimizer instance's ``zero_grad()`` the wrapper's: a loop that kept the original
+    object (``opt.zero_grad()``) must clear the engine's gradients too, or the next step would add them up. The
+    class's method stays reachable as ``type(inner).zero_grad(inner, ...)``."""
+    inner.zero_grad = wrapper.zero_grad  # type: ignore[method-assign]
 
 
 class MemsaveOptimizer(torch.optim.Optimizer, abc.ABC):

@@ -80,3 +80,38 @@ def hf_gpt2(n_positions: int = 32) -> nn.Module:
     config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=n_positions,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return GPT2LMHeadModel(config)
+
+
+def hf_llama(tied: bool = False, n_layer: int = 2) -> nn.Module:
+    """An unchanged Hugging Face Llama from a small config (no download): RMSNorm, rotary, GQA, SwiGLU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layer,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         tie_word_embeddings=tied, attn_implementation="eager")
+    return LlamaForCausalLM(config)
+
+
+class LoRALinear(nn.Module):
+    """PEFT's LoRA in miniature: a frozen base linear plus a trainable low-rank update ``B @ A``."""
+
+    def __init__(self, base: nn.Linear, rank: int = 2) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(rank, base.in_features) * 0.1)
+        self.lora_b = nn.Parameter(torch.randn(base.out_features, rank) * 0.1)  # (PEFT starts it at 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t()
+
+
+def add_lora(model: nn.Module, names: tuple[str, ...]) -> nn.Module:
+    """Freeze ``model`` and put a :class:`LoRALinear` around every linear whose attribute name is in ``names``."""
+    torch.manual_seed(1)
+    model.requires_grad_(False)
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if child_name in names and isinstance(child, nn.Linear):
+                setattr(module, child_name, LoRALinear(child))
+    return model

@@ -23,7 +23,7 @@ used on none keep ``grad = None`` (so the optimizer skips them, as it does under
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -33,7 +33,7 @@ from memsave import dist as mdist
 from memsave.dist import Mesh
 from memsave.phases import MemoryCategory
 from memsave.precision import LossScaler, MixedPrecisionOptimizer
-from memsave.wrapped import MemsaveOptimizer
+from memsave.wrapped import MemsaveOptimizer, route_zero_grad
 
 __all__ = ["DataParallelEngine", "DataParallelOptimizer", "trainable_parameters"]
 
@@ -82,7 +82,13 @@ class DataParallelEngine:
         self._averaged: set[nn.Parameter] = set()
         self._fresh = True
         self.num_syncs = 0  # completed gradient synchronizations (one per synchronizing backward)
+        self.loss_scaled = False  # fp16: gradients must come from optimizer.backward (a scaled loss)
+        self.in_scaled_backward = False
+        self.load_listeners: list[Callable[[], None]] = []  # called after model.load_state_dict
+        self._frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._slot]
+        self._hooks.append(model.register_forward_pre_hook(self._check_trainable, prepend=True))
+        self._hooks.append(model.register_load_state_dict_post_hook(self._after_load))
         if mesh.device.type == "cpu":
             self._hooks.append(model.register_forward_hook(lambda *_: mdist.after_forward()))
 
@@ -111,7 +117,26 @@ class DataParallelEngine:
         return buckets
 
     # -- hooks -----------------------------------------------------------------------------------------------
+    def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
+        for listener in self.load_listeners:  # the optimizer's fp32 masters follow the loaded parameters
+            listener()
+
+    def _check_trainable(self, module: nn.Module, args: Any) -> None:
+        for name, p in self._frozen:
+            if p.requires_grad:  # it has no bucket: each rank would step it with its own local gradient
+                raise NotImplementedError(
+                    f"parameter {name!r} was frozen (requires_grad=False) at memsave.wrap and is trainable now; its "
+                    "gradient would never be averaged over ranks, so the replicas would diverge. Set requires_grad "
+                    "before memsave.wrap; to unfreeze part of a model later, save a checkpoint and wrap again"
+                )
+
     def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if self.loss_scaled and not self.in_scaled_backward:
+            raise RuntimeError(
+                "memsave fp16: this backward did not go through optimizer.backward(loss), so the loss was not "
+                "multiplied by the loss scale that optimizer.step() divides by; call optimizer.backward(loss) "
+                "instead of loss.backward()"
+            )
         if not self.require_grad_sync:
             return
         if not self._callback_queued:
@@ -187,7 +212,10 @@ class DataParallelEngine:
 
     def grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
         """The averaged gradient of ``p`` in the reduce dtype ([Note: reduce dtype]); ``p.grad`` otherwise."""
-        bucket, i = self._slot[p]  # type: ignore[index]
+        slot = self._slot.get(p)  # type: ignore[call-overload]
+        if slot is None:  # frozen: in the optimizer, but no bucket
+            return p.grad
+        bucket, i = slot
         if bucket.buffer.dtype == p.dtype:
             return p.grad
         return bucket.view(i) if p in self._averaged else None
@@ -234,10 +262,18 @@ class DataParallelOptimizer(MemsaveOptimizer):
         self.mp = (MixedPrecisionOptimizer(optimizer, scaler=scaler, grad_of=engine.grad_of)
                    if mixed_precision or scaler is not None else None)
         self.scaler = scaler
+        engine.loss_scaled = scaler is not None
+        if self.mp is not None:
+            engine.load_listeners.append(self.mp.refresh_masters)
+        route_zero_grad(optimizer, self)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         before = self.engine.num_syncs
-        (self.mp.scale(loss) if self.mp is not None else loss).backward(**kwargs)
+        self.engine.in_scaled_backward = True
+        try:
+            (self.mp.scale(loss) if self.mp is not None else loss).backward(**kwargs)
+        finally:
+            self.engine.in_scaled_backward = False
         if self.engine.require_grad_sync and self.engine.num_syncs == before:
             # No gradient reached this rank's parameters, so no hook queued the sync; the peers still need it.
             self.engine._finalize_backward()
@@ -257,7 +293,10 @@ class DataParallelOptimizer(MemsaveOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad(set_to_none)
-        (self.mp if self.mp is not None else self.optimizer).zero_grad(set_to_none=set_to_none)
+        if self.mp is not None:
+            self.mp.zero_grad(set_to_none=set_to_none)
+        else:  # the class's own: the instance's zero_grad is this method (route_zero_grad)
+            type(self.optimizer).zero_grad(self.optimizer, set_to_none=set_to_none)
 
     def memory_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:
         yield from self.engine.memory_tensors()

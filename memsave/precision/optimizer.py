@@ -174,10 +174,20 @@ class MixedPrecisionOptimizer(MemsaveOptimizer):
         if masters is not None and len(masters) != len(self._pairs):
             raise ValueError(f"state dict holds {len(masters)} master weights, this optimizer has {len(self._pairs)}")
         self.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k not in _EXTRA_KEYS})
-        if masters is not None:  # else (a plain optimizer's state dict) the masters stay as they are
+        if masters is not None:
             self.load_masters(masters)
+        else:  # a plain optimizer's state dict: the masters follow the parameters (loaded by hand, perhaps)
+            self.refresh_masters()
         if self.scaler is not None and state_dict.get("loss_scaler") is not None:
             self.scaler.load_state_dict(state_dict["loss_scaler"])
+
+    @torch.no_grad()
+    def refresh_masters(self) -> None:
+        """Make every fp32 master the parameter it masters again (after the model's weights were loaded), as
+        ``__init__`` made them: so the next step does not copy the old weights back."""
+        for master, p in self._pairs:
+            if master is not p:
+                master.copy_(p)
 
     @torch.no_grad()
     def load_masters(self, masters: list[torch.Tensor]) -> None:

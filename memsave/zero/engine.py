@@ -19,6 +19,13 @@ on the unit module itself, so they run around the checkpoint, never inside the r
 pre-backward gather on a unit's outputs fires before the replay; keep stage-3 hooks on the unit module, not on
 its submodules (see [Note: hooks stay outside the recomputed region] in memsave/recompute/checkpoint.py).
 
+[Note: post-backward] A stage-3 unit may be resharded in backward only once *all* of its backward has run, not
+when its trainable gradients have arrived: backward nodes that use a frozen parameter (a frozen norm, LoRA's
+base weight) may still be waiting. As FSDP2 does, the unit's forward inputs that require grad pass through an
+identity autograd function whose backward runs once every gradient with respect to them was computed, i.e. after
+every node of the unit on a path to its inputs; the trainable gradients cover the other nodes. A unit whose
+inputs need no gradient (the first block under frozen embeddings) is resharded at the end of backward.
+
 [Note: unused parameters] As in the DP engine, one flag per trainable parameter is all-reduced at the end of
 backward; a parameter that got no gradient on any rank keeps ``grad = None`` so the optimizer skips it.
 """
@@ -31,17 +38,33 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.profiler import record_function
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from memsave import dist as mdist
 from memsave.config import ZeroConfig
 from memsave.dist import Mesh
 from memsave.models.units import default_units, output_tensors  # layer 0, shared with recompute/ and memory/
-from memsave.phases import MemoryCategory
+from memsave.phases import MemoryCategory, ShardedState
 from memsave.zero.unit import Unit
 
 __all__ = ["ZeroEngine", "default_units"]
 
 _REDUCES_IN_FLIGHT = 2
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's forward inputs; its backward runs once all their gradients were computed
+    ([Note: post-backward])."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.callback = callback
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.callback()
+        return (None, *grads)
 
 
 class ZeroEngine:
@@ -69,6 +92,10 @@ class ZeroEngine:
         self._slot_of: dict[torch.Tensor, tuple[Unit, int]] = {s: (u, i) for u in self.units
                                                                for i, s in enumerate(u.shards)}
         self._trainable = [p for u in self.units for i, p in enumerate(u.params) if i in u.trainable]
+        self._frozen = [(n, p) for u in self.units for i, (n, p) in enumerate(zip(u.names, u.params))
+                        if i not in u.trainable]
+        self._trainable_slot = {p: (u, j) for u in self.units for j, i in enumerate(u.trainable)
+                                for p in (u.params[i],)}
         self._used = torch.zeros(len(self._trainable), dtype=torch.int32, device=mesh.device)
         self._used_index = {p: k for k, p in enumerate(self._trainable)}
         self._backward_order = list(reversed(self.units))  # root last
@@ -81,6 +108,15 @@ class ZeroEngine:
         self._fwd_ran: set[int] = set()
         self._bwd_issued = len(self.units)  # stage 3: gathers issued in this backward, counting down
         self._bwd_ran: set[int] = set()
+        self._graph_pending = False  # stage 3: a grad-enabled forward ran and its backward has not ended
+        self._nested: list[tuple[Any, ...]] = []  # stage 3: state saved around a no_grad forward mid-step
+        self._keep_gathered = False  # stage 3: a create_graph backward ran; keep units until the next one ends
+        self._creating_graph = False  # stage 3: the backward running now creates a graph (create_graph=True)
+        self.loss_scaled = False  # fp16: gradients must come from optimizer.backward (a scaled loss)
+        self.in_scaled_backward = False
+        self.load_listeners: list[Callable[[], None]] = []  # called after model.load_state_dict
+        for u in self.units:
+            u.on_sharded_read = self._sharded_read
         self._hooks: list[Any] = []
         self._register_hooks()
         self.param_offload: Any = None  # [offload] params = "disk" | "cpu" (attach_param_offload)
@@ -117,6 +153,7 @@ class ZeroEngine:
     def _register_hooks(self) -> None:
         for p in self._trainable:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+            self._hooks.append(p.register_hook(self._make_before_accumulate(p)))
         if self.mesh.device.type == "cpu":
             self._hooks.append(self.model.register_forward_hook(lambda *_: mdist.after_forward()))
         if self.stage == 3:
@@ -124,12 +161,34 @@ class ZeroEngine:
             self._hooks.append(self.model.register_forward_hook(self._root_post_forward))
             for u in self.units:
                 if not u.is_root:
-                    self._hooks.append(u.module.register_forward_pre_hook(self._make_pre_forward(u)))
+                    self._hooks.append(u.module.register_forward_pre_hook(self._make_pre_forward(u), with_kwargs=True))
                     self._hooks.append(u.module.register_forward_hook(self._make_post_forward(u)))
+            for m in self._root_owners():
+                self._hooks.append(m.register_forward_pre_hook(self._gather_root_on_access))
             self._hooks.append(self.model.register_state_dict_pre_hook(self._pre_state_dict))
             self._hooks.append(self.model._register_state_dict_hook(self._post_state_dict))
-            self._hooks.append(self.model._register_load_state_dict_pre_hook(self._pre_load_state_dict))
-            self._hooks.append(self.model.register_load_state_dict_post_hook(self._post_load_state_dict))
+        self._hooks.append(self.model._register_load_state_dict_pre_hook(self._pre_load_state_dict))
+        self._hooks.append(self.model.register_load_state_dict_post_hook(self._post_load_state_dict))
+        self._hooks.append(self.model.register_forward_pre_hook(self._check_trainable, prepend=True))  # runs first
+
+    def _make_before_accumulate(self, p: nn.Parameter) -> Callable[[torch.Tensor], None]:
+        unit, j = self._trainable_slot[p]
+
+        def hook(grad: torch.Tensor) -> None:
+            unit.before_accumulate(j)  # [Note: gradient freshness] in unit.py
+        return hook
+
+    def _check_trainable(self, module: nn.Module, args: Any) -> None:
+        """A parameter frozen at wrap has no gradient shard, no reduce and no optimizer state: training it later
+        would silently never update it (and under plain data parallelism would let replicas diverge)."""
+        for name, p in self._frozen:
+            if p.requires_grad:
+                raise NotImplementedError(
+                    f"parameter {name!r} was frozen (requires_grad=False) at memsave.wrap and is trainable now; "
+                    "ZeRO laid out gradient shards and optimizer state only for the parameters trainable at wrap, "
+                    "so it would never be updated. Set requires_grad before memsave.wrap; to unfreeze part of a "
+                    "model later, save a checkpoint (memsave.save / state_dict) and wrap again"
+                )
 
     # -- stage 3 forward -----------------------------------------------------------------------------------
     def _issue_forward_through(self, k: int) -> None:
@@ -163,6 +222,12 @@ class ZeroEngine:
         self.param_offload.load(unit, ahead=order[at + 1 :])
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self._graph_pending and not torch.is_grad_enabled():
+            # a no_grad forward (a metric or teacher pass) between a training forward and its backward: it must
+            # leave every unit as that backward expects it
+            kept = {u.index for u in self.units if u.state is ShardedState.UNSHARDED}
+            self._nested.append((self._fwd_issued, self._fwd_ran, self._bwd_issued, self._bwd_ran,
+                                 self._gather_order, kept))
         self._fwd_issued, self._fwd_ran = 0, set()
         self._gather_order = self.units
         root = self.units[0]
@@ -172,7 +237,7 @@ class ZeroEngine:
             self._fwd_ran.add(0)
 
     def _make_pre_forward(self, unit: Unit) -> Any:
-        def hook(module: nn.Module, args: Any) -> None:
+        def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
             k = unit.index
             with record_function("memsave::zero3::pre_forward"):
                 self._issue_forward_through(k + self.config.prefetch)
@@ -181,7 +246,33 @@ class ZeroEngine:
                         self._settle_skipped(self.units[j])
                 unit.unshard_wait()
                 self._fwd_ran.add(k)
+            if torch.is_grad_enabled():
+                return self._watch_inputs(unit, args, kwargs)
+            return None
         return hook
+
+    def _watch_inputs(self, unit: Unit, args: Any, kwargs: dict[str, Any]) -> Any:
+        """[Note: post-backward] Route the inputs that require grad through :class:`_PostBackward`."""
+        flat, spec = tree_flatten((args, kwargs))
+        where = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not where:
+            unit.blind_calls += 1  # nothing tells when this call's backward ends: reshard at the end of backward
+            return None
+        unit.open_calls += 1
+        outs = _PostBackward.apply(lambda: self._post_backward(unit), *(flat[i] for i in where))
+        for i, t in zip(where, outs):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
+
+    def _post_backward(self, unit: Unit) -> None:
+        unit.open_calls -= 1
+        self._maybe_reshard_in_backward(unit)
+
+    def _maybe_reshard_in_backward(self, unit: Unit) -> None:
+        """Stage 3: free a unit once all of its backward ran ([Note: post-backward])."""
+        if (self.stage == 3 and not unit.is_root and unit.pending == 0 and unit.open_calls <= 0
+                and unit.blind_calls == 0 and not self._keep_gathered):
+            unit.reshard()
 
     def _settle_skipped(self, unit: Unit) -> None:
         """A unit this rank's forward skipped ends forward in the state it would have after running, so the
@@ -197,7 +288,7 @@ class ZeroEngine:
 
     def _make_post_forward(self, unit: Unit) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not self._keep_for_backward(unit):
+            if not self._keep_for_backward(unit) and not (self._nested and unit.index in self._nested[-1][-1]):
                 unit.reshard()
             if torch.is_grad_enabled():
                 for t in output_tensors(output):
@@ -211,11 +302,49 @@ class ZeroEngine:
         for j in range(1, len(self.units)):
             if j not in self._fwd_ran:
                 self._settle_skipped(self.units[j])
+        if self._nested:  # back to the training forward's state ([Note: collective order] holds: same on all ranks)
+            *saved, kept = self._nested.pop()
+            for u in self.units:
+                if u.index not in kept:
+                    u.reshard()
+            self._fwd_issued, self._fwd_ran, self._bwd_issued, self._bwd_ran, self._gather_order = saved
+            return
         if not torch.is_grad_enabled():
             for u in self.units:
                 u.reshard()
+        else:
+            self._graph_pending = True
         self._bwd_issued, self._bwd_ran = len(self.units), set()
         self._gather_order = list(reversed(self.units[1:])) if torch.is_grad_enabled() else self.units
+
+    # -- stage 3: parameters read outside their unit's forward ([Note: guarded reads] in guards.py) ----------
+    def _root_owners(self) -> list[nn.Module]:
+        """Modules holding root-unit parameters directly, outside every block unit (embeddings, final norm, head):
+        calling one outside the model's forward (HF's ``get_input_embeddings()(ids)``) gathers the root."""
+        root = set(self.units[0].params)
+        inside = {id(m) for u in self.units[1:] for m in u.module.modules()}
+        return [m for m in self.model.modules()
+                if id(m) not in inside and any(p in root for p in m.parameters(recurse=False))]
+
+    def _gather_root_on_access(self, module: nn.Module, args: Any) -> None:
+        root = self.units[0]
+        if root.state is ShardedState.SHARDED:  # a collective: every rank makes the same call (SPMD)
+            with record_function("memsave::zero3::gather_on_access"):
+                root.unshard_wait()  # freed again at the end of the next backward, or after a no_grad forward
+
+    def _sharded_read(self, unit: Unit, i: int, what: str) -> None:
+        raise RuntimeError(
+            f"memsave ZeRO-3: parameter {unit.names[i]!r} was read ({what}) while its unit {unit.name!r} is sharded "
+            "(it holds no values outside that unit's forward and backward). Read it inside the forward of the "
+            f"module that owns it, or gather it first on every rank: `with memsave.gathered(model): ...` (or "
+            "model.unshard() / model.reshard()); for a copy of the weights use model.state_dict() (collective)"
+        )
+
+    def reshard_all(self) -> None:
+        """Stage 3: free every gathered unit (units gathered on access, before the optimizer changes the shards)."""
+        if self.stage == 3:
+            for u in self.units:
+                u.reshard()
 
     # -- stage 3 backward ----------------------------------------------------------------------------------
     def _issue_backward_through(self, k: int) -> None:
@@ -227,6 +356,9 @@ class ZeroEngine:
     def _make_pre_backward(self, unit: Unit) -> Any:
         def hook(grad: torch.Tensor) -> None:
             k = unit.index
+            if torch.is_grad_enabled():  # a create_graph backward (gradient penalty): its graph uses the parameters
+                self._keep_gathered = self._creating_graph = True  # again in the next backward: free nothing
+                self._queue_callback()  # until that one ends
             if k in self._bwd_ran:
                 return
             self._queue_callback()
@@ -246,6 +378,12 @@ class ZeroEngine:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if self.loss_scaled and not self.in_scaled_backward:
+            raise RuntimeError(
+                "memsave fp16: this backward did not go through optimizer.backward(loss), so the loss was not "
+                "multiplied by the loss scale that optimizer.step() divides by; call optimizer.backward(loss) "
+                "instead of loss.backward()"
+            )
         self._queue_callback()
         unit = self._unit_of[param]  # type: ignore[index]
         unit.pending -= 1
@@ -253,8 +391,7 @@ class ZeroEngine:
             self._ready.add(unit.index)
             if self.require_grad_sync:
                 self._launch_ready_reduces()
-            if self.stage == 3 and not unit.is_root:
-                unit.reshard()
+            self._maybe_reshard_in_backward(unit)
 
     def _launch_ready_reduces(self) -> None:
         order = self._backward_order
@@ -294,6 +431,12 @@ class ZeroEngine:
         self._ready.clear()
         for u in self.units:
             u.pending = len(u.trainable)
+        if self._creating_graph:  # the end of a create_graph backward: the next backward reads the gathered
+            self._creating_graph = False  # parameters again (through the graph this one made); keep them all
+            return
+        self._keep_gathered = self._graph_pending = False
+        for u in self.units:
+            u.open_calls = u.blind_calls = 0
             u.reshard()
 
     # -- optimizer side ------------------------------------------------------------------------------------
@@ -341,16 +484,20 @@ class ZeroEngine:
         return {u.full_flat.untyped_storage().data_ptr() for u in self.units}
 
     def _pre_load_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        self.unshard_all()
+        if self.stage == 3:
+            self.unshard_all()
 
     def _post_load_state_dict(self, module: nn.Module, incompatible_keys: Any) -> None:
-        for u in self.units:
+        if self.stage == 3:
+            for u in self.units:
+                if self.param_offload is not None:
+                    self.param_offload.enter(u)  # the shard changes: loaded, written back below
+                u.write_back_full()
+                u.reshard()
             if self.param_offload is not None:
-                self.param_offload.enter(u)  # the shard changes: loaded, written back below
-            u.write_back_full()
-            u.reshard()
-        if self.param_offload is not None:
-            self.param_offload.finish()
+                self.param_offload.finish()
+        for listener in self.load_listeners:  # the optimizer's fp32 masters follow the loaded parameters
+            listener()
 
     # -- bookkeeping ---------------------------------------------------------------------------------------
     def memory_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:

@@ -22,7 +22,7 @@ from memsave.config import OffloadConfig
 from memsave.optim import Adafactor
 from memsave.phases import MemoryCategory
 from memsave.precision import LossScaler, MixedPrecisionOptimizer
-from memsave.wrapped import MemsaveOptimizer
+from memsave.wrapped import MemsaveOptimizer, route_zero_grad
 from memsave.zero.engine import ZeroEngine
 from memsave.zero.layout import ShardLayout
 
@@ -61,6 +61,9 @@ class ZeroOptimizer(MemsaveOptimizer):
         self.check(optimizer, engine.stage)
         self.engine = engine
         self.scaler = scaler
+        engine.loss_scaled = scaler is not None
+        engine.load_listeners.append(self._refresh_masters)
+        route_zero_grad(optimizer, self)
         self._full_of: dict[torch.Tensor, nn.Parameter] = {}
         for group in optimizer.param_groups:
             shards = []
@@ -110,7 +113,11 @@ class ZeroOptimizer(MemsaveOptimizer):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         self.settle()  # the reduce-scatters write the gradient buffers a background step may still read
         before = self.engine.num_syncs
-        (self.mp.scale(loss) if self.mp is not None else loss).backward(**kwargs)
+        self.engine.in_scaled_backward = True
+        try:
+            (self.mp.scale(loss) if self.mp is not None else loss).backward(**kwargs)
+        finally:
+            self.engine.in_scaled_backward = False
         if self.engine.require_grad_sync and self.engine.num_syncs == before:
             self.engine._finalize_backward()  # no gradient reached this rank's parameters; peers still sync
 
@@ -141,7 +148,27 @@ class ZeroOptimizer(MemsaveOptimizer):
             torch._foreach_mul_(grads, coef.to(grads[0].dtype))
         return norm
 
+    @torch.no_grad()
+    def _refresh_masters(self) -> None:
+        """After ``model.load_state_dict``: the fp32 masters become the loaded parameters (else the next step would
+        copy the old weights back)."""
+        if self.mp is None:
+            return
+        if self.offloaded is None:
+            self.mp.refresh_masters()
+            return
+        if self.param_offload is not None:
+            raise NotImplementedError(
+                "model.load_state_dict after memsave.wrap with [offload] params and mixed precision is not "
+                "implemented (the fp32 masters live on the offload tier beside the parameter shards); load the "
+                "weights before memsave.wrap, or load a full checkpoint with optimizer.load_state_dict"
+            )
+        states, own = self.offloaded.local()
+        own.update({m: s.detach().float() for m, s in self.mp._pairs if m is not s})
+        self.offloaded.load_local_state(states, own)
+
     def _step(self) -> None:
+        self.engine.reshard_all()  # stage 3: units gathered on access would hold the weights before the step
         if self.mp is not None:
             offloaded = self.offloaded
             step = (lambda: offloaded.step(overlap=self.overlap)) if offloaded is not None else None

@@ -18,7 +18,16 @@ rows are handed to the fp32 master through :meth:`Unit.shard_grad` instead, with
 shrink ``full_flat``'s *storage* to 0 bytes instead of dropping it: views autograd saved during forward (e.g.
 ``weight.t()`` for a matmul) keep pointing at that storage, and see the right values again once it is
 re-grown and refilled before backward. Reading a 0-byte storage would crash, so while SHARDED ``.data`` is an
-expanded zero tensor of the full shape: shape queries work, reads give zeros, writes raise.
+expanded zero tensor of the full shape: shape queries work, writes raise, and Python-level reads raise too, since
+the parameter is a :class:`~memsave.zero.guards.ShardedParameter` then ([Note: guarded reads] in guards.py).
+
+[Note: gradient freshness] Whether a backward's reduced gradient replaces the one held or adds to it is decided
+per parameter, as torch decides for ``.grad``: after a synchronizing backward the full parameter's ``.grad`` is a
+:class:`~memsave.zero.guards.ReducedGrad`. If it is still there (not cleared) when the next gradient of that
+parameter arrives, the user accumulates over steps and the new rows are added; if it is gone (``zero_grad()``
+of the wrapper, the model or the inner optimizer, or ``p.grad = None`` by hand) or was zeroed in place, they
+replace the old ones. The decision is taken at the parameter's first gradient since the last reduce (before
+torch accumulates into ``.grad``) and kept through ``no_sync`` micro-batches.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from torch import nn
 
 from memsave import dist as mdist
 from memsave.phases import MemoryCategory, ShardedState
+from memsave.zero.guards import is_guard, make_reduced_grad, mark_sharded, mark_unsharded, plain
 from memsave.zero.layout import ShardLayout
 
 __all__ = ["Unit"]
@@ -75,15 +85,23 @@ class Unit:
         self._gather: tuple[mdist.Handle, torch.Tensor] | None = None
         self._reduce: tuple[mdist.Handle, torch.Tensor, torch.Tensor] | None = None
         self.pending = len(self.trainable)  # gradients still to arrive in this backward
-        self.reduced_since_zero_grad = False
+        # stage 3 ([Note: post-backward] in engine.py): forward calls whose backward has not reached their inputs
+        # yet, and calls whose inputs needed no gradient (so nothing says when their backward ends)
+        self.open_calls = 0
+        self.blind_calls = 0
+        # [Note: gradient freshness] per trainable parameter: replace (True) or add to (False) the reduced rows
+        # held; None until its first gradient since the last reduce
+        self.fresh: list[bool | None] = [None] * len(self.trainable)
+        # stage 3: what a read of a sharded parameter does (the engine gathers or raises; [Note: guarded reads])
+        self.on_sharded_read: Callable[[Unit, int, str], None] | None = None
+        self._read_guards = [self._make_read_guard(i) for i in range(len(self.params))]
         with torch.no_grad():
             if stage == 3:
                 self._init_stage3()
             self.shards = [self._make_shard(i) for i in range(len(self.params))]
-        self.flat_grad = (
-            torch.zeros(self.grad_layout.chunk_numel, dtype=self.reduce_dtype, device=self.device)
-            if self._sharded_grads else None
-        )
+        # stages 2-3 (or a reduce dtype of its own): the averaged rows of this rank; allocated by the first reduce
+        # after zero_grad(set_to_none=True), freed by it (as torch frees .grad)
+        self.flat_grad: torch.Tensor | None = None
 
     # -- storage -------------------------------------------------------------------------------------------
     def _init_stage3(self) -> None:
@@ -138,6 +156,7 @@ class Unit:
         self.full_flat.untyped_storage().resize_(self._full_bytes)
         for i, p in enumerate(self.params):
             self.param_layout.unpack(staging, i, self.full_views[i])
+            mark_unsharded(p)
             p.data = self.full_views[i]
         self.state = ShardedState.UNSHARDED
 
@@ -150,10 +169,19 @@ class Unit:
                 self.after_gather(self)
         if self.stage != 3 or self.state is ShardedState.SHARDED:
             return
-        for p, sentinel in zip(self.params, self._sentinels):
+        for p, sentinel, guard in zip(self.params, self._sentinels, self._read_guards):
             p.data = sentinel
+            mark_sharded(p, guard)
         self.full_flat.untyped_storage().resize_(0)
         self.state = ShardedState.SHARDED
+
+    def _make_read_guard(self, i: int) -> Callable[[str], None]:
+        def guard(what: str) -> None:
+            if self.on_sharded_read is None:
+                raise RuntimeError(f"parameter {self.names[i]!r} of ZeRO-3 unit {self.name!r} was read ({what}) while "
+                                   "the unit is sharded")
+            self.on_sharded_read(self, i, what)
+        return guard
 
     @torch.no_grad()
     def write_back_full(self) -> None:
@@ -167,33 +195,62 @@ class Unit:
         return full.reshape(slot.rows, slot.row_numel)[start:stop].view_as(self.shards[i])
 
     # -- gradients -----------------------------------------------------------------------------------------
+    def _accumulates(self, j: int) -> bool:
+        """[Note: gradient freshness] Decide (once per reduce) whether trainable param ``j`` adds to its rows."""
+        fresh = self.fresh[j]
+        if fresh is None:
+            g = self.params[self.trainable[j]].grad
+            fresh = self.fresh[j] = not (is_guard(g) and not g._memsave_cleared)  # type: ignore[union-attr]
+        if not fresh and not self._sharded_grads:
+            raise NotImplementedError(
+                f"zero stage 1 keeps one reduced gradient per step, and {self.names[self.trainable[j]]!r} (unit "
+                f"{self.name!r}) still holds the last one: clear gradients after each step (optimizer.zero_grad() or "
+                "model.zero_grad()); to accumulate micro-batches, run all but the last backward inside "
+                "model.no_sync(), or use stage 2"
+            )
+        return not fresh
+
+    def before_accumulate(self, j: int) -> None:
+        """Trainable param ``j``'s gradient is about to be accumulated into ``.grad`` (a tensor pre-hook): decide
+        freshness while the guard is still there, then drop the guard so torch starts a real ``.grad``."""
+        self._accumulates(j)
+        p = self.params[self.trainable[j]]
+        if is_guard(p.grad):
+            p.grad = None
+
+    def _zero_rows(self, j: int) -> None:
+        assert self.flat_grad is not None
+        self.grad_layout.shard_view(self.flat_grad, j, self.rank).zero_()
+
     @torch.no_grad()
     def launch_reduce(self) -> list[bool]:
         """Reduce-scatter the unit's gradients (averaging over dp); returns which trainable params had one."""
         if not self.trainable:
             return []
-        if self.stage == 1 and self.reduced_since_zero_grad:
-            raise NotImplementedError(
-                f"zero stage 1 reduces gradients once per step, but unit {self.name!r} is being reduced a second "
-                "time before zero_grad(); run the earlier backwards inside model.no_sync() (or use stage 2)"
-            )
+        accumulate = [self._accumulates(j) for j in range(len(self.trainable))]
         layout = self.grad_layout
         staging = torch.empty(layout.padded_numel, dtype=self.reduce_dtype, device=self.device)
         had_grad = []
         for j, i in enumerate(self.trainable):
-            g = self.params[i].grad
-            # a gradient kept (zeroed) by zero_grad(set_to_none=False) counts as present, as under DDP
+            p = self.params[i]
+            g = p.grad
+            # a gradient kept (zeroed) by zero_grad(set_to_none=False) counts as present, as under DDP; so does a
+            # reduced one the user accumulates onto
             had_grad.append(g is not None or self.shards[i].grad is not None)
-            layout.pack(staging, j, g if g is not None else torch.zeros(self.params[i].shape, dtype=self.dtype,
-                                                                        device=self.device))
+            if g is None or is_guard(g):
+                layout.pack(staging, j, torch.zeros(p.shape, dtype=self.dtype, device=self.device))
+            else:
+                layout.pack(staging, j, g)
             if self.stage >= 2:
-                self.params[i].grad = None  # free the full gradient as soon as it is staged
+                p.grad = None  # free the full gradient as soon as it is staged
         staging.div_(self.world)  # pre-divide, as DDP does
-        if self._sharded_grads and not self.reduced_since_zero_grad:
+        out: torch.Tensor
+        if self._sharded_grads and not any(accumulate):
+            if self.flat_grad is None:
+                self.flat_grad = torch.empty(layout.chunk_numel, dtype=self.reduce_dtype, device=self.device)
             out = self.flat_grad  # reduce straight into the persistent shard
         else:
             out = torch.empty(layout.chunk_numel, dtype=self.reduce_dtype, device=self.device)
-        assert out is not None
         self._reduce = (mdist.reduce_scatter_into(out, staging, self.reduce_group, async_op=True), out, staging)
         return had_grad
 
@@ -206,8 +263,12 @@ class Unit:
         handle.wait()
         self._reduce = None
         if self._sharded_grads:
-            assert self.flat_grad is not None
-            if out is not self.flat_grad:
+            if out is not self.flat_grad:  # some rows accumulate: replace the others, add to all
+                if self.flat_grad is None:
+                    self.flat_grad = torch.zeros_like(out)
+                for j, fresh in enumerate(self.fresh):
+                    if fresh:
+                        self._zero_rows(j)
                 self.flat_grad.add_(out)
         else:
             for j, i in enumerate(self.trainable):
@@ -215,25 +276,37 @@ class Unit:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 self._own_rows(p.grad, i).copy_(self.grad_layout.shard_view(out, j, self.rank).view_as(self.shards[i]))
-        self.reduced_since_zero_grad = True
+        self.fresh = [None] * len(self.trainable)
+
+    def _reduced_message(self, i: int) -> str:
+        where = ("this rank's rows of .grad are averaged, the others are not" if not self._sharded_grads else
+                 "the full parameter's .grad holds no values")
+        return (f"memsave ZeRO stage {self.stage}: the gradient of {self.names[i]!r} was reduced into this rank's "
+                f"optimizer shard, so {where}; clip with optimizer.clip_grad_norm(max_norm) (the global norm over "
+                "every rank), read full gradients with optimizer.full_grads() (collective), and clear them with "
+                "optimizer.zero_grad() or model.zero_grad()")
 
     def settle_grads(self, used: list[bool]) -> None:
         """Expose the averaged rows as the shards' ``.grad``; ``used[j]``: trainable param ``j`` got a gradient
-        on some rank (else its grad stays None, so the optimizer skips it as it would under DDP)."""
+        on some rank (else its grad stays None, so the optimizer skips it as it would under DDP). The full
+        parameters' ``.grad`` become guards ([Note: gradient freshness])."""
         for j, i in enumerate(self.trainable):
-            shard = self.shards[i]
+            shard, p = self.shards[i], self.params[i]
             grad: torch.Tensor | None
             if not used[j]:
                 grad = None
-                if self.stage == 1:
-                    self.params[i].grad = None
+                p.grad = None
             elif not self._sharded_grads:
-                full = self.params[i].grad
+                full = p.grad
                 assert full is not None  # wait_reduce allocated it
+                full = plain(full)
                 grad = self._own_rows(full, i)
+                p.grad = make_reduced_grad(p, self._reduced_message(i), storage=full)
             else:
                 assert self.flat_grad is not None
                 grad = self.grad_layout.shard_view(self.flat_grad, j, self.rank).view_as(shard)
+                local = p.grad if p.grad is not None and not is_guard(p.grad) else None  # stage 1, reduce dtype
+                p.grad = make_reduced_grad(p, self._reduced_message(i), storage=local)
             self._shard_grads[i] = grad
             shard.grad = grad if grad is None or grad.dtype == shard.dtype else None  # [Note: reduce dtype]
 
@@ -255,8 +328,12 @@ class Unit:
             else:
                 for g in (shard.grad, p.grad, self._shard_grads[i]):
                     if g is not None:
-                        g.zero_()
-        self.reduced_since_zero_grad = False  # everything kept is zero now: the next reduce starts afresh
+                        g.zero_()  # a guard is marked cleared ([Note: gradient freshness])
+        if set_to_none:
+            self.flat_grad = None  # as torch frees .grad: stages 2-3 hold no gradient memory through forward
+        elif self.flat_grad is not None:
+            self.flat_grad.zero_()
+        self.fresh = [None] * len(self.trainable)
 
     # -- stages 1-2: after the optimizer step ----------------------------------------------------------------
     @torch.no_grad()
@@ -289,8 +366,9 @@ class Unit:
             for p in self.params:
                 yield MemoryCategory.PARAMS, p
         for p in self.params:
-            if p.grad is not None:
-                yield MemoryCategory.GRADS, p.grad
+            g = p.grad
+            if g is not None and (not is_guard(g) or g._memsave_aliases):  # type: ignore[attr-defined]
+                yield MemoryCategory.GRADS, plain(g)
         if self.flat_grad is not None:
             yield MemoryCategory.GRADS, self.flat_grad
         if self._gather is not None:  # a prefetch in flight: its staging buffer
