@@ -21,7 +21,13 @@ from memsave.config import OffloadConfig, Profile, load_profile
 from memsave.dist import Mesh
 from memsave.engines.dp import DataParallelEngine, DataParallelOptimizer
 from memsave.models.units import default_units
-from memsave.precision import cast_parameters, compute_dtype, reduce_dtype_for, scaler_for
+from memsave.precision import (
+    cast_forward_inputs,
+    cast_parameters,
+    compute_dtype,
+    reduce_dtype_for,
+    scaler_for,
+)
 from memsave.wrapped import MemsaveModule, MemsaveOptimizer, swap_class
 
 __all__ = ["default_mesh", "wrap"]
@@ -183,6 +189,10 @@ def wrap(
         if plan is not None:  # a refused wrap leaves the model as it was
             mrecompute.remove(plan)
         raise
+    if mixed:  # an fp32 batch (images, features) meets the compute-dtype weights: cast, as FSDP2 does
+        cast_forward_inputs(model, compute_dtype(prec))
+    if recompute:
+        _no_cache_in_training(model)
     _wrap_saved_tensors(model, profile, mesh)  # last: its hooks are the outermost around the root's forward
     if mesh.device.type == "cpu" and profile.zero.host_mmap_threshold_mb > 0:  # only once nothing can fail
         mdist.configure_host_memory(mmap_threshold=int(profile.zero.host_mmap_threshold_mb * 2**20))
@@ -206,6 +216,28 @@ def _wrap_saved_tensors(model: nn.Module, profile: Profile, mesh: Mesh) -> None:
                       f"{mesh.device.type} device: saved activations already live in host memory, nothing is moved")
             return
         model.memsave_saved_tensors = forward_under(model, lambda: offload_saved(model))  # type: ignore[assignment]
+
+
+def _no_cache_in_training(model: nn.Module) -> None:
+    """A recomputed forward must compute what it did the first time; a Hugging Face model left at its default
+    ``use_cache=True`` appends to its key/value cache again in the replay (wrong shapes with an attention mask,
+    right only by chance without). In training mode pass ``use_cache=False``, as HF's own gradient checkpointing
+    does, and say so once."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "use_cache"):
+        return
+
+    def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
+        if not module.training or kwargs.get("use_cache") is False:
+            return None
+        if kwargs.get("use_cache") is not None or getattr(config, "use_cache", False):
+            warn_once("[recompute] with a Hugging Face model in training mode: use_cache=False is passed to its "
+                      "forward (a recomputed forward must not append to the key/value cache again), as HF's "
+                      "gradient checkpointing does")
+            return args, {**kwargs, "use_cache": False}
+        return None
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def _check_not_nested(model: nn.Module, units: Sequence[nn.Module]) -> None:

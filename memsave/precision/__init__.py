@@ -2,8 +2,15 @@
 loss-scaled optimizer with fp32 master weights for models memsave does not wrap."""
 
 from memsave.precision.optimizer import MixedPrecisionOptimizer
-from memsave.precision.policy import DTYPES, cast_parameters, compute_dtype, reduce_dtype_for, scaler_for
+from memsave.precision.policy import (
+    DTYPES,
+    cast_forward_inputs,
+    cast_parameters,
+    compute_dtype,
+    reduce_dtype_for,
+    scaler_for,
+)
 from memsave.precision.scaler import LossScaler
 
-__all__ = ["DTYPES", "LossScaler", "MixedPrecisionOptimizer", "cast_parameters", "compute_dtype", "reduce_dtype_for",
+__all__ = ["DTYPES", "LossScaler", "MixedPrecisionOptimizer", "cast_forward_inputs", "cast_parameters", "compute_dtype", "reduce_dtype_for",
            "scaler_for"]

@@ -6,17 +6,25 @@ Under ``compute = "bf16" | "fp16"`` every floating-point *parameter* is stored a
 stage like its state. Buffers keep their dtype: running statistics, position indices and the like stay as the
 model made them, as under FSDP2's ``MixedPrecisionPolicy``; a model that must run a part in fp32 (a norm, the
 loss) upcasts there itself, as it would under autocast.
+
+Floating-point *inputs* of the model's forward (positional and keyword, inside tuples, lists and dicts) are cast
+to the compute dtype, as FSDP2's ``cast_forward_inputs`` does: an fp32 image batch meets bf16 convolution weights
+otherwise. Integer inputs (token ids, labels for classification) are left alone; float targets are cast too, so a
+regression loss that needs fp32 upcasts them itself.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from memsave.config import PrecisionConfig
 from memsave.precision.scaler import LossScaler
 
-__all__ = ["DTYPES", "cast_parameters", "compute_dtype", "reduce_dtype_for", "scaler_for"]
+__all__ = ["DTYPES", "cast_forward_inputs", "cast_parameters", "compute_dtype", "reduce_dtype_for", "scaler_for"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -50,3 +58,18 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
     for p in model.parameters():
         if p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)
+
+
+def cast_forward_inputs(model: nn.Module, dtype: torch.dtype) -> Any:
+    """Cast the floating-point tensors among ``model``'s forward arguments to ``dtype`` (see the module docstring);
+    returns the hook's handle."""
+
+    def cast(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
+            return t.to(dtype)
+        return t
+
+    def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    return model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
