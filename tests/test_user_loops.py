@@ -42,6 +42,14 @@ def _hf_loss(model: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
     return model(input_ids=b["input_ids"], labels=b["input_ids"]).loss
 
 
+def _hf_masked_loss(model: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
+    """HF's defaults left as they are (use_cache=True) with an attention mask: under recompute the replay would
+    append to the key/value cache a second time."""
+    mask = torch.ones_like(b["input_ids"])
+    mask[:, :2] = 0  # left padding
+    return model(input_ids=b["input_ids"], attention_mask=mask, labels=b["input_ids"]).loss
+
+
 def _hf_embeds_loss(model: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
     """Prompt tuning / NEFTune / multimodal: the embeddings come from the model's own table, outside its forward."""
     embeds = model.get_input_embeddings()(b["input_ids"])
@@ -135,6 +143,9 @@ def _equivalence_cases(world: int) -> str:
     _compare(llama, "zero3", _hf_loss, mesh, "no_grad pass mid-step, HF Llama", eval_mid_step=True)
     for profile in ("zero3", "zero1", "ddp"):
         _compare(toy, profile, _toy_loss, mesh, "gradient penalty", penalty=True)
+    # recompute on an unchanged HF model with use_cache at its default and an attention mask
+    for profile in ("zero3-recompute", memsave.load_profile("ddp", ["recompute.policy=full"])):
+        _compare(llama, profile, _hf_masked_loss, mesh, "recompute, HF use_cache default")
     return "ok"
 
 
@@ -166,11 +177,40 @@ def _load_after_wrap(mesh: Any, profile: str) -> None:
         assert torch.equal(got[k], v), f"load after wrap [{profile}] {k}: max diff {(got[k] - v).abs().max()}"
 
 
+def _convnet() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+
+
+def _float_inputs(mesh: Any, profile: str) -> None:
+    """bf16 with an fp32 image batch: the inputs are cast as FSDP2 casts them (it crashed: "Input type (float)
+    and bias type (BFloat16) should be the same"); the same numbers as casting them by hand."""
+    runs = []
+    for by_hand in (False, True):
+        model = _convnet()
+        model, opt = memsave.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), _profile(profile), mesh=mesh)
+        losses = []
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(10 * step + mesh.dp_rank)
+            x, y = torch.randn(2, 3, 8, 8, generator=g), torch.randint(0, 5, (2,), generator=g)
+            loss = nn.functional.cross_entropy(model(x.bfloat16() if by_hand else x).float(), y)
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs.append((losses, model.state_dict()))
+    assert runs[0][0] == runs[1][0], f"{profile}: losses {runs[0][0]} != {runs[1][0]}"
+    for k, v in runs[1][1].items():
+        assert torch.equal(runs[0][1][k], v), f"float inputs [{profile}] {k}"
+
+
 def _error_cases(world: int) -> str:
     mesh = memsave.init()
     rank = mesh.dp_rank
     for profile in ("ddp-bf16", "zero1-bf16", "zero2-bf16", "zero3-bf16"):
         _load_after_wrap(mesh, profile)
+    for profile in ("ddp-bf16", "zero3-bf16"):
+        _float_inputs(mesh, profile)
     b = _local(_global_batch(0), rank)
     # 6. torch's clip_grad_norm_ over the model's parameters reads gradients that live in the shards: refused
     for profile in ("zero1", "zero2", "zero3"):
@@ -216,3 +256,21 @@ def _error_cases(world: int) -> str:
 
 def test_misuse_raises_and_loads_follow() -> None:
     assert run_ranks(_error_cases, 2, 2, timeout=300) == ["ok"] * 2
+
+
+def _state_dict_on_rank0_only(world: int) -> str:
+    mesh = memsave.init()
+    for profile in ("zero3", "zero1"):
+        model = ToyLM(n_blocks=2)
+        model, opt = memsave.wrap(model, torch.optim.AdamW(model.parameters()), profile, mesh=mesh)
+        if mesh.dp_rank == 0:  # a torch-DDP habit: save on rank 0 only
+            target = model if profile == "zero3" else opt
+            with pytest.raises(RuntimeError, match=r"state_dict\(\) .*collective.*rank\(s\) \[1\] did not"):
+                target.state_dict()
+        memsave.dist.barrier(mesh.dp_group)
+    return "ok"
+
+
+def test_state_dict_on_one_rank_says_it_is_collective() -> None:
+    """Without the arrival check rank 0 hangs for the 600 s collective timeout, then shows a raw gloo error."""
+    assert run_ranks(_state_dict_on_rank0_only, 2, 2, timeout=120, env={"MEMSAVE_ARRIVAL_S": "3"}) == ["ok"] * 2

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -219,6 +220,37 @@ def _store_barrier(name: str, timeout_s: float = 300.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"memsave.dist.shutdown: not every rank reached it within {timeout_s:.0f} s")
         time.sleep(0.001)
+
+
+_arrivals: dict[str, int] = {}
+
+
+def expect_every_rank(what: str, group: ProcessGroup | None, timeout_s: float | None = None) -> None:
+    """Check, through the store, that every rank of ``group`` reaches this call before a collective that would
+    otherwise hang for the whole collective timeout (600 s) and end in a raw gloo/NCCL error. Raises
+    ``RuntimeError`` naming the ranks that did not arrive within ``timeout_s`` (default ``MEMSAVE_ARRIVAL_S`` or
+    60 s). For rare calls only (state dicts): each costs a few store round trips."""
+    size = group_size(group)
+    if size <= 1:
+        return
+    timeout = timeout_s if timeout_s is not None else float(os.environ.get("MEMSAVE_ARRIVAL_S", "60"))
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
+    name = f"memsave/arrive/{what}/{'-'.join(map(str, ranks))}"
+    _arrivals[name] = _arrivals.get(name, 0) + 1
+    key = f"{name}/{_arrivals[name]}"
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"{key}/{dist.get_rank()}", "1")
+    keys = [f"{key}/{r}" for r in ranks]
+    deadline = time.monotonic() + timeout
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
+            raise RuntimeError(
+                f"{what} is collective: every rank of the data-parallel group must call it, but rank(s) {missing} "
+                f"did not within {timeout:.0f} s (MEMSAVE_ARRIVAL_S). Call it on every rank and keep or save the "
+                "result on rank 0 only, as memsave.save does"
+            )
+        time.sleep(0.002)
 
 
 def barrier(group: ProcessGroup | None = None) -> None:

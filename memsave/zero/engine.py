@@ -115,6 +115,7 @@ class ZeroEngine:
         self.loss_scaled = False  # fp16: gradients must come from optimizer.backward (a scaled loss)
         self.in_scaled_backward = False
         self.load_listeners: list[Callable[[], None]] = []  # called after model.load_state_dict
+        self.before_zero_in_place: Callable[[], None] | None = None  # set by the optimizer (offload overlap)
         for u in self.units:
             u.on_sharded_read = self._sharded_read
         self._hooks: list[Any] = []
@@ -459,6 +460,8 @@ class ZeroEngine:
         return unit.shard_grad(i)
 
     def zero_grad(self, set_to_none: bool) -> None:
+        if not set_to_none and self.before_zero_in_place is not None:
+            self.before_zero_in_place()  # [offload] overlap: a background step may still read the gradients
         for u in self.units:
             u.zero_grad(set_to_none)
 
@@ -470,6 +473,7 @@ class ZeroEngine:
             u.unshard_wait()
 
     def _pre_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        mdist.expect_every_rank("model.state_dict() under ZeRO-3", self.group)  # not a 600 s hang on rank 0 alone
         self.unshard_all()
 
     def _post_state_dict(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> dict:
@@ -485,6 +489,7 @@ class ZeroEngine:
 
     def _pre_load_state_dict(self, *args: Any, **kwargs: Any) -> None:
         if self.stage == 3:
+            mdist.expect_every_rank("model.load_state_dict() under ZeRO-3", self.group)
             self.unshard_all()
 
     def _post_load_state_dict(self, module: nn.Module, incompatible_keys: Any) -> None:

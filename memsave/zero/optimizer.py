@@ -102,6 +102,7 @@ class ZeroOptimizer(MemsaveOptimizer):
             state = self.offloaded
             assert state is not None
             engine.attach_step_waiter(lambda unit: state.wait_for(f"unit{unit.index}"))
+            engine.before_zero_in_place = self.settle
             self._settle_hook = engine.model.register_forward_hook(lambda *_: state.settle())
 
     # -- the step ------------------------------------------------------------------------------------------
@@ -184,9 +185,7 @@ class ZeroOptimizer(MemsaveOptimizer):
         self.engine.gather_params_after_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if not set_to_none:
-            self.settle()  # zeroing in place would change the gradients a background step reads
-        self.engine.zero_grad(set_to_none)
+        self.engine.zero_grad(set_to_none)  # (in place, it first waits for a background step that reads them)
         if self.mp is not None:
             self.mp.zero_grad(set_to_none)
 
@@ -228,6 +227,7 @@ class ZeroOptimizer(MemsaveOptimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The full optimizer state, in the plain optimizer's format (collective: call on every rank)."""
+        mdist.expect_every_rank("optimizer.state_dict() under ZeRO", self.engine.group)
         self.settle()
         sd = self.optimizer.state_dict()
         shards = [s for g in self.optimizer.param_groups for s in g["params"]]
