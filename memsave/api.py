@@ -8,6 +8,7 @@ being ignored.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from torch import nn
 
 from memsave import dist as mdist
 from memsave._logging import warn_once
-from memsave.config import OffloadConfig, Profile, load_profile
+from memsave.config import OffloadConfig, OptimizerConfig, Profile, list_presets, load_profile
 from memsave.dist import Mesh
 from memsave.engines.dp import DataParallelEngine, DataParallelOptimizer
 from memsave.models.units import default_units
@@ -28,7 +29,13 @@ from memsave.precision import (
     reduce_dtype_for,
     scaler_for,
 )
-from memsave.wrapped import MemsaveModule, MemsaveOptimizer, swap_class
+from memsave.wrapped import (
+    MemsaveModule,
+    MemsaveOptimizer,
+    is_wrapped_optimizer,
+    swap_class,
+    wrapped_model_of,
+)
 
 __all__ = ["default_mesh", "wrap"]
 
@@ -81,11 +88,82 @@ def _prepare_model(model: nn.Module, mesh: Mesh, dtype: torch.dtype | None) -> N
     model.to(mesh.device)
 
 
+def _check_arguments(profile: object, mesh: object) -> None:
+    """``profile`` and ``mesh`` are of the kinds :func:`wrap` takes (else the errors come from deep inside)."""
+    what = ("a preset name (" + ", ".join(list_presets()) + "), a path to a .toml file or a memsave.Profile")
+    if isinstance(profile, dict):
+        raise ValueError(f"profile must be {what}, got a dict; build one from it with memsave.Profile.from_dict(d)")
+    if not isinstance(profile, str | Path | Profile):
+        raise ValueError(f"profile must be {what}, got {type(profile).__name__} {profile!r}")
+    if isinstance(profile, str) and not profile.strip():
+        raise ValueError(f"profile is an empty string; pass {what}")
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise ValueError(
+            f"mesh must be a memsave.Mesh or None (dp over the whole default process group), got "
+            f"{type(mesh).__name__}; build it with mesh = memsave.init() (it reads the launcher's environment, or "
+            "takes the process group you initialized) and pass that"
+        )
+
+
+def _check_optimizer_not_wrapped(optimizer: torch.optim.Optimizer) -> None:
+    if isinstance(optimizer, MemsaveOptimizer):
+        raise ValueError(
+            f"optimizer is the {type(optimizer).__name__} an earlier memsave.wrap returned; pass the torch optimizer "
+            "you built over this model's parameters (each model and its optimizer are wrapped once)"
+        )
+    if is_wrapped_optimizer(optimizer):
+        raise ValueError(
+            f"optimizer ({type(optimizer).__name__}) was already wrapped by an earlier memsave.wrap, whose engine "
+            "steps it now; build a new optimizer over this model's parameters (each optimizer is wrapped once)"
+        )
+
+
+def _check_model(model: nn.Module, profile: Profile) -> None:
+    """What no engine can train: sparse gradients anywhere; nothing trainable under plain data parallelism."""
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse and m.weight.requires_grad:
+            raise NotImplementedError(
+                f"{type(m).__name__} {name or '<root>'!r} has sparse=True: the gradient of "
+                f"{(name + '.' if name else '') + 'weight'!r} is a sparse tensor, which memsave's gradient buckets "
+                "and ZeRO shards do not hold; construct it with sparse=False (the default)"
+            )
+    if profile.zero.stage == 0 and not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            f"profile {profile.name!r} (zero.stage = 0): model {type(model).__name__} has no trainable parameters "
+            f"({len(list(model.parameters()))} parameters, none with requires_grad=True), so there is no gradient "
+            "to average; set requires_grad=True on the parameters to train before memsave.wrap"
+        )
+
+
+def _warn_unused_optimizer_section(profile: Profile, optimizer: torch.optim.Optimizer) -> None:
+    """``[optimizer]`` describes the optimizer the trainer and ``memsave demo`` build; :func:`wrap` steps the one it
+    is given. Said once when the section is set and the optimizer passed is not the one it describes."""
+    cfg, default = profile.optimizer, OptimizerConfig()
+    if cfg == default:
+        return
+    from memsave.optim import build_optimizer  # layer 1
+
+    ref = build_optimizer([torch.zeros(1, requires_grad=True)], cfg)
+    if type(ref) is type(optimizer) and all(optimizer.defaults.get(k) == v for k, v in ref.defaults.items()):
+        return  # built from the section (memsave.optim.build_optimizer)
+    keys = ", ".join(f"{f.name} = {getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg)
+                     if getattr(cfg, f.name) != getattr(default, f.name))
+    warn_once(f"profile {profile.name!r}: its [optimizer] section ({keys}) is ignored by memsave.wrap, which steps "
+              f"the optimizer you pass ({type(optimizer).__name__}); to use the section, build the optimizer with "
+              "memsave.optim.build_optimizer(model.parameters(), profile.optimizer)")
+
+
 def _check_optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Every parameter the optimizer updates must belong to the model (else it would never be synchronized)."""
     names = {p: n for n, p in model.named_parameters(remove_duplicate=False)}
     for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
+            owner = wrapped_model_of(p) if p not in names else None
+            if owner is not None:
+                raise ValueError(
+                    f"optimizer param_groups[{gi}] holds parameter {owner[1]!r} of another model, which memsave.wrap "
+                    f"already wrapped ({type(owner[0]).__name__}); build the optimizer over this model's parameters()"
+                )
             if p not in names:
                 raise ValueError(
                     f"optimizer param_groups[{gi}] holds a tensor of shape {tuple(p.shape)} that is not a parameter "
@@ -120,6 +198,10 @@ def wrap(
     Returns:
         ``(model, optimizer)``: the same model object and a :class:`~memsave.wrapped.MemsaveOptimizer` with
         ``backward``, ``clip_grad_norm``, ``step``, ``zero_grad``, ``state_dict`` and ``load_state_dict``.
+
+    Raises:
+        ValueError (bad arguments) or NotImplementedError (an unsupported combination), before the model or the
+        optimizer is changed: a refused wrap loses nothing.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -130,8 +212,11 @@ def wrap(
             f"optimizer must be a torch.optim.Optimizer instance, got {type(optimizer).__name__}; "
             "build it over model.parameters() before calling memsave.wrap"
         )
+    _check_optimizer_not_wrapped(optimizer)
+    _check_arguments(profile, mesh)
     profile = load_profile(profile)
     _check_supported(profile)
+    _check_model(model, profile)
     if profile.recompute.policy.startswith("budget:") and example_inputs is None:
         raise ValueError(
             f"profile {profile.name!r}: [recompute] policy={profile.recompute.policy!r} measures the activations "
@@ -162,6 +247,7 @@ def wrap(
 
         ZeroOptimizer.check(optimizer, profile.zero.stage)  # before the cast, for the same reason
     _check_optimizer_params(model, optimizer)
+    _warn_unused_optimizer_section(profile, optimizer)
     recompute = profile.recompute.policy != "none"
     if profile.zero.stage == 0 and units is not None and not recompute:
         raise NotImplementedError(

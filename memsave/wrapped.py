@@ -7,23 +7,40 @@ for a subclass that also derives from :class:`MemsaveModule`, so attribute acces
 The optimizer is a :class:`MemsaveOptimizer` around the user's own optimizer instance; it is a
 ``torch.optim.Optimizer`` (LR schedulers accept it) whose ``param_groups`` *are* the inner optimizer's, so a
 scheduler built on either object changes the learning rate that is used.
+
+``copy.deepcopy`` of a wrapped model (an EMA copy) returns a plain instance of the user's class with the full
+weights and none of memsave's engine or hooks; ``model.to`` / ``.half()`` / ``.float()`` that would change a
+parameter's dtype or device after wrap are refused (the engine laid out its storage at wrap).
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
+import copy
+import functools
+import types
+import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _WrappedHook
 
 from memsave.phases import MemoryCategory
 
-__all__ = ["MemsaveModule", "MemsaveOptimizer", "route_zero_grad", "swap_class", "unswap_class", "user_class"]
+__all__ = ["MemsaveModule", "MemsaveOptimizer", "is_wrapped_optimizer", "route_zero_grad", "swap_class",
+           "unswap_class", "user_class", "wrapped_model_of"]
 
 _CLASS_CACHE: dict[type, type] = {}
+# What memsave wrapped, for the errors that name it (an optimizer or a parameter passed to a second wrap).
+_WRAPPED_MODELS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_WRAPPED_OPTIMIZERS: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+_LEFT_OUT = object()  # what memsave attached to a module, in a deep copy's memo: not copied
+# a module's hook dicts whose keys are flags on hooks of another dict: (flags, hooks)
+_HOOK_FLAGS = (("_forward_hooks_with_kwargs", "_forward_hooks"), ("_forward_hooks_always_called", "_forward_hooks"),
+               ("_forward_pre_hooks_with_kwargs", "_forward_pre_hooks"))
 
 
 class MemsaveModule:
@@ -63,6 +80,94 @@ class MemsaveModule:
         if hasattr(self.memsave_engine, "reshard_all"):
             self.memsave_engine.reshard_all()
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """What ``model.to(...)``, ``.half()``, ``.float()``, ``.cuda()`` run: refused when it would change a parameter
+        (its dtype or device), whose storage the engine laid out (buckets, ZeRO shards and the gathered views
+        of stage 3) beside the fp32 masters and the optimizer state; a conversion that leaves every parameter as it
+        is (``.to(its device)``, ``.float()`` of an fp32 model) applies to the buffers only."""
+        module = cast(nn.Module, self)
+        checked: set[tuple[torch.dtype, torch.device]] = set()
+        for name, p in module.named_parameters():
+            if (p.dtype, p.device) in checked:
+                continue
+            probe = torch.empty(0, dtype=p.dtype, device=p.device)  # what fn does to a tensor like p, at no cost
+            out = fn(probe)
+            if out is not probe:
+                raise NotImplementedError(
+                    f"converting a model after memsave.wrap (model.to / .half / .float / .cuda ...) is not supported: "
+                    f"it would replace parameter {name!r} ({p.dtype} on {p.device}) by a tensor of {out.dtype} on "
+                    f"{out.device}, while memsave's engine and optimizer keep its storage, gradients and state as "
+                    "they were laid out at wrap; move and cast the model before memsave.wrap (for mixed precision "
+                    'use [precision] compute = "bf16" or "fp16")'
+                )
+            checked.add((p.dtype, p.device))
+        for m in module.modules():
+            for key, buffer in m._buffers.items():
+                if buffer is not None:
+                    m._buffers[key] = fn(buffer)
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Module:
+        """``copy.deepcopy(model)`` (an EMA copy, say): a plain instance of the user's class holding the full
+        weights, without memsave's engine, hooks or recomputation. At ZeRO-3 it gathers the parameters for the copy
+        (a collective: deep-copy on every rank, between steps) and frees them again."""
+        module = cast(nn.Module, self)
+        forwards = _mark_left_out(module, memo)
+        clone = cast(nn.Module, object.__new__(user_class(module)))
+        memo[id(self)] = clone
+        self.unshard()
+        try:
+            clone.__dict__.update(copy.deepcopy(module.__dict__, memo))
+        finally:
+            self.reshard()
+        for m in clone.modules():
+            attrs = vars(m)
+            for key in [k for k, v in attrs.items() if v is _LEFT_OUT or k.startswith("memsave_")]:
+                del attrs[key]
+            for name, hooks_of in attrs.items():
+                if isinstance(hooks_of, dict) and "hooks" in name:
+                    for key in [k for k, v in hooks_of.items() if v is _LEFT_OUT]:
+                        del hooks_of[key]
+            for flags, hooks in _HOOK_FLAGS:
+                for key in [k for k in attrs.get(flags, {}) if k not in attrs.get(hooks, {})]:
+                    del attrs[flags][key]
+        for m, original in forwards:  # a recomputed unit: the forward it had before, if an instance one
+            vars(memo[id(m)])["forward"] = copy.deepcopy(original, memo)
+        return clone
+
+
+def _is_memsave(obj: Any) -> bool:
+    """Whether ``obj`` (a hook, an instance's ``forward``, a ``memsave_*`` attribute's value) is memsave's
+    machinery: a function, method or object defined in a memsave module (the reference models aside)."""
+    if isinstance(obj, _WrappedHook):  # torch's wrapper of some module hooks (load_state_dict pre-hooks)
+        obj = obj.hook
+    if isinstance(obj, functools.partial):
+        obj = obj.func
+    obj = getattr(obj, "__func__", obj)  # a bound method: its function
+    where = (getattr(obj, "__module__", None) if isinstance(obj, types.FunctionType) else type(obj).__module__) or ""
+    return where.split(".")[0] == "memsave" and not where.startswith("memsave.models")
+
+
+def _mark_left_out(module: nn.Module, memo: dict[int, Any]) -> list[tuple[nn.Module, Any]]:
+    """Map what memsave attached to ``module`` and its submodules (the engine and other ``memsave_*`` attributes,
+    hooks, a recomputed unit's ``forward``) to ``_LEFT_OUT`` in a deep copy's ``memo``, so it is never copied.
+    Returns ``(submodule, forward)`` for recomputed units whose forward before was an instance attribute."""
+    forwards = []
+    for m in module.modules():
+        for key, value in vars(m).items():
+            if key.startswith("memsave_") or key == "forward":
+                found = [value]
+            elif isinstance(value, dict) and "hooks" in key:
+                found = list(value.values())
+            else:
+                continue
+            for obj in found:
+                if _is_memsave(obj):
+                    memo[id(obj)] = _LEFT_OUT
+                    if key == "forward" and getattr(obj, "original", None) is not None:
+                        forwards.append((m, obj.original))
+    return forwards
+
 
 def swap_class(module: nn.Module, engine: Any) -> nn.Module:
     """Make ``module`` an instance of ``Memsave<Class>(Class, MemsaveModule)`` in place and attach ``engine``."""
@@ -73,9 +178,11 @@ def swap_class(module: nn.Module, engine: Any) -> nn.Module:
         # MemsaveModule's methods come first: zero_grad must reach the engine whatever the user's class defines
         _CLASS_CACHE[cls] = type(f"Memsave{cls.__name__}", (cls, MemsaveModule), {
             "__module__": cls.__module__, "zero_grad": MemsaveModule.zero_grad,
-            "unshard": MemsaveModule.unshard, "reshard": MemsaveModule.reshard})
+            "unshard": MemsaveModule.unshard, "reshard": MemsaveModule.reshard, "_apply": MemsaveModule._apply,
+            "__deepcopy__": MemsaveModule.__deepcopy__})
     module.__class__ = _CLASS_CACHE[cls]
     module.memsave_engine = engine
+    _WRAPPED_MODELS.add(module)
     return module
 
 
@@ -84,6 +191,7 @@ def unswap_class(module: nn.Module) -> nn.Module:
     if isinstance(module, MemsaveModule):
         module.__class__ = module.__class__.__bases__[0]
         del module.memsave_engine
+        _WRAPPED_MODELS.discard(module)
     return module
 
 
@@ -91,6 +199,20 @@ def user_class(module: nn.Module) -> type:
     """The class the user built ``module`` as (the one :func:`swap_class` derived from, if it ran)."""
     cls = type(module)
     return cls.__bases__[0] if isinstance(module, MemsaveModule) else cls
+
+
+def wrapped_model_of(t: torch.Tensor) -> tuple[nn.Module, str] | None:
+    """The wrapped model ``t`` is a parameter of, and its name there (``None``: none); scans them all, for errors."""
+    for model in list(_WRAPPED_MODELS):
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if p is t:
+                return model, name
+    return None
+
+
+def is_wrapped_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is a :class:`MemsaveOptimizer` or the user's optimizer inside one."""
+    return isinstance(optimizer, MemsaveOptimizer) or optimizer in _WRAPPED_OPTIMIZERS
 
 
 def route_zero_grad(inner: torch.optim.Optimizer, wrapper: MemsaveOptimizer) -> None:
@@ -117,6 +239,7 @@ class MemsaveOptimizer(torch.optim.Optimizer, abc.ABC):
         if isinstance(optimizer, MemsaveOptimizer):
             raise ValueError("optimizer is already wrapped by memsave; pass the original optimizer")
         self.optimizer = optimizer
+        _WRAPPED_OPTIMIZERS.add(optimizer)
         self._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks
         self._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
 

@@ -1,0 +1,237 @@
+"""``memsave.wrap``'s refusals (issue 17: clear errors instead of obscure ones), each raised before the model or the
+optimizer is touched; ``model.half()`` and friends refused after wrap; ``copy.deepcopy`` of a wrapped model (an
+EMA copy) on 2 gloo ranks; an ``[optimizer]`` section that ``wrap`` ignores, said once.
+
+Each case failed on the main branch before: a TypeError or AttributeError from deep inside, an AssertionError or
+a sparse-tensor RuntimeError in the first backward, "not a parameter of the model", a pickling error of a process
+group, a ZeRO guard error from ``.to("cpu")``, or no word at all.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import memsave
+from memsave import _logging
+from memsave.optim import build_optimizer
+from tests.harness import run_ranks
+from tests.toy import ToyLM, toy_batch
+
+ROWS = 2  # per rank
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _assert_unchanged(model: nn.Module, before: dict[str, torch.Tensor], cls: type = ToyLM) -> None:
+    """A refused wrap loses nothing: same class, same values, no hooks."""
+    assert type(model) is cls and not hasattr(model, "memsave_engine")
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+    assert all(p.grad is None and not p._post_accumulate_grad_hooks for p in model.parameters())
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def _assert_optimizer_unchanged(opt: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
+    assert "zero_grad" not in vars(opt) and not opt.state  # not routed to a wrapper, never stepped
+    assert [p for g in opt.param_groups for p in g["params"]] == params
+
+
+def _step(model: nn.Module, opt: Any, step: int, rank: int = 0, world: int = 1) -> float:
+    batch = toy_batch(step, ROWS * world)
+    loss = model(**{k: v[rank * ROWS : (rank + 1) * ROWS] for k, v in batch.items()}).loss
+    opt.backward(loss)
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def _wrap(profile: Any = "ddp", seed: int = 1) -> tuple[nn.Module, Any]:
+    model = ToyLM(seed=seed)
+    return memsave.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), profile, mesh=memsave.init())
+
+
+# -- arguments ------------------------------------------------------------------------------------------------
+def test_a_bad_profile_or_mesh_argument_is_refused() -> None:
+    model = ToyLM(seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before, params = _state(model), list(model.parameters())
+    kinds = r"a preset name \(.*ddp.*zero3.*\), a path to a \.toml file or a memsave\.Profile"
+    for bad, match in ((3, rf"profile must be {kinds}, got int 3$"), (None, r"got NoneType None$"),
+                       ({"zero": {"stage": 3}}, r"got a dict; build one from it with memsave\.Profile\.from_dict"),
+                       ("", rf"profile is an empty string; pass {kinds}"), ("  ", "profile is an empty string")):
+        with pytest.raises(ValueError, match=match):
+            memsave.wrap(model, opt, bad)
+    for bad_mesh, name in ((object(), "object"), ("dp", "str"), (2, "int")):
+        with pytest.raises(ValueError, match=rf"mesh must be a memsave\.Mesh or None \(dp over the whole default "
+                                             rf"process group\), got {name}; build it with mesh = memsave\.init\(\)"):
+            memsave.wrap(model, opt, "ddp", mesh=bad_mesh)
+    _assert_unchanged(model, before)
+    _assert_optimizer_unchanged(opt, params)
+
+
+def test_sparse_embeddings_are_refused_at_every_profile() -> None:
+    for profile in ("ddp", "zero1", "zero3"):
+        for sparse in (nn.Embedding(10, 4, sparse=True), nn.EmbeddingBag(10, 4, sparse=True)):
+            model = nn.Sequential()
+            model.add_module("embed", sparse)
+            model.add_module("out", nn.Linear(4, 1))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            before, params = _state(model), list(model.parameters())
+            kind = type(sparse).__name__
+            with pytest.raises(NotImplementedError, match=rf"{kind} 'embed' has sparse=True: the gradient of "
+                                                          r"'embed\.weight' is a sparse tensor.*construct it with "
+                                                          r"sparse=False \(the default\)"):
+                memsave.wrap(model, opt, profile, mesh=memsave.init())
+            _assert_unchanged(model, before, nn.Sequential)
+            _assert_optimizer_unchanged(opt, params)
+    frozen = nn.Sequential(nn.Embedding(10, 4, sparse=True).requires_grad_(False), nn.Linear(4, 1))
+    memsave.wrap(frozen, torch.optim.SGD(frozen[1].parameters(), lr=0.1), "ddp")  # no gradient, nothing sparse
+
+
+def test_nothing_trainable_under_plain_data_parallel_is_refused() -> None:
+    empty = nn.Sequential(nn.ReLU())
+    frozen = ToyLM(seed=1).requires_grad_(False)
+    for model, opt, count in ((empty, torch.optim.SGD([{"params": []}], lr=0.1), 0),
+                              (frozen, torch.optim.SGD(frozen.parameters(), lr=0.1), 23)):
+        before, params = _state(model), list(model.parameters())
+        with pytest.raises(ValueError, match=rf"profile 'ddp' \(zero\.stage = 0\): model {type(model).__name__} has "
+                                             rf"no trainable parameters \({count} parameters, none with "
+                                             r"requires_grad=True\).*set requires_grad=True on the parameters to "
+                                             "train before memsave.wrap"):
+            memsave.wrap(model, opt, "ddp", mesh=memsave.init())
+        _assert_unchanged(model, before, type(model))
+        _assert_optimizer_unchanged(opt, params)
+    memsave.wrap(frozen, torch.optim.SGD(frozen.parameters(), lr=0.1), "zero1")  # ZeRO's engine takes it
+
+
+def test_an_optimizer_that_was_already_wrapped_is_refused() -> None:
+    first = ToyLM(seed=1)
+    inner = torch.optim.AdamW(first.parameters(), lr=1e-2)
+    first, wrapped_opt = memsave.wrap(first, inner, "ddp")
+    third = ToyLM(seed=3)
+    inner3 = torch.optim.AdamW(third.parameters(), lr=1e-2)
+    memsave.wrap(third, inner3, "zero3")  # its param_groups now hold ZeRO shards
+    model = ToyLM(seed=2)
+    before = _state(model)
+    with pytest.raises(ValueError, match=r"optimizer is the DataParallelOptimizer an earlier memsave\.wrap returned; "
+                                         r"pass the torch optimizer you built over this model's parameters"):
+        memsave.wrap(model, wrapped_opt, "ddp")
+    for used in (inner, inner3):
+        with pytest.raises(ValueError, match=r"optimizer \(AdamW\) was already wrapped by an earlier memsave\.wrap.*"
+                                             "build a new optimizer over this model's parameters"):
+            memsave.wrap(model, used, "zero2")
+    over_first = torch.optim.SGD(first.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"optimizer param_groups\[0\] holds parameter 'embed\.weight' of another "
+                                         r"model, which memsave\.wrap already wrapped \(MemsaveToyLM\); build the "
+                                         r"optimizer over this model's parameters\(\)"):
+        memsave.wrap(model, over_first, "ddp")
+    _assert_unchanged(model, before)
+    _assert_optimizer_unchanged(over_first, list(first.parameters()))
+    model, _ = memsave.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "ddp")  # its own: fine
+
+
+# -- after wrap ---------------------------------------------------------------------------------------------------
+def test_casting_or_moving_a_wrapped_model_is_refused_and_no_ops_still_work() -> None:
+    for profile in ("ddp", "zero1", "zero3", "ddp-bf16"):
+        model, opt = _wrap(profile)
+        ref_model, ref_opt = _wrap(profile)
+        dtype = next(model.parameters()).dtype
+        other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+        changes: list[tuple[Callable[[nn.Module], Any], str]] = [
+            (lambda m: m.half(), "torch.float16 on cpu"), (lambda m, o=other: m.to(o), f"{other} on cpu"),
+            (lambda m: m.double(), "torch.float64 on cpu"), (lambda m: m.to("meta"), f"{dtype} on meta")]
+        if dtype == torch.bfloat16:
+            changes.append((lambda m: m.float(), "torch.float32 on cpu"))
+        assert _step(model, opt, 0) == _step(ref_model, ref_opt, 0)
+        for change, to in changes:
+            with pytest.raises(NotImplementedError, match=rf"converting a model after memsave\.wrap .* would replace "
+                                                          rf"parameter 'embed\.weight' \({dtype} on cpu\) by a tensor "
+                                                          rf"of {to}.*move and cast the model before memsave\.wrap"):
+                change(model)
+        no_ops: list[Callable[[nn.Module], Any]] = [
+            lambda m: m.to("cpu"), lambda m, d=dtype: m.to(torch.device("cpu"), d), lambda m: m.cpu(), lambda m: m.eval(),
+            lambda m: m.train(), lambda m, d=dtype: m.bfloat16() if d == torch.bfloat16 else m.float()]
+        for no_op in no_ops:  # on the reference too: .bfloat16() of a bf16 model casts its fp32 buffers, as torch's
+            assert no_op(model) is model and no_op(ref_model) is ref_model
+        assert all(p.dtype == dtype and p.device.type == "cpu" for p in model.parameters())
+        assert model.scale.dtype == dtype and model.training
+        for step in (1, 2):
+            assert _step(model, opt, step) == _step(ref_model, ref_opt, step), profile
+        ref = ref_model.state_dict()
+        assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())
+
+
+def test_an_ignored_optimizer_section_is_said_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_logging, "_warned", set())
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: said.append(r.getMessage())  # type: ignore[method-assign]
+    _logging.get_logger().addHandler(handler)
+    try:
+        profile = memsave.load_profile("zero2-adafactor")
+        for _ in range(2):
+            _wrap(profile)
+        model = ToyLM(seed=1)
+        memsave.wrap(model, build_optimizer(model.parameters(), profile.optimizer), profile)  # built from it
+        _wrap("ddp")  # the default section
+    finally:
+        _logging.get_logger().removeHandler(handler)
+    ignored = [m for m in said if "[optimizer]" in m]
+    assert len(ignored) == 1, said
+    assert ignored[0] == (
+        "profile 'zero2-adafactor': its [optimizer] section (name = 'adafactor', lr = 0.03) is ignored by "
+        "memsave.wrap, which steps the optimizer you pass (AdamW); to use the section, build the optimizer with "
+        "memsave.optim.build_optimizer(model.parameters(), profile.optimizer)")
+
+
+# -- copy.deepcopy (an EMA copy) on 2 ranks -------------------------------------------------------------------
+def _user_hook(module: nn.Module, args: Any, output: Any) -> None:
+    return None
+
+
+def _deepcopy_ranks() -> str:
+    rank, world = memsave.init().dp_rank, 2
+    for profile in ("ddp", "zero1", "zero3", "zero3-recompute", "ddp-bf16"):
+        model, opt = _wrap(profile)
+        model.blocks[0].register_forward_hook(_user_hook)  # the user's own: kept
+        ref_model, ref_opt = _wrap(profile)
+        _step(model, opt, 0, rank, world)
+        _step(ref_model, ref_opt, 0, rank, world)
+        ema = copy.deepcopy(model)
+        assert type(ema) is ToyLM and not isinstance(ema, memsave.MemsaveModule), profile
+        expected = model.state_dict()
+        got = ema.state_dict()
+        assert got.keys() == expected.keys() and all(torch.equal(got[k], v) for k, v in expected.items()), profile
+        assert ema.head.weight is ema.embed.weight and not ema.frozen_proj.weight.requires_grad
+        for m in ema.modules():
+            assert not any(k.startswith("memsave_") or k == "forward" for k in vars(m)), (profile, vars(m).keys())
+            hooks = [*m._forward_pre_hooks.values(), *m._forward_hooks.values(), *m._state_dict_hooks.values(),
+                     *m._state_dict_pre_hooks.values(), *m._load_state_dict_pre_hooks.values(),
+                     *m._load_state_dict_post_hooks.values()]
+            assert hooks == ([_user_hook] if m is ema.blocks[0] else []), (profile, hooks)
+            assert not m._forward_pre_hooks_with_kwargs and not m._forward_hooks_with_kwargs
+        assert all(type(p) is nn.Parameter and p.grad is None and not p._post_accumulate_grad_hooks
+                   for p in ema.parameters())
+        batch = toy_batch(9, ROWS)
+        with torch.no_grad():
+            assert torch.equal(ema(**batch).loss, model(**batch).loss), profile
+        for step in (1, 2):  # the wrapped model trains on as if no copy had been made
+            assert _step(model, opt, step, rank, world) == _step(ref_model, ref_opt, step, rank, world), profile
+        ref, now = ref_model.state_dict(), model.state_dict()
+        assert all(torch.equal(v, ref[k]) for k, v in now.items()), profile
+        assert all(torch.equal(v, got[k]) for k, v in ema.state_dict().items())  # the copy did not move
+        assert not all(torch.equal(v, got[k]) for k, v in now.items())
+    return "ok"
+
+
+def test_deepcopy_of_a_wrapped_model_is_a_plain_copy_with_the_full_weights() -> None:
+    assert run_ranks(_deepcopy_ranks, 2, timeout=240) == ["ok", "ok"]
