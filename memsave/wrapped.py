@@ -31,7 +31,7 @@ from torch.nn.modules.module import _WrappedHook
 from memsave.phases import MemoryCategory
 
 __all__ = ["MemsaveModule", "MemsaveOptimizer", "is_wrapped_optimizer", "route_zero_grad", "swap_class",
-           "unswap_class", "user_class", "wrapped_model_of"]
+           "unswap_class", "user_class", "weak_method", "wrapped_model_of"]
 
 _CLASS_CACHE: dict[type, type] = {}
 # What memsave wrapped, for the errors that name it (an optimizer or a parameter passed to a second wrap).
@@ -218,8 +218,23 @@ def is_wrapped_optimizer(optimizer: torch.optim.Optimizer) -> bool:
 def route_zero_grad(inner: torch.optim.Optimizer, wrapper: MemsaveOptimizer) -> None:
     """Make the user's own optimizer instance's ``zero_grad()`` the wrapper's: a loop that kept the original
     object (``opt.zero_grad()``) must clear the engine's gradients too, or the next step would add them up. The
-    class's method stays reachable as ``type(inner).zero_grad(inner, ...)``."""
-    inner.zero_grad = wrapper.zero_grad  # type: ignore[method-assign]
+    class's method stays reachable as ``type(inner).zero_grad(inner, ...)``. Held weakly: the inner optimizer does
+    not keep the wrapper (and its offload files) alive."""
+    route = weak_method(wrapper.zero_grad, fallback=lambda *a, **k: type(inner).zero_grad(inner, *a, **k))
+    inner.zero_grad = route  # type: ignore[method-assign]
+
+
+def weak_method(method: Callable[..., Any], fallback: Callable[..., Any] | None = None) -> Callable[..., Any]:
+    """A callable that calls the bound ``method`` while its object lives (else ``fallback``, or nothing): for
+    callbacks an engine or the user's optimizer keeps, which must not keep a wrapper alive."""
+    ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = ref()
+        if bound is not None:
+            return bound(*args, **kwargs)
+        return fallback(*args, **kwargs) if fallback is not None else None
+    return call
 
 
 class MemsaveOptimizer(torch.optim.Optimizer, abc.ABC):

@@ -33,7 +33,7 @@ from memsave import dist as mdist
 from memsave.dist import Mesh
 from memsave.phases import MemoryCategory
 from memsave.precision import LossScaler, MixedPrecisionOptimizer
-from memsave.wrapped import MemsaveOptimizer, route_zero_grad
+from memsave.wrapped import MemsaveOptimizer, route_zero_grad, weak_method
 
 __all__ = ["DataParallelEngine", "DataParallelOptimizer", "trainable_parameters"]
 
@@ -264,7 +264,7 @@ class DataParallelOptimizer(MemsaveOptimizer):
         self.scaler = scaler
         engine.loss_scaled = scaler is not None
         if self.mp is not None:
-            engine.load_listeners.append(self.mp.refresh_masters)
+            engine.load_listeners.append(weak_method(self.mp.refresh_masters))
         route_zero_grad(optimizer, self)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:

@@ -33,6 +33,11 @@ from memsave.wrapped import MemsaveOptimizer
 __all__ = ["MixedPrecisionOptimizer"]
 
 
+def follow(master: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``master`` where it still rounds to the low-precision ``p``, else ``p`` in fp32 (see ``refresh_masters``)."""
+    return torch.where(master.to(p.dtype) == p, master, p.to(master.device, torch.float32))
+
+
 def _own_grad(p: torch.Tensor) -> torch.Tensor | None:
     return p.grad
 
@@ -183,11 +188,13 @@ class MixedPrecisionOptimizer(MemsaveOptimizer):
 
     @torch.no_grad()
     def refresh_masters(self) -> None:
-        """Make every fp32 master the parameter it masters again (after the model's weights were loaded), as
-        ``__init__`` made them: so the next step does not copy the old weights back."""
+        """After the model's weights were loaded: every fp32 master element that no longer rounds to its
+        parameter becomes the parameter (as ``__init__`` made it), so the next step does not copy the old weights
+        back. Elements that still round to it keep their extra precision: a resume that loads the optimizer (with
+        its masters) before or after the model stays bit for bit."""
         for master, p in self._pairs:
             if master is not p:
-                master.copy_(p)
+                master.copy_(follow(master, p))
 
     @torch.no_grad()
     def load_masters(self, masters: list[torch.Tensor]) -> None:

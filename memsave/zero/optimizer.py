@@ -22,7 +22,8 @@ from memsave.config import OffloadConfig
 from memsave.optim import Adafactor
 from memsave.phases import MemoryCategory
 from memsave.precision import LossScaler, MixedPrecisionOptimizer
-from memsave.wrapped import MemsaveOptimizer, route_zero_grad
+from memsave.precision.optimizer import follow
+from memsave.wrapped import MemsaveOptimizer, route_zero_grad, weak_method
 from memsave.zero.engine import ZeroEngine
 from memsave.zero.layout import ShardLayout
 
@@ -62,7 +63,7 @@ class ZeroOptimizer(MemsaveOptimizer):
         self.engine = engine
         self.scaler = scaler
         engine.loss_scaled = scaler is not None
-        engine.load_listeners.append(self._refresh_masters)
+        engine.load_listeners.append(weak_method(self._refresh_masters))
         route_zero_grad(optimizer, self)
         self._full_of: dict[torch.Tensor, nn.Parameter] = {}
         for group in optimizer.param_groups:
@@ -102,7 +103,7 @@ class ZeroOptimizer(MemsaveOptimizer):
             state = self.offloaded
             assert state is not None
             engine.attach_step_waiter(lambda unit: state.wait_for(f"unit{unit.index}"))
-            engine.before_zero_in_place = self.settle
+            engine.before_zero_in_place = weak_method(self.settle)
             self._settle_hook = engine.model.register_forward_hook(lambda *_: state.settle())
 
     # -- the step ------------------------------------------------------------------------------------------
@@ -165,7 +166,8 @@ class ZeroOptimizer(MemsaveOptimizer):
                 "weights before memsave.wrap, or load a full checkpoint with optimizer.load_state_dict"
             )
         states, own = self.offloaded.local()
-        own.update({m: s.detach().float() for m, s in self.mp._pairs if m is not s})
+        own.update({m: follow(own[m], s.detach()) if m in own else s.detach().float()
+                    for m, s in self.mp._pairs if m is not s})
         self.offloaded.load_local_state(states, own)
 
     def _step(self) -> None:
