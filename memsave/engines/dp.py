@@ -84,7 +84,7 @@ class DataParallelEngine:
         self.num_syncs = 0  # completed gradient synchronizations (one per synchronizing backward)
         self.loss_scaled = False  # fp16: gradients must come from optimizer.backward (a scaled loss)
         self.in_scaled_backward = False
-        self.load_listeners: list[Callable[[], None]] = []  # called after model.load_state_dict
+        self.load_listeners: list[Callable[[Any], None]] = []  # called after model.load_state_dict (with None)
         self._frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._slot]
         self._hooks.append(model.register_forward_pre_hook(self._check_trainable, prepend=True))
@@ -119,7 +119,7 @@ class DataParallelEngine:
     # -- hooks -----------------------------------------------------------------------------------------------
     def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
         for listener in self.load_listeners:  # the optimizer's fp32 masters follow the loaded parameters
-            listener()
+            listener(None)
 
     def _check_trainable(self, module: nn.Module, args: Any) -> None:
         for name, p in self._frozen:
@@ -264,7 +264,8 @@ class DataParallelOptimizer(MemsaveOptimizer):
         self.scaler = scaler
         engine.loss_scaled = scaler is not None
         if self.mp is not None:
-            engine.load_listeners.append(weak_method(self.mp.refresh_masters))
+            refresh = weak_method(self.mp.refresh_masters)
+            engine.load_listeners.append(lambda _: refresh())
         route_zero_grad(optimizer, self)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:

@@ -114,7 +114,8 @@ class ZeroEngine:
         self._creating_graph = False  # stage 3: the backward running now creates a graph (create_graph=True)
         self.loss_scaled = False  # fp16: gradients must come from optimizer.backward (a scaled loss)
         self.in_scaled_backward = False
-        self.load_listeners: list[Callable[[], None]] = []  # called after model.load_state_dict
+        # called after model.load_state_dict, with the new rows of shards that are offloaded (else None)
+        self.load_listeners: list[Callable[[dict[torch.Tensor, torch.Tensor] | None], None]] = []
         self.before_zero_in_place: Callable[[], None] | None = None  # set by the optimizer (offload overlap)
         for u in self.units:
             u.on_sharded_read = self._sharded_read
@@ -493,16 +494,21 @@ class ZeroEngine:
             self.unshard_all()
 
     def _post_load_state_dict(self, module: nn.Module, incompatible_keys: Any) -> None:
+        loaded: dict[torch.Tensor, torch.Tensor] | None = None  # shards that leave memory: their new rows
         if self.stage == 3:
+            if self.param_offload is not None and self.load_listeners:
+                loaded = {}
             for u in self.units:
                 if self.param_offload is not None:
                     self.param_offload.enter(u)  # the shard changes: loaded, written back below
                 u.write_back_full()
+                if loaded is not None:
+                    loaded.update((s, s.detach().clone()) for s in u.shards)
                 u.reshard()
             if self.param_offload is not None:
                 self.param_offload.finish()
         for listener in self.load_listeners:  # the optimizer's fp32 masters follow the loaded parameters
-            listener()
+            listener(loaded)
 
     # -- bookkeeping ---------------------------------------------------------------------------------------
     def memory_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:

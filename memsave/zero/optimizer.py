@@ -151,7 +151,7 @@ class ZeroOptimizer(MemsaveOptimizer):
         return norm
 
     @torch.no_grad()
-    def _refresh_masters(self) -> None:
+    def _refresh_masters(self, loaded: dict[torch.Tensor, torch.Tensor] | None = None) -> None:
         """After ``model.load_state_dict``: the fp32 masters become the loaded parameters (else the next step would
         copy the old weights back)."""
         if self.mp is None:
@@ -159,15 +159,12 @@ class ZeroOptimizer(MemsaveOptimizer):
         if self.offloaded is None:
             self.mp.refresh_masters()
             return
-        if self.param_offload is not None:
-            raise NotImplementedError(
-                "model.load_state_dict after memsave.wrap with [offload] params and mixed precision is not "
-                "implemented (the fp32 masters live on the offload tier beside the parameter shards); load the "
-                "weights before memsave.wrap, or load a full checkpoint with optimizer.load_state_dict"
-            )
         states, own = self.offloaded.local()
-        own.update({m: follow(own[m], s.detach()) if m in own else s.detach().float()
-                    for m, s in self.mp._pairs if m is not s})
+        rows = loaded if loaded is not None else {}  # [offload] params: the shards' rows, read while loaded
+        for m, s in self.mp._pairs:
+            if m is not s:
+                new = rows.get(s, s).detach()
+                own[m] = follow(own[m], new) if m in own else new.float()
         self.offloaded.load_local_state(states, own)
 
     def _step(self) -> None:
