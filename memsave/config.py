@@ -40,6 +40,13 @@ PRESET_DIR = Path(__file__).parent / "profiles"
 _RECOMPUTE_POLICY = re.compile(r"^(none|full|selective|every:[1-9][0-9]*|budget:[0-9.]+\s*(B|KiB|MiB|GiB|TiB))$")
 
 
+def _doc(what: str, allowed: str = "") -> dict[str, str]:
+    """A profile key's ``field`` metadata: ``help`` says what it does, ``allowed`` what values its checks accept
+    where the annotation does not say it all. memsave.profile_docs renders both into docs/profiles.md, and a key
+    without ``help`` fails that test."""
+    return {"help": what, "allowed": allowed}
+
+
 def _bad(key: str, value: object, allowed: str) -> ValueError:
     return ValueError(f"profile key '{key}' = {value!r} is not allowed; expected {allowed}")
 
@@ -60,23 +67,36 @@ class _Checked:
 
 @dataclass(frozen=True, kw_only=True)
 class ZeroConfig(_Checked):
-    """``[zero]``: data parallelism and ZeRO sharding (Rajbhandari et al., 2020).
+    """``[zero]``: data parallelism and ZeRO sharding over the dp ranks (Rajbhandari et al., 2020).
 
-    stage: 0 replicates everything (DDP-style bucketed all-reduce); 1 shards optimizer state; 2 also shards
-        gradients; 3 also shards parameters.
-    bucket_mb: size of a gradient communication bucket (stage 0) in MiB.
-    prefetch: stage 3: how many units ahead are gathered while the current one computes.
-    reshard_after_forward: stage 3: free gathered parameters after forward (True) or keep them until the
-        backward of that unit (False; more memory, one all-gather fewer per unit).
-    host_mmap_threshold_mb: on CPU, pin glibc's mmap threshold (MiB; 0 = leave it) so freed large buffers go
-        back to the OS: lower peak RSS for some step time (see memsave/dist/host_memory.py).
+    Each field's ``help`` metadata says what it does (rendered in docs/profiles.md).
     """
 
-    stage: int = 0
-    bucket_mb: float = 25.0
-    prefetch: int = 1
-    reshard_after_forward: bool = True
-    host_mmap_threshold_mb: float = 0.0
+    stage: int = field(default=0, metadata=_doc(
+        "0: plain data parallelism, everything replicated, gradients averaged by bucketed all-reduces overlapped "
+        "with backward (as torch DDP). 1: the optimizer state (and under mixed precision the fp32 masters) is "
+        "sharded over the dp ranks; each rank steps its rows and the parameters are all-gathered after the step. "
+        "2: gradients too: each unit's gradients are reduce-scattered as soon as its backward is done. 3: "
+        "parameters too: each unit is all-gathered before its forward and again before its backward, and freed "
+        "after use.",
+        "0, 1, 2 or 3"))
+    bucket_mb: float = field(default=25.0, metadata=_doc(
+        "Stage 0: size of a gradient all-reduce bucket in MiB (torch DDP's bucket_cap_mb). At stages 1-3 the "
+        "communication bucket is the unit (choose the units with memsave.wrap(units=...)).",
+        "a positive number of MiB"))
+    prefetch: int = field(default=1, metadata=_doc(
+        "Stage 3: how many units ahead are gathered while the current one computes, in forward and in backward "
+        "order; 0 gathers a unit only when it is reached.",
+        "a count of units >= 0"))
+    reshard_after_forward: bool = field(default=True, metadata=_doc(
+        "Stage 3: free a unit's gathered parameters after its forward (true), or keep them until its backward "
+        "(false: more memory, one all-gather fewer per unit; FSDP2's reshard_after_forward=False, FSDP's "
+        "SHARD_GRAD_OP). The root unit stays gathered from the start of forward to the end of backward either way."))
+    host_mmap_threshold_mb: float = field(default=0.0, metadata=_doc(
+        "CPU only: pin glibc's mmap threshold at this many MiB, so freed buffers at least this large go straight "
+        "back to the OS: lower peak RSS for some step time (the zero3 presets set 8; MEMSAVE_MMAP_THRESHOLD=<bytes> "
+        "overrides; see memsave/dist/host_memory.py). 0 leaves glibc's dynamic threshold.",
+        "a size in MiB >= 0 (0 = off)"))
 
     _section = "zero"
 
@@ -94,18 +114,29 @@ class ZeroConfig(_Checked):
 
 @dataclass(frozen=True, kw_only=True)
 class PrecisionConfig(_Checked):
-    """``[precision]``: dtypes (Micikevicius et al., 2018).
+    """``[precision]``: dtypes and loss scaling (mixed precision, Micikevicius et al., 2018).
 
-    compute: dtype of parameters and activations in forward/backward.
-    master: dtype of the master weights the optimizer updates.
-    reduce: dtype of gradient communication; "compute" means the compute dtype.
-    loss_scale: "none", "dynamic", or a fixed positive scale.
+    Each field's ``help`` metadata says what it does (rendered in docs/profiles.md).
     """
 
-    compute: Literal["fp32", "bf16", "fp16"] = "fp32"
-    master: Literal["fp32"] = "fp32"
-    reduce: Literal["fp32", "bf16", "fp16", "compute"] = "compute"
-    loss_scale: str | float = "none"
+    compute: Literal["fp32", "bf16", "fp16"] = field(default="fp32", metadata=_doc(
+        "dtype of the parameters, activations and gradients in forward and backward. bf16/fp16: memsave.wrap "
+        "casts every floating-point parameter (frozen ones too; tied weights stay tied), floating-point forward "
+        "inputs are cast at each call (integer inputs are left alone), buffers keep their dtype, and the "
+        "optimizer steps fp32 masters."))
+    master: Literal["fp32"] = field(default="fp32", metadata=_doc(
+        "dtype of the master weights the optimizer steps, sharded like its state at stages 1-3 and cast into the "
+        "parameters after each step. With compute = \"fp32\" the parameters are their own masters."))
+    reduce: Literal["fp32", "bf16", "fp16", "compute"] = field(default="compute", metadata=_doc(
+        "dtype gradients are communicated and kept in after reduction: \"compute\" (the compute dtype: 2 bytes "
+        "under bf16/fp16) or \"fp32\" (summed in fp32 and kept in fp32, as FSDP2's reduce_dtype=torch.float32).",
+        "\"bf16\" or \"fp16\" only when it is the compute dtype (else NotImplementedError at wrap)"))
+    loss_scale: str | float = field(default="none", metadata=_doc(
+        "Loss scaling, for fp16: \"dynamic\" starts at 2^16, doubles after 2000 steps without overflow and "
+        "halves on one; a number is a fixed scale. optimizer.backward(loss) scales, clip_grad_norm unscales first, "
+        "and a step whose gradients overflowed on any rank is skipped on every rank. fp16 wants one (its range "
+        "ends at 65504 and small gradients underflow); bf16 has fp32's range and needs none.",
+        "\"none\", \"dynamic\" or a positive number"))
 
     _section = "precision"
 
@@ -123,33 +154,49 @@ class OffloadConfig(_Checked):
     """``[offload]``: where state lives when it is not on the compute device (ZeRO-Offload, Ren et al., 2021;
     ZeRO-Infinity, Rajbhandari et al., 2021).
 
-    optimizer: "none", "cpu" (pinned host memory, on a CUDA device; on CPU nothing moves) or "disk" (files under
-        ``path``): where the optimizer state of ZeRO's shards lives between steps (zero.stage >= 1).
-    params: "none", "cpu" or "disk": where stage 3 keeps its parameter shards between uses: "cpu" is pinned host
-        memory on a CUDA device (with optimizer = "cpu", fraction = 1; on a CPU device nothing moves), "disk" is
-        files under ``path`` on a CPU device (with optimizer = "disk", fraction = 1).
-    activations: "none" or "cpu": saved activations moved to host memory between forward and backward.
-    fraction: share of the optimizer state that is offloaded, 0..1 (whole chunks; the rest stays in memory: the
-        last units' chunks, or with ``overlap`` the first units', which the next forward needs first).
-    path: folder for the disk tier (a run-unique subfolder is created in it and removed on close).
-    prefetch: chunks of optimizer state read ahead while one is stepped; 0 = synchronous.
-    chunk_mb: optimizer state per chunk in MiB; the step holds ``prefetch + 2`` chunks in memory.
-    direct: the disk tier reads and writes with O_DIRECT (no page cache) where the file system supports it (else
-        buffered, said once); false: always buffered.
-    overlap: stage 3: the offloaded chunks are stepped in the background, overlapped with what follows
-        ``optimizer.step()`` (zero_grad, the next batch, the next forward); each unit's gather waits for its own
-        chunks only.
+    Each field's ``help`` metadata says what it does (rendered in docs/profiles.md).
     """
 
-    optimizer: Literal["none", "cpu", "disk"] = "none"
-    params: Literal["none", "cpu", "disk"] = "none"
-    activations: Literal["none", "cpu"] = "none"
-    fraction: float = 1.0
-    path: str = ""
-    prefetch: int = 2
-    chunk_mb: float = 1.0
-    direct: bool = True
-    overlap: bool = False
+    optimizer: Literal["none", "cpu", "disk"] = field(default="none", metadata=_doc(
+        "Where the optimizer state of this rank's shards lives between steps (zero.stage >= 1; under mixed "
+        "precision the fp32 masters move with it): \"cpu\" is pinned host memory on a CUDA device, streamed to "
+        "the device in chunks during the step (on a CPU device nothing moves: said once); \"disk\" is files "
+        "under path, on a CPU device."))
+    params: Literal["none", "cpu", "disk"] = field(default="none", metadata=_doc(
+        "Stage 3: where the units' parameter shards live between uses, loaded prefetch units ahead of each "
+        "gather: \"cpu\" is pinned host memory on a CUDA device (with optimizer = \"cpu\", fraction = 1; on a "
+        "CPU device nothing moves), \"disk\" is files under path on a CPU device (with optimizer = \"disk\", "
+        "fraction = 1).",
+        "\"none\" at zero.stage 0-2"))
+    activations: Literal["none", "cpu"] = field(default="none", metadata=_doc(
+        "\"cpu\": on a CUDA device the activations saved for backward are copied to pinned host memory on a "
+        "side stream during forward and back when backward needs them (on a CPU device nothing moves: said "
+        "once).",
+        "\"none\" when [recompute] compress is set (NotImplementedError at wrap)"))
+    fraction: float = field(default=1.0, metadata=_doc(
+        "Share of the optimizer state that is offloaded, in whole chunks; the rest stays in memory (the last "
+        "units' chunks, or with overlap the first units', which the next forward needs first).",
+        "a number from 0 to 1"))
+    path: str = field(default="", metadata=_doc(
+        "Folder for the disk tier: a run-unique subfolder is made in it and removed on close. An unwritable path, "
+        "or a disk without room for twice the offloaded state, raises at wrap.",
+        "a folder; needed when optimizer or params = \"disk\""))
+    prefetch: int = field(default=2, metadata=_doc(
+        "Chunks of optimizer state (and with params, units) read ahead while one is stepped (used); 0 = "
+        "synchronous.",
+        "a count of chunks >= 0"))
+    chunk_mb: float = field(default=1.0, metadata=_doc(
+        "Optimizer state per chunk in MiB (row slices of the shards, small tensors packed together); the step "
+        "holds prefetch + 2 chunks in memory.",
+        "a positive size in MiB"))
+    direct: bool = field(default=True, metadata=_doc(
+        "Disk tier: read and write with O_DIRECT (no page cache) where the file system supports it (else "
+        "buffered, said once); false: always buffered (the page cache then keeps a copy that RSS does not show)."))
+    overlap: bool = field(default=False, metadata=_doc(
+        "Stage 3: optimizer.step() returns once its inputs are captured and the offloaded chunks are stepped in "
+        "the background, overlapped with what follows (zero_grad, the next batch, the next forward); each unit's "
+        "gather waits for its own chunks only. The result is the synchronous step's, bit for bit.",
+        "false when optimizer = \"none\"; not at stages 1-2 or on CUDA (NotImplementedError)"))
 
     _section = "offload"
 
@@ -169,16 +216,25 @@ class OffloadConfig(_Checked):
 
 @dataclass(frozen=True, kw_only=True)
 class RecomputeConfig(_Checked):
-    """``[recompute]``: activation recomputation (Chen et al., 2016).
+    """``[recompute]``: activation recomputation (Chen et al., 2016) and compressed saved activations.
 
-    policy: "none", "full", "every:K", "selective" or "budget:<size>" (e.g. "budget:2GiB").
-    compress: "none", "bf16" or "fp8": fp32 activations kept for backward are stored in that dtype and restored
-        for backward (Gist, Jain et al., 2018): about half (bf16) or a quarter (fp8) of their bytes, gradients
-        no longer exact. See memsave/recompute/compress.py.
+    Each field's ``help`` metadata says what it does (rendered in docs/profiles.md).
     """
 
-    policy: str = "none"
-    compress: Literal["none", "bf16", "fp8"] = "none"
+    policy: str = field(default="none", metadata=_doc(
+        "What each unit keeps from forward for backward; the rest is recomputed in backward (the root unit never "
+        "is; losses and gradients are unchanged). \"full\": its input only. \"every:K\": units 0, K, 2K, ... "
+        "keep their input only, the others everything. \"selective\": the outputs of matmuls and fused "
+        "attention; norms, activations, residual adds and dropout are recomputed (Korthikanti et al., 2022). "
+        "\"budget:<size>\": chosen per unit from one measured forward of memsave.wrap(example_inputs=...) so "
+        "that the saved activations fit the size.",
+        "\"none\", \"full\", \"every:K\" (K >= 1), \"selective\" or \"budget:<size>\" (B, KiB, MiB, GiB "
+        "or TiB, e.g. \"budget:2GiB\")"))
+    compress: Literal["none", "bf16", "fp8"] = field(default="none", metadata=_doc(
+        "Every fp32 activation kept for backward (floating point, at least 1024 elements, not a parameter or "
+        "buffer) is stored in this dtype and restored for backward (Gist, Jain et al., 2018): about half (bf16) "
+        "or a quarter (fp8 e4m3 with a per-tensor scale) of its bytes; gradients are no longer exact. fp8 needs a "
+        "torch with torch.float8_e4m3fn. See memsave/recompute/compress.py."))
 
     _section = "recompute"
 
@@ -190,28 +246,42 @@ class RecomputeConfig(_Checked):
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig(_Checked):
-    """``[optimizer]``: the optimizer that the trainer and ``memsave demo`` build (``memsave.wrap`` takes yours).
+    """``[optimizer]``: the optimizer that ``memsave demo`` and ``memsave bench`` build and ``memsave.estimate``
+    counts (``memsave.wrap`` and the :class:`~memsave.trainer.Trainer` take your instance).
 
-    name: "adamw", "adam", "sgd" or "adafactor" (:class:`memsave.optim.Adafactor`, explicit-lr mode, so the
-    trainer's schedule applies; with ``scale_parameter`` the step is ``lr * RMS(parameter)``).
-    lr, weight_decay, betas, momentum: the usual hyperparameters (betas: Adam's; momentum: SGD's).
-    warmup_steps: linear warm-up, then cosine decay to ``min_lr_ratio * lr``.
-    scale_parameter, clip_threshold, decay_rate, beta1, momentum_dtype: Adafactor's (see its docstring);
-    ``beta1 = 0`` keeps no first moment, ``momentum_dtype = "bf16"`` stores it in 2 bytes per parameter.
+    Each field's ``help`` metadata says what it does (rendered in docs/profiles.md).
     """
 
-    name: Literal["adamw", "adam", "sgd", "adafactor"] = "adamw"
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    momentum: float = 0.9
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1
-    scale_parameter: bool = True
-    clip_threshold: float = 1.0
-    decay_rate: float = -0.8
-    beta1: float = 0.0
-    momentum_dtype: Literal["fp32", "bf16"] = "fp32"
+    name: Literal["adamw", "adam", "sgd", "adafactor"] = field(default="adamw", metadata=_doc(
+        "torch.optim.AdamW, Adam, SGD, or memsave.optim.Adafactor (explicit-lr mode, so the trainer's schedule "
+        "applies; with scale_parameter the step is lr * RMS(parameter))."))
+    lr: float = field(default=1e-3, metadata=_doc("Peak learning rate.", "a positive number"))
+    weight_decay: float = field(default=0.0, metadata=_doc(
+        "Weight decay, as the optimizer named applies it (decoupled for adamw and adafactor).", "a number >= 0"))
+    betas: tuple[float, float] = field(default=(0.9, 0.95), metadata=_doc(
+        "Adam's and AdamW's (beta1, beta2).", "two numbers in [0, 1)"))
+    momentum: float = field(default=0.9, metadata=_doc("SGD's momentum."))
+    warmup_steps: int = field(default=0, metadata=_doc(
+        "The schedule of memsave demo: linear warm-up over this many steps, then cosine decay to "
+        "min_lr_ratio * lr at the last step (memsave.cosine_schedule).",
+        "a count of steps >= 0"))
+    min_lr_ratio: float = field(default=0.1, metadata=_doc(
+        "Where the cosine decay ends, as a share of lr.", "a number from 0 to 1"))
+    scale_parameter: bool = field(default=True, metadata=_doc(
+        "Adafactor: the step is lr * max(eps2, RMS(parameter)) (relative to the parameter's scale).",
+        "the default unless name = \"adafactor\""))
+    clip_threshold: float = field(default=1.0, metadata=_doc(
+        "Adafactor: update clipping threshold (the paper's d).",
+        "a number > 0; the default unless name = \"adafactor\""))
+    decay_rate: float = field(default=-0.8, metadata=_doc(
+        "Adafactor: beta2_t = 1 - t^decay_rate.",
+        "a number in [-1, 0) (the paper uses -0.8); the default unless name = \"adafactor\""))
+    beta1: float = field(default=0.0, metadata=_doc(
+        "Adafactor: first-moment coefficient; 0 keeps no first moment.",
+        "a number in [0, 1); the default unless name = \"adafactor\""))
+    momentum_dtype: Literal["fp32", "bf16"] = field(default="fp32", metadata=_doc(
+        "Adafactor: dtype of the first moment; \"bf16\" stores it in 2 bytes per parameter.",
+        "\"fp32\" while beta1 = 0; the default unless name = \"adafactor\""))
 
     _section = "optimizer"
     _ADAFACTOR_ONLY = {"scale_parameter": True, "clip_threshold": 1.0, "decay_rate": -0.8, "beta1": 0.0,
@@ -257,8 +327,9 @@ _SECTIONS: dict[str, type] = {
 class Profile:
     """Everything memsave does to a model. Load with :func:`load_profile` or :meth:`Profile.load`."""
 
-    name: str = "custom"
-    description: str = ""
+    name: str = field(default="custom", metadata=_doc(
+        "The profile's name (by default a preset's name or the TOML file's stem)."))
+    description: str = field(default="", metadata=_doc("One line on what the profile trades (memsave profiles lists it)."))
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
