@@ -25,7 +25,7 @@ gradient" ([Note: gradient freshness] in memsave/zero/unit.py).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -93,7 +93,7 @@ class ShardedParameter(nn.Parameter):
                     break
         return _run_plain(func, args, kwargs)
 
-    def __repr__(self) -> str:
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:
         return f"ShardedParameter(shape={tuple(self.shape)}, dtype={self.dtype}: sharded by memsave ZeRO-3)"
 
     def __deepcopy__(self, memo: dict) -> Any:
@@ -110,7 +110,7 @@ def mark_sharded(p: nn.Parameter, guard: Callable[[str], None]) -> None:
     with a ``__torch_function__`` of its own, or that cannot change class, are left as they are."""
     cls = type(p)
     if cls is ShardedParameter:
-        p._memsave_guard = guard
+        cast(ShardedParameter, p)._memsave_guard = guard
         return
     if cls.__torch_function__ is not nn.Parameter.__torch_function__:  # a user subclass that dispatches itself
         return
@@ -118,8 +118,9 @@ def mark_sharded(p: nn.Parameter, guard: Callable[[str], None]) -> None:
         p.__class__ = ShardedParameter
     except TypeError:  # a layout-incompatible subclass (slots): unguarded
         return
-    p._memsave_class = cls
-    p._memsave_guard = guard
+    sharded = cast(ShardedParameter, p)
+    sharded._memsave_class = cls
+    sharded._memsave_guard = guard
 
 
 def mark_unsharded(p: nn.Parameter) -> None:
@@ -151,7 +152,7 @@ class ReducedGrad(torch.Tensor):
             raise RuntimeError(f"{guard._memsave_message} (it was read by {name or func})")
         return _run_plain(func, args, kwargs)
 
-    def __repr__(self) -> str:
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:
         return f"ReducedGrad(shape={tuple(self.shape)}: {self._memsave_message})"
 
 
