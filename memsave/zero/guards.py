@@ -93,7 +93,7 @@ class ShardedParameter(nn.Parameter):
                     break
         return _run_plain(func, args, kwargs)
 
-    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"ShardedParameter(shape={tuple(self.shape)}, dtype={self.dtype}: sharded by memsave ZeRO-3)"
 
     def __deepcopy__(self, memo: dict) -> Any:
@@ -152,7 +152,7 @@ class ReducedGrad(torch.Tensor):
             raise RuntimeError(f"{guard._memsave_message} (it was read by {name or func})")
         return _run_plain(func, args, kwargs)
 
-    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"ReducedGrad(shape={tuple(self.shape)}: {self._memsave_message})"
 
 
