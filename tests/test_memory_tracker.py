@@ -21,7 +21,7 @@ import memsave
 from memsave.cli import main
 from memsave.estimator import estimate
 from memsave.memory import MemoryTracker, load_report
-from memsave.memory.schema import in_memory_total
+from memsave.memory.schema import format_bytes, in_memory_total, peak_step
 from memsave.models import GPT, TokenBatches, gpt_config
 from memsave.recompute.measure import measure_saved_bytes
 from tests.harness import run_ranks
@@ -91,6 +91,57 @@ def test_plain_model_categories_by_arithmetic() -> None:
     samples = len(tracker.timeline)
     _step(model, opt, data.batch(2), wrapped=False)
     assert len(tracker.timeline) == samples  # closed: nothing samples any more
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_report_keeps_the_peak_sample_apart_from_the_maxima_and_zooms_into_its_step(micro_batches: int) -> None:
+    """What ``memsave.report`` says of a tracked run: the categories at the peak are the peak sample's and sum to
+    it; each category's maximum over the run is the largest over the samples and at least its bytes at the peak
+    (without accumulation the gradients are more: they peak after the activations, at the end of backward); the
+    zoomed step is the one holding the peak, its phases in the order they ran (forward and backward once per
+    micro-batch), and its peak is the run's."""
+    model = _gpt("tiny", tie_weights=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = TokenBatches(seq_len=32, batch_size=2)
+    tracker = MemoryTracker(model, opt)
+    for i in range(3):
+        for m in range(micro_batches):
+            model(**data.batch(2 * i + m)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    rep = memsave.report(model, opt, profile="plain")
+    tracker.close()
+    data_ = rep.to_dict()
+    rank = data_["ranks"][0]
+    timeline, peak = rank["timeline"], rank["peak"]
+    totals = [in_memory_total(s["bytes"]) for s in timeline]
+    top = timeline[totals.index(max(totals))]
+    assert peak["total"] == max(totals) == sum(peak["bytes"].values())  # no off-device tier here
+    assert peak["bytes"] == top["bytes"] and (peak["step"], peak["phase"]) == (top["step"], top["phase"])
+    for cat in data_["categories"]:
+        assert rank["category_peak"].get(cat, 0) == max(s["bytes"].get(cat, 0) for s in timeline)
+        assert rank["category_peak"].get(cat, 0) >= peak["bytes"].get(cat, 0)
+    if micro_batches == 1:
+        assert rank["category_peak"]["grads"] > peak["bytes"].get("grads", 0)
+    (mem,) = rep.ranks
+    assert mem.at_peak == peak["bytes"] and mem.max_over_run == rank["category_peak"] and mem.peak_total == peak["total"]
+    # the step holding the peak: zero_grad (idle), then forward and backward per micro-batch, then the step
+    view = rep.peak_step(0)
+    assert view is not None and view["step"] == peak["step"] and view["holds_peak"]
+    passes = [(phase, m + 1) for m in range(micro_batches) for phase in ("forward", "backward")]
+    assert [(p["phase"], p["repeat"]) for p in view["phases"]] == [("idle", 1), *passes, ("optimizer", 1)]
+    assert totals[view["peak"]] == peak["total"]
+    assert view["samples"] == [i for i, s in enumerate(timeline) if s["step"] == peak["step"]]
+    # and as text: both rows, the step table with the peak marked
+    text = rep.to_text()
+    assert "at peak" in text and "max over run" in text
+    title = next(ln for ln in text.splitlines() if ln.startswith(f"rank 0 step {peak['step']} by phase"))
+    assert title.endswith(f"(the step holding the peak): idle -> {'forward -> backward -> ' * micro_batches}"
+                          "optimizer; each phase at its first sample (start) and its largest (peak)")
+    (marked,) = [ln for ln in text.splitlines() if ln.endswith("<- the rank's peak")]
+    assert format_bytes(peak["total"]) in marked
+    with pytest.raises(ValueError, match="rank = 3 is not in this report; its ranks are 0"):
+        rep.peak_step(3)
 
 
 def test_agrees_with_torch_memtracker_on_an_unsharded_run() -> None:
@@ -192,7 +243,12 @@ def test_estimate_matches_the_measurement_for_every_profile(world_size: int, tmp
         assert [x["rank"] for x in rep["ranks"]] == list(range(world_size)) and rep["estimate"] is not None
         for rank in rep["ranks"]:
             assert rank["timeline"] and rank["peak"]["total"] == in_memory_total(rank["peak"]["bytes"])
-            assert all(rank["category_peak"][c] >= rank["peak"]["bytes"].get(c, 0) for c in rank["category_peak"])
+            assert all(rank["category_peak"].get(c, 0) >= n for c, n in rank["peak"]["bytes"].items())
+            # the zoomed step holds the peak, and goes through the training phases in order
+            view = peak_step(rank)
+            assert view is not None and view["holds_peak"], (r["profile"], view)
+            phases = [p["phase"] for p in view["phases"]]
+            assert [p for p in phases if p != "idle"] == ["forward", "backward", "optimizer"], (r["profile"], phases)
         path = tmp_path / f"{r['profile']}-{world_size}.json"
         memsave.memory.save_report(rep, path)
         assert load_report(path) == json.loads(json.dumps(rep))

@@ -1,6 +1,8 @@
 """Memory report files and pages: the ``memsave.report/2`` validator (errors name the JSON path), save/load
-round trip and the v1 conversion, the self-contained HTML page opened in headless Chromium (charts drawn, no
-console error: proven able to fail on deliberately broken pages), and ``memsave report``."""
+round trip and the v1 conversion, the text table (the categories at the peak sample apart from each one's maximum
+over the run) and the step holding the peak phase by phase, the self-contained HTML page opened in headless
+Chromium (charts drawn, the zoomed step among them, no console error: proven able to fail on deliberately broken
+pages), and ``memsave report``."""
 
 from __future__ import annotations
 
@@ -19,7 +21,15 @@ import pytest
 from memsave.cli import main
 from memsave.memory import load_report, render_html, save_report, validate_report
 from memsave.memory.html import expected_charts
-from memsave.memory.schema import CATEGORIES, OFF_DEVICE, PHASES, format_bytes, format_text, in_memory_total
+from memsave.memory.schema import (
+    CATEGORIES,
+    OFF_DEVICE,
+    PHASES,
+    format_bytes,
+    format_text,
+    in_memory_total,
+    peak_step,
+)
 from memsave.phases import MemoryCategory, Phase
 
 MiB = 1 << 20
@@ -133,6 +143,8 @@ def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
     (_set("ranks.0.timeline.5.t", 0.001), "report.ranks[0].timeline[5].t = 0.001 is not allowed; expected seconds >= 0.05"),
     (_set("ranks.0.timeline.2.unit", 3), "report.ranks[0].timeline[2].unit = 3 is not allowed; expected a string or null"),
     (_set("ranks.0.peak.total", 1), "report.ranks[0].peak.total = 1 is not allowed; expected the in-memory sum"),
+    (_set("ranks.1.category_peak.activations", MiB), "report.ranks[1].category_peak.activations = 1048576 is not "
+     "allowed; expected at least the bytes at the peak sample, report.ranks[1].peak.bytes.activations = 100663296"),
     (_set("ranks.0.phases.warmup", {"peak_total": 0, "bytes": {}}), "report.ranks[0].phases key = 'warmup'"),
     (_set("estimate.notes", [3]), "report.estimate.notes[0] = 3 is not allowed; expected a string"),
     (_set("estimate.peak_total", ...), "report.estimate.peak_total is missing"),
@@ -175,11 +187,131 @@ def test_load_converts_v1_and_refuses_what_is_not_a_report(tmp_path: Path) -> No
         load_report(tmp_path / "list.json")
 
 
+def _cells(line: str) -> list[str]:
+    return re.split(r"\s{2,}", line.strip())
+
+
 def test_text_table() -> None:
     text = format_text(make_report("a"))
     assert text.startswith("memory report a (zero2): 2 rank(s) on cpu, GPT tiny 10,000,000 parameters")
     assert "optimizer_state" in text and "offload_host" in text and "unaccounted" in text
     assert "rank 1 peak 239.0 MiB at step 0, backward, unit blocks.0" in text and "note: activations" in text
+
+
+def test_text_shows_the_categories_at_the_peak_apart_from_their_maxima() -> None:
+    """"at peak": each category at the peak sample, summing to the peak; "max over run": each category's own
+    maximum (no total: they fall at different times). Here they differ: the peak is in backward, with fewer
+    activations than the end of forward and fewer gradients than the optimizer step."""
+    rep = make_report("a")
+    lines = format_text(rep).splitlines()
+    head = _cells(lines[1])
+    cats = rep["categories"]
+    assert head[:len(cats) + 2] == ["rank", *cats, "in memory"]
+    for r in rep["ranks"]:
+        at = next(i for i, ln in enumerate(lines) if _cells(ln)[:2] == [str(r["rank"]), "now"]) + 1
+        at_peak, max_run = _cells(lines[at]), _cells(lines[at + 1])
+        assert at_peak[0] == "at peak" and max_run[0] == "max over run"
+        peak = r["peak"]
+        assert sum(peak["bytes"].get(c, 0) for c in _on_device(rep)) == peak["total"]
+        assert at_peak[1:len(cats) + 2] == [*(format_bytes(peak["bytes"].get(c, 0)) for c in cats),
+                                            format_bytes(peak["total"])]
+        assert max_run[1:] == [format_bytes(r["category_peak"].get(c, 0)) for c in cats]  # and no total
+        assert all(r["category_peak"].get(c, 0) >= peak["bytes"].get(c, 0) for c in cats)
+        assert r["category_peak"]["activations"] > peak["bytes"]["activations"]
+        assert r["category_peak"]["grads"] > peak["bytes"]["grads"]
+    assert any(ln.startswith("at peak: each category at the peak sample (they sum to its in-memory total)")
+               for ln in lines)
+    # tracked without a timeline (timeline=False): the same rows, no zoomed step
+    lean = format_text(make_report("p", timeline=False, estimate=False))
+    assert "at peak" in lean and "max over run" in lean and " by phase " not in lean
+    # without a tracker there is no peak but the current sample: no "at peak" / "max over run" rows
+    plain = make_report("p", timeline=False, estimate=False)
+    for r in plain["ranks"]:
+        r.update(phases={}, category_peak=dict(r["current"]),
+                 peak={"total": in_memory_total(r["current"]), "step": 0, "phase": "idle", "unit": None,
+                       "bytes": dict(r["current"])})
+    validate_report(plain)
+    text = format_text(plain)
+    assert "at peak" not in text and "max over run" not in text and " now " in text
+
+
+def test_peak_step_finds_the_step_holding_the_peak_phase_by_phase() -> None:
+    rep = make_report("a")
+    r = rep["ranks"][0]
+    r["peak"]["step"] = 1  # both steps reach the peak; the tracker keeps the first, this report says step 1
+    view = peak_step(r)
+    assert view is not None and view["step"] == 1 and view["holds_peak"]
+    tl = r["timeline"]
+    assert view["samples"] == [i for i, s in enumerate(tl) if s["step"] == 1] == list(range(15, 30))
+    assert [(p["phase"], p["repeat"], len(p["samples"])) for p in view["phases"]] == [(ph, 1, n) for ph, n in STEPS]
+    assert in_memory_total(tl[view["peak"]]["bytes"]) == r["peak"]["total"]
+    for p in view["phases"]:  # each phase's peak is its largest sample, the first of equals
+        totals = [in_memory_total(tl[i]["bytes"]) for i in p["samples"]]
+        assert p["peak"] == p["samples"][totals.index(max(totals))]
+    # gradient accumulation: forward and backward once per micro-batch, numbered
+    acc = copy.deepcopy(r)
+    acc["timeline"] = [dict(s, step=3) for s in tl[:11]] + [dict(s, step=3) for s in tl[:15]]
+    acc["peak"]["step"] = 3
+    phases = [(p["phase"], p["repeat"]) for p in peak_step(acc)["phases"]]  # type: ignore[index]
+    assert phases == [("forward", 1), ("backward", 1), ("forward", 2), ("backward", 2), ("optimizer", 1), ("idle", 1)]
+    # a peak whose step has no sample (an edited timeline): the step of the largest sample, not holding the peak
+    lost = copy.deepcopy(r)
+    lost["peak"]["step"], lost["peak"]["total"] = 7, lost["peak"]["total"] + 1
+    view = peak_step(lost)
+    assert view is not None and view["step"] == 0 and not view["holds_peak"]
+    assert peak_step(make_report("p", timeline=False)["ranks"][0]) is None
+
+
+def _columns(head: str, line: str, names: list[str], left: int) -> list[str]:
+    """The cells of ``line`` under the columns ``names`` of the header ``head``: the first ``left`` columns are
+    left-aligned (a cell starts where its name does), the others right-aligned (it ends where its name does)."""
+    starts, pos = [], 0
+    for name in names:
+        pos = head.index(name, pos)
+        starts.append(pos)
+        pos += len(name)
+    cells = [line[starts[i]:starts[i + 1]].strip() for i in range(left - 1)]
+    cells.append(line[starts[left - 1]:].split("  ")[0])  # the last left-aligned cell may be wider than its name
+    pos = starts[left - 1] + len(cells[-1])
+    for start, name in zip(starts[left:], names[left:]):
+        cells.append(line[pos:start + len(name)].strip())
+        pos = start + len(name)
+    return [*cells, line[pos:].strip()]  # and what follows the last column
+
+
+def test_text_zooms_into_the_step_holding_the_peak() -> None:
+    """Per rank, the step holding the peak phase by phase: each phase's first sample and largest, in the step's
+    order, by category; the rank's peak marked, equal to the report's."""
+    rep = make_report("a")
+    cats = rep["categories"]
+    r = rep["ranks"][1]
+    tl = r["timeline"]
+    for k, s in enumerate(tl):  # make forward's start and peak two rows, and backward's peak its last sample
+        if s["step"] == 0 and s["phase"] == "backward":
+            s["bytes"]["grads"] = (k + 1) * 100 * MiB
+    r["category_peak"]["grads"] = max(s["bytes"].get("grads", 0) for s in tl)
+    top = max(tl, key=lambda s: in_memory_total(s["bytes"]))
+    r["peak"] = {"total": in_memory_total(top["bytes"]), "step": 0, "phase": top["phase"], "unit": top["unit"],
+                 "bytes": dict(top["bytes"])}
+    validate_report(rep)
+    view = peak_step(r)
+    assert view is not None and view["holds_peak"] and tl[view["peak"]] is top and top["event"] == "post_backward"
+    lines = format_text(rep).splitlines()
+    first = lines.index(next(ln for ln in lines if ln.startswith("rank 1 step 0 by phase")))
+    assert "(the step holding the peak): forward -> backward -> optimizer -> idle" in lines[first]
+    names = ["phase", "sample", "event", "unit", *cats, "in memory"]
+    head = lines[first + 1]
+    rows = [_columns(head, ln, names, 4) for ln in lines[first + 2:first + 2 + 6]]
+    assert [row[:2] for row in rows] == [["forward", "start"], ["", "peak"], ["backward", "start"], ["", "peak"],
+                                         ["optimizer", "start, peak"], ["idle", "start, peak"]]
+    assert not lines[first + 8].startswith("  ")  # the table ends there
+    expected = [i for run in view["phases"] for i in dict.fromkeys([run["samples"][0], run["peak"]])]
+    for row, i in zip(rows, expected, strict=True):
+        s = tl[i]
+        assert row[2:4] == [s["event"], s["unit"] or ""]
+        assert row[4:-1] == [*(format_bytes(s["bytes"].get(c, 0)) for c in cats), format_bytes(in_memory_total(s["bytes"]))]
+    assert [row[-1] for row in rows] == ["", "", "", "<- the rank's peak", "", ""]
+    assert rows[3][-2] == format_bytes(r["peak"]["total"]) and rows[3][3] == r["peak"]["unit"] == "blocks.5"
 
 
 # -- the page ----------------------------------------------------------------------------------------------------
@@ -188,7 +320,7 @@ def test_page_is_self_contained_and_escapes_what_it_embeds() -> None:
     page = render_html([make_report("a"), evil], title="<b>t</b>")
     assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", page, re.I)
     assert "<link" not in page and "<script src" not in page and "@import" not in page
-    assert page.lower().count("</script") == 3  # the data, the error handler, the drawing script
+    assert page.lower().count("</script") == 4  # the data, the zoomed steps, the error handler, the drawing script
     assert "<title>&lt;b&gt;t&lt;/b&gt;</title>" in page and "<script>alert(1)" not in page
     with pytest.raises(ValueError, match=r"reports\[1\]\.run\.device = 'tpu'"):
         render_html([make_report("a"), {**evil, "run": {**evil["run"], "device": "tpu"}}])
@@ -200,13 +332,14 @@ needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary
 
 
 class _Dom(HTMLParser):
-    """The dumped DOM: body attributes, and per <svg> its aria-label and every element inside it."""
+    """The dumped DOM: body attributes, and per <svg> its aria-label, every element inside it and its texts."""
 
     def __init__(self, text: str) -> None:
         super().__init__()
         self.body: dict[str, str | None] = {}
         self.svgs: list[tuple[str, list[tuple[str, dict[str, str | None]]]]] = []
         self.texts: list[str] = []
+        self.svg_texts: dict[str, list[str]] = {}
         self._in_svg = False
         self.feed(text)
 
@@ -216,6 +349,7 @@ class _Dom(HTMLParser):
             self.body = a
         elif tag == "svg":
             self.svgs.append((a.get("aria-label") or "", []))
+            self.svg_texts.setdefault(self.svgs[-1][0], [])
             self._in_svg = True
         elif self._in_svg:
             self.svgs[-1][1].append((tag, a))
@@ -225,6 +359,8 @@ class _Dom(HTMLParser):
 
     def handle_data(self, data: str) -> None:
         self.texts.append(data)
+        if self._in_svg:
+            self.svg_texts[self.svgs[-1][0]].append(data)
 
     def count(self, label: str, tag: str, cls: str) -> list[int]:
         """Per svg labelled ``label``: how many ``tag`` elements carry the class ``cls``."""
@@ -259,7 +395,7 @@ def test_page_renders_timelines_bars_and_tables(tmp_path: Path) -> None:
     rep = make_report("zero2-a")
     dom, console = _open(render_html([rep]), tmp_path, "one")
     assert console == [] and "data-error" not in dom.body
-    assert dom.body.get("data-rendered") == str(expected_charts([rep])) == "3"
+    assert dom.body.get("data-rendered") == str(expected_charts([rep])) == "5"
     for rank in (0, 1):
         label = f"memory timeline of rank {rank}"
         assert dom.count(label, "path", "area") == [len(_on_device(rep))]  # one stacked area per category
@@ -274,7 +410,39 @@ def test_page_renders_timelines_bars_and_tables(tmp_path: Path) -> None:
     segments = sum(1 for r in rep["ranks"] for c in _on_device(rep) if r["peak"]["bytes"].get(c, 0))
     segments += sum(1 for c in _on_device(rep) if rep["estimate"]["bytes"].get(c, 0))
     assert dom.count("peak memory per rank", "rect", "bar") == [segments + 3]  # + 3 off-device offload_host bars
-    assert "unaccounted (RSS \u2212 accounted)" in dom.texts and "rank 1: now / peak" in dom.texts
+    assert "unaccounted (RSS \u2212 accounted)" in dom.texts and "rank 1" in dom.texts
+    assert dom.texts.count("at peak") == dom.texts.count("max over run") == 2  # one column each per rank
+
+
+@needs_chromium
+def test_page_zooms_into_the_step_holding_the_peak(tmp_path: Path) -> None:
+    """Per rank a second chart: the samples of the step holding the peak, a band per phase in the step's order,
+    named, the peak marked with the run's peak; the step outlined on the whole-run chart; and its phase table."""
+    rep = make_report("zoom")
+    dom, console = _open(render_html([rep]), tmp_path, "zoom")
+    assert console == [] and "data-error" not in dom.body
+    svgs = dict(dom.svgs)
+    for r in rep["ranks"]:
+        view = peak_step(r)
+        assert view is not None and view["holds_peak"]
+        label = f"memory in step {view['step']} of rank {r['rank']}, by phase"
+        assert dom.count(label, "rect", "hover-col") == [len(view["samples"])] == [15]
+        assert dom.count(label, "path", "area") == [len(_on_device(rep))] and dom.count(label, "g", "peak-marker") == [1]
+        bands = [a.get("data-phase") for t, a in svgs[label] if "phase-band" in (a.get("class") or "")]
+        assert bands == [ph for ph, _ in STEPS] == [p["phase"] for p in view["phases"]]
+        assert dom.count(label, "text", "phase-label") == [len(STEPS)]
+        assert dom.count(label, "line", "step-line") == [0]
+        assert dom.count(f"memory timeline of rank {r['rank']}", "rect", "zoom-span") == [1]
+        assert f"rank {r['rank']}: step {view['step']} zoomed in, by phase (the step holding the peak)" in dom.texts
+        # the zoomed step's peak is the run's peak: the same label on both charts of the rank
+        assert peak_label(r["peak"]) in dom.svg_texts[label]
+        assert peak_label(r["peak"]) in dom.svg_texts[f"memory timeline of rank {r['rank']}"]
+        assert [t for t in dom.svg_texts[label] if t in PHASES] == [ph for ph, _ in STEPS]  # named in order
+    # the phase tables: each phase at its first sample and its largest, one row when they are the same sample
+    rows = [at for r in rep["ranks"] for run in peak_step(r)["phases"]  # type: ignore[index]
+            for at in (["start", "peak"] if run["peak"] != run["samples"][0] else ["start, peak"])]
+    assert dom.texts.count("start") == rows.count("start") == 2 and dom.texts.count("start, peak") == 6
+    assert dom.texts.count("\u2190 the rank's peak") == 2  # the row holding it, marked
 
 
 @needs_chromium
@@ -298,7 +466,7 @@ def test_page_edge_cases_cuda_one_sample_unsampled_peak_long_timeline(tmp_path: 
     # 1500 samples: drawn as the largest of every 3 (500 columns), the peak among them
     r1["timeline"] = [{**s, "t": s["t"] + k, "step": s["step"] + 2 * k} for k in range(50) for s in r1["timeline"]]
     dom, console = _open(render_html([rep]), tmp_path, "edge")
-    assert console == [] and "data-error" not in dom.body and dom.body.get("data-rendered") == "3"
+    assert console == [] and "data-error" not in dom.body and dom.body.get("data-rendered") == "5"
     label = "memory timeline of rank 0"
     assert dom.count(label, "path", "area") == [len(_on_device(rep))] and dom.count(label, "g", "peak-marker") == [1]
     assert dom.count(label, "polyline", "device-line") == [1] and dom.count(label, "text", "rss-tick")[0] >= 3
@@ -314,7 +482,7 @@ def test_comparison_of_three_runs(tmp_path: Path) -> None:
             make_report("zero3", scale=0.5, ranks=4)]
     dom, console = _open(render_html(reps), tmp_path, "cmp")
     assert console == [] and "data-error" not in dom.body
-    assert dom.body.get("data-rendered") == str(expected_charts(reps)) == str(1 + 3 + 2 + 4)
+    assert dom.body.get("data-rendered") == str(expected_charts(reps)) == str(1 + 3 + 2 * (2 + 4))
     assert len(dom.count("memory timeline of rank 0", "g", "peak-marker")) == 2  # runs 1 and 3
     measured = sum(1 for rep in reps for c in _on_device(rep) if max(
         (r["peak"] for r in rep["ranks"]), key=lambda p: p["total"])["bytes"].get(c, 0))
@@ -331,7 +499,7 @@ def test_console_check_catches_console_error_and_uncaught_exceptions(tmp_path: P
     page = render_html([rep])
     # console.error alone: the charts are fine, only the console line tells
     dom, console = _open(page.replace('"use strict";', '"use strict"; console.error("deliberate");', 1), tmp_path, "log")
-    assert dom.body.get("data-rendered") == "3" and "data-error" not in dom.body
+    assert dom.body.get("data-rendered") == "5" and "data-error" not in dom.body
     assert len(console) == 1 and "deliberate" in console[0]
     # an uncaught exception before anything is drawn: data-error, no data-rendered, an "Uncaught" console line
     broken = page.replace("var reports = JSON.parse(", "var reports = JSON.parse('{' + ", 1)
@@ -339,8 +507,9 @@ def test_console_check_catches_console_error_and_uncaught_exceptions(tmp_path: P
     assert "data-rendered" not in dom.body and "SyntaxError" in (dom.body.get("data-error") or "")
     assert any("Uncaught SyntaxError" in line for line in console), console
     # an error inside one chart: that chart is reported in the page and data-error, the others are drawn
-    dom, console = _open(page.replace("drawTimeline(sec, rep, r)", "drawTimeline(sec, rep, null)", 1), tmp_path, "chart")
-    assert dom.body.get("data-rendered") == "1" and "rank 0 timeline: TypeError" in (dom.body.get("data-error") or "")
+    dom, console = _open(page.replace("drawTimeline(sec, rep, r, null, view)", "drawTimeline(sec, rep, null, null, view)", 1),
+                         tmp_path, "chart")
+    assert dom.body.get("data-rendered") == "3" and "rank 0 timeline: TypeError" in (dom.body.get("data-error") or "")
 
 
 # -- memsave report ----------------------------------------------------------------------------------------------

@@ -4,8 +4,12 @@ The page has no external resource: the reports are embedded as JSON in a ``<scri
 tag, and the CSS and the vanilla JS that draws them as inline SVG (``report.css``, ``report.js``, package
 data next to this module) are inlined, so the file works offline and can be attached to an issue. Views: per
 run, the peak per rank by category (bars, beside the estimate), per rank the memory timeline (stacked areas by
-category, phase bands, the peak marked, RSS and the estimated peak as lines) and a table of current / peak /
-estimated bytes with the process figures; with several runs, a comparison of their peaks first.
+category, phase bands, the peak marked, RSS and the estimated peak as lines), then the step holding the peak
+zoomed in (the same chart over that step's samples, each phase band named, and a table of each phase's start
+and peak by category), and a table of current / at-peak / max-over-run / estimated bytes with the process
+figures; with several runs, a comparison of their peaks first. The zoomed step is chosen here, by
+:func:`~memsave.memory.schema.peak_step` (the one definition the text report uses too), and embedded beside
+the reports.
 
 The script sets ``<body data-rendered="N">`` (N = charts drawn) when it is done and writes any error into
 ``<body data-error>`` and into the page, so a headless browser can check the page (tests/test_report_html.py).
@@ -21,7 +25,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from memsave.memory.schema import validate_report
+from memsave.memory.schema import peak_step, validate_report
 
 __all__ = ["expected_charts", "render_html", "write_html"]
 
@@ -48,10 +52,11 @@ def _json_for_script(data: Any) -> str:
 
 
 def expected_charts(reports: Sequence[Mapping[str, Any]]) -> int:
-    """How many charts the page draws: per run one bar chart and one timeline per rank that has samples, plus
-    the comparison when there are several runs (what ``body[data-rendered]`` says once the page is drawn)."""
+    """How many charts the page draws: per run one bar chart, and per rank that has samples its timeline and
+    its peak step; plus the comparison when there are several runs (what ``body[data-rendered]`` says once the
+    page is drawn)."""
     timelines = sum(1 for rep in reports for rank in rep["ranks"] if rank["timeline"])
-    return len(reports) + timelines + (1 if len(reports) > 1 else 0)
+    return len(reports) + 2 * timelines + (1 if len(reports) > 1 else 0)
 
 
 def render_html(reports: Sequence[Mapping[str, Any]], *, title: str = "memsave memory report") -> str:
@@ -61,6 +66,7 @@ def render_html(reports: Sequence[Mapping[str, Any]], *, title: str = "memsave m
     for i, rep in enumerate(reports):
         validate_report(rep, where=f"reports[{i}]" if len(reports) > 1 else "report")
     runs = ", ".join(str(rep["run"]["name"]) for rep in reports)
+    steps = [[peak_step(rank) for rank in rep["ranks"]] for rep in reports]  # per run, per rank (in its order)
     return f"""<!DOCTYPE html>
 <html lang="en">
 <head>
@@ -79,6 +85,7 @@ live on another tier and are drawn beside, not stacked.</p>
 <pre id="page-error" hidden></pre>
 <main id="report"></main>
 <script type="application/json" id="report-data">{_json_for_script(list(reports))}</script>
+<script type="application/json" id="step-data">{_json_for_script(steps)}</script>
 <script>
 {_ON_ERROR}
 </script>

@@ -75,11 +75,15 @@
     return out;
   }
 
-  // (a) one rank's timeline: stacked areas by category, phase bands, peak, RSS and estimate lines
-  function drawTimeline(parent, report, rank) {
-    var cats = report.categories, stack = onDevice(cats), all = rank.timeline, tl = thin(all, cats), n = tl.length;
+  // (a) one rank's memory over its samples: stacked areas by category, phase bands, peak, RSS and estimate lines.
+  // view null: the whole timeline (thinned when long, step boundaries, the zoomed step outlined: zoomed);
+  // view = the step holding the peak (peak_step in schema.py, indices into the timeline): its samples, phases named
+  function drawTimeline(parent, report, rank, view, zoomed) {
+    var cats = report.categories, stack = onDevice(cats);
+    var all = view ? view.samples.map(function (i) { return rank.timeline[i]; }) : rank.timeline;
+    var tl = thin(all, cats), n = tl.length;
     var est = report.estimate, cuda = report.run.device === "cuda";
-    var svg = newSvg(parent, "memory timeline of rank " + rank.rank);
+    var svg = newSvg(parent, view ? stepLabel(rank, view) : "memory timeline of rank " + rank.rank);
     var max = Math.max(rank.peak.total, est ? est.peak_total : 0);
     tl.forEach(function (s) {
       max = Math.max(max, total(s.bytes, cats), s.device_allocated);
@@ -92,12 +96,17 @@
     var span = Math.max(n - 1, 1);
     var x = function (i) { return M.l + (W - M.l - M.r) * (n === 1 ? 0.5 : i / span); };
     var half = (W - M.l - M.r) / span / 2;
-    // phase bands: one rectangle per run of consecutive samples in the same phase
+    // phase bands: one rectangle per run of consecutive samples in the same phase (named in a zoomed step, where
+    // a phase met again, as under gradient accumulation, is numbered)
+    var repeats = {}, names = [];
     for (var i = 0, j; i < n; i = j) {
       for (j = i; j < n && tl[j].phase === tl[i].phase; j++);
-      var x0 = Math.max(M.l, x(i) - half), x1 = Math.min(W - M.r, x(j - 1) + half);
+      var x0 = Math.max(M.l, x(i) - half), x1 = Math.min(W - M.r, x(j - 1) + half), ph = tl[i].phase;
+      repeats[ph] = (repeats[ph] || 0) + 1;
+      var name = ph + (repeats[ph] > 1 ? " " + repeats[ph] : "");
       tip(el("rect", { x: x0, y: M.t, width: Math.max(x1 - x0, 1), height: H - M.t - M.b,
-        class: "phase-band phase-" + tl[i].phase, "data-phase": tl[i].phase }, svg), tl[i].phase + ", step " + tl[i].step);
+        class: "phase-band phase-" + ph, "data-phase": ph }, svg), name + ", step " + tl[i].step);
+      if (view) names.push({ name: name, x: (x0 + x1) / 2, width: x1 - x0 });
     }
     axes(svg, ys, cuda ? "device memory" : "memory");
     // stacked areas, bottom to top in the report's category order
@@ -136,17 +145,38 @@
       el("text", { x: W - M.r - 4, y: ys.y(est.peak_total) - 4, class: "line-label", "text-anchor": "end" }, svg,
         "estimate " + fmt(est.peak_total));
     }
-    // step boundaries on the x axis (on a long run, only those at least 60 px after the last one drawn)
-    var lastX = -Infinity;
-    tl.forEach(function (s, k) {
-      if ((k > 0 && s.step === tl[k - 1].step) || x(k) - lastX < 60) return;
-      lastX = x(k);
-      el("line", { x1: x(k) - half, x2: x(k) - half, y1: M.t, y2: H - M.b + 6, class: "step-line" }, svg);
-      el("text", { x: x(k) - half + 3, y: H - M.b + 16, class: "tick" }, svg, "step " + s.step);
-    });
+    if (view) {
+      // the phases named under the axis (the text only where its band is wide enough; the band's title always)
+      names.forEach(function (p) {
+        if (p.width >= 7 * p.name.length) {
+          el("text", { x: p.x, y: H - M.b + 16, class: "phase-label", "text-anchor": "middle" }, svg, p.name);
+        }
+      });
+    } else {
+      // step boundaries on the x axis (on a long run, only those at least 60 px after the last one drawn)
+      var lastX = -Infinity;
+      tl.forEach(function (s, k) {
+        if ((k > 0 && s.step === tl[k - 1].step) || x(k) - lastX < 60) return;
+        lastX = x(k);
+        el("line", { x1: x(k) - half, x2: x(k) - half, y1: M.t, y2: H - M.b + 6, class: "step-line" }, svg);
+        el("text", { x: x(k) - half + 3, y: H - M.b + 16, class: "tick" }, svg, "step " + s.step);
+      });
+      // the step zoomed in below, outlined
+      var inStep = [];
+      tl.forEach(function (s, k) { if (zoomed && s.step === zoomed.step) inStep.push(k); });
+      if (inStep.length) {
+        var z0 = Math.max(M.l, x(inStep[0]) - half), z1 = Math.min(W - M.r, x(inStep[inStep.length - 1]) + half);
+        tip(el("rect", { x: z0, y: M.t, width: Math.max(z1 - z0, 1), height: H - M.t - M.b, class: "zoom-span" }, svg),
+          "step " + zoomed.step + ": zoomed in below");
+      }
+    }
+    var span0 = all[0].t, span1 = all[all.length - 1].t;
     el("text", { x: (W + M.l) / 2, y: H - 8, class: "axis-label", "text-anchor": "middle" }, svg,
-      "sample (" + (n < all.length ? n + " shown, the largest of every " + thinning(all) + " of " : "") + all.length +
-      (all.length === 1 ? " sample at " : " samples over ") + all[all.length - 1].t.toFixed(2) + " s); bands: phase");
+      (view ? "sample of step " + view.step + " (" : "sample (") +
+      (n < all.length ? n + " shown, the largest of every " + thinning(all) + " of " : "") + all.length +
+      (all.length === 1 ? " sample at " + span1.toFixed(2) + " s" : " samples over " +
+        (view ? (span1 - span0).toFixed(3) + " s" : span1.toFixed(2) + " s")) +
+      (view ? "); bands: the step's phases, in order" : "); bands: phase"));
     // the peak: the sample with the highest in-memory total, labelled with the report's peak when it is this one
     var best = 0;
     tl.forEach(function (s, k) { if (total(s.bytes, cats) > total(tl[best].bytes, cats)) best = k; });
@@ -209,6 +239,33 @@
     });
   }
 
+  function stepLabel(rank, view) {
+    return "memory in step " + view.step + " of rank " + rank.rank + ", by phase";
+  }
+
+  // the zoomed step as a table: each phase's first sample (start) and largest (peak), by category
+  function drawPhaseTable(parent, report, rank, view) {
+    var cats = report.categories, table = el("table", { class: "phases" }, parent);
+    var head = el("tr", {}, el("thead", {}, table));
+    ["phase", "sample", "event", "unit"].concat(cats, ["in memory", ""]).forEach(function (c) {
+      var th = el("th", {}, head, c);
+      if (COLORS[c]) th.insertBefore(el("span", { class: "swatch", style: "background:" + COLORS[c] }), th.firstChild);
+    });
+    var body = el("tbody", {}, table);
+    view.phases.forEach(function (run) {
+      var start = run.samples[0], name = run.phase + (run.repeat > 1 ? " " + run.repeat : "");
+      var rows = run.peak === start ? [["start, peak", start]] : [["start", start], ["peak", run.peak]];
+      rows.forEach(function (at, k) {
+        var s = rank.timeline[at[1]], peak = at[1] === view.peak && view.holds_peak;
+        var tr = el("tr", { class: "phase-" + run.phase + (peak ? " peak-row" : ""), "data-phase": run.phase }, body);
+        [k === 0 ? name : "", at[0], s.event, s.unit || ""].forEach(function (c) { el("th", {}, tr, c); });
+        cats.forEach(function (c) { el("td", { class: OFF_DEVICE.indexOf(c) >= 0 ? "offdevice" : "" }, tr, fmt(get(s.bytes, c))); });
+        el("td", { class: "total" }, tr, fmt(total(s.bytes, cats)));
+        el("td", { class: "mark" }, tr, peak ? "\u2190 the rank's peak" : "");
+      });
+    });
+  }
+
   function estimateBar(report) {
     return report.estimate ? [{ label: "estimate", bytes: report.estimate.bytes, estimate: true }] : [];
   }
@@ -216,27 +273,34 @@
     return report.ranks.reduce(function (a, r) { return r.peak.total > a.peak.total ? r : a; });
   }
 
-  // (b) the run's table: per rank, each category now / peak, the estimate; then the process figures
+  // (b) the run's table: per rank, each category now, at the peak sample and at its own maximum over the run
+  // (the maxima fall at different times: no total), the estimate; then the process figures
   function drawTables(parent, report) {
     var cats = report.categories, est = report.estimate, cuda = report.run.device === "cuda";
-    var table = el("table", { class: "bytes" }, parent), head = el("tr", {}, el("thead", {}, table));
-    el("th", {}, head, "category");
-    report.ranks.forEach(function (r) { el("th", { colspan: 2 }, head, "rank " + r.rank + ": now / peak"); });
-    if (est) el("th", {}, head, "estimate (N=" + est.world_size + ")");
+    var table = el("table", { class: "bytes" }, parent), thead = el("thead", {}, table), head = el("tr", {}, thead);
+    var sub = el("tr", {}, thead);
+    el("th", { rowspan: 2 }, head, "category");
+    report.ranks.forEach(function (r) {
+      el("th", { colspan: 3 }, head, "rank " + r.rank);
+      el("th", {}, sub, "now");
+      el("th", { title: "each category at the peak sample: they sum to the peak" }, sub, "at peak");
+      el("th", { title: "each category's own maximum, reached at different times" }, sub, "max over run");
+    });
+    if (est) el("th", { rowspan: 2 }, head, "estimate (N=" + est.world_size + ")");
     var body = el("tbody", {}, table);
-    function row(name, now, peak, e, cls) {
+    function row(name, cells, e, cls) {
       var tr = el("tr", { class: cls || "" }, body);
       var th = el("th", {}, tr, name);
       if (COLORS[name]) th.insertBefore(el("span", { class: "swatch", style: "background:" + COLORS[name] }), th.firstChild);
-      report.ranks.forEach(function (r) { el("td", {}, tr, fmt(now(r))); el("td", {}, tr, fmt(peak(r))); });
+      report.ranks.forEach(function (r) { cells(r).forEach(function (v) { el("td", {}, tr, v === null ? "" : fmt(v)); }); });
       if (est) el("td", {}, tr, e === null ? "" : fmt(e));
     }
     cats.forEach(function (c) {
-      row(c, function (r) { return get(r.current, c); }, function (r) { return get(r.category_peak, c); },
+      row(c, function (r) { return [get(r.current, c), get(r.peak.bytes, c), get(r.category_peak, c)]; },
         est ? get(est.bytes, c) : null, OFF_DEVICE.indexOf(c) >= 0 ? "offdevice" : "");
     });
-    row("in memory (peak: the peak sample)", function (r) { return total(r.current, cats); },
-      function (r) { return r.peak.total; }, est ? est.peak_total : null, "total");
+    row("in memory", function (r) { return [total(r.current, cats), r.peak.total, null]; },
+      est ? est.peak_total : null, "total");
     var proc = el("table", { class: "process" }, parent), ph = el("tr", {}, el("thead", {}, proc));
     var cols = ["rank", "accounted now", "peak (step, phase, unit)", "RSS", "peak RSS"];
     if (cuda) cols = cols.concat(["device allocated", "device peak", "reserved", "peak reserved"]);
@@ -281,6 +345,7 @@
     }
   }
   var reports = JSON.parse(document.getElementById("report-data").textContent);
+  var steps = JSON.parse(document.getElementById("step-data").textContent);  // per run, per rank: peak_step
   var allCats = Object.keys(COLORS).filter(function (c) {
     return reports.some(function (r) { return r.categories.indexOf(c) >= 0; });
   });
@@ -296,7 +361,7 @@
       }), "peak memory of each run");
     });
   }
-  reports.forEach(function (rep) {
+  reports.forEach(function (rep, ri) {
     var sec = el("section", { class: "run" }, main), run = rep.run;
     el("h2", {}, sec, run.name + (run.profile && run.profile !== run.name ? " (" + run.profile + ")" : ""));
     el("p", { class: "meta" }, sec, run.world_size + " rank(s) on " + run.device + (run.model ? " \u00b7 " + run.model : "") +
@@ -306,10 +371,17 @@
         return { label: "rank " + r.rank, bars: [{ label: "peak", bytes: r.peak.bytes, estimate: false }] };
       }).concat(rep.estimate ? [{ label: "estimate", bars: estimateBar(rep) }] : []), "peak memory per rank");
     });
-    rep.ranks.forEach(function (r) {
+    rep.ranks.forEach(function (r, k) {
       if (!r.timeline.length) return;
+      var view = steps[ri][k];
       el("h3", {}, sec, "rank " + r.rank + ": memory over time");
-      attempt(run.name + " rank " + r.rank + " timeline", function () { drawTimeline(sec, rep, r); });
+      attempt(run.name + " rank " + r.rank + " timeline", function () { drawTimeline(sec, rep, r, null, view); });
+      el("h3", {}, sec, "rank " + r.rank + ": step " + view.step + " zoomed in, by phase (" +
+        (view.holds_peak ? "the step holding the peak" : "the step of the peak; its sample is not in the timeline") + ")");
+      attempt(run.name + " rank " + r.rank + " step " + view.step, function () {
+        drawTimeline(sec, rep, r, view, null);
+        drawPhaseTable(sec, rep, r, view);
+      });
     });
     if (rep.ranks.every(function (r) { return !r.timeline.length; })) {
       el("p", { class: "meta" }, sec, "No timeline: this report was taken without a memory tracker.");

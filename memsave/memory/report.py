@@ -2,9 +2,12 @@
 
 The result is a :class:`MemoryReport` around one ``memsave.report/2`` dict (the schema: README.md, "Memory
 reports"; validated by :mod:`memsave.memory.schema`). With a :class:`~memsave.memory.tracker.MemoryTracker`
-attached to the model (or passed as ``tracker=``) each rank's entry carries its peaks per category and phase and
-its whole timeline; without one, the current bytes only. An estimate (``memsave.estimate(...)``) can be put
-beside the measurement.
+attached to the model (or passed as ``tracker=``) each rank's entry carries its peak sample (``peak``: the
+categories at that instant, which sum to the peak), each category's own maximum over the run
+(``category_peak``, shown as "max over run": the maxima fall at different times), the peaks per phase and the
+whole timeline; without one, the current bytes only. An estimate (``memsave.estimate(...)``) can be put beside
+the measurement. The text and the page also zoom into the step holding the peak, phase by phase
+(:func:`~memsave.memory.schema.peak_step`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from memsave.memory.schema import (
     SCHEMA,
     format_text,
     in_memory_total,
+    peak_step,
     save_report,
     validate_report,
 )
@@ -36,7 +40,13 @@ __all__ = ["MemoryReport", "RankMemory", "report"]
 
 @dataclasses.dataclass
 class RankMemory:
-    """One rank's current bytes per category and process figures (a view of the report dict)."""
+    """One rank's bytes per category and process figures (a view of the report dict).
+
+    ``bytes``: now. ``at_peak``: at the peak sample, the one with the highest in-memory total ``peak_total``
+    (they sum to it, off-device tiers aside). ``max_over_run``: each category's own maximum over the samples,
+    reached at different times (each at least its ``at_peak``; their sum is no sample's). Without a tracker all
+    three are the current bytes.
+    """
 
     rank: int
     bytes: dict[str, int]
@@ -44,6 +54,9 @@ class RankMemory:
     peak_rss: int
     device_allocated: int = 0
     device_peak: int = 0
+    peak_total: int = 0
+    at_peak: dict[str, int] = dataclasses.field(default_factory=dict)
+    max_over_run: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class MemoryReport:
@@ -61,7 +74,18 @@ class MemoryReport:
     def ranks(self) -> list[RankMemory]:
         return [RankMemory(rank=r["rank"], bytes=dict(r["current"]), rss=r["process"]["rss"],
                            peak_rss=r["process"]["peak_rss"], device_allocated=r["process"]["device_allocated"],
-                           device_peak=r["process"]["device_peak"]) for r in self.data["ranks"]]
+                           device_peak=r["process"]["device_peak"], peak_total=r["peak"]["total"],
+                           at_peak=dict(r["peak"]["bytes"]), max_over_run=dict(r["category_peak"]))
+                for r in self.data["ranks"]]
+
+    def peak_step(self, rank: int = 0) -> dict[str, Any] | None:
+        """The step holding ``rank``'s peak, phase by phase (:func:`memsave.memory.schema.peak_step`: indices into
+        that rank's ``timeline``); ``None`` without a timeline."""
+        for r in self.data["ranks"]:
+            if r["rank"] == rank:
+                return peak_step(r)
+        raise ValueError(f"rank = {rank} is not in this report; its ranks are "
+                         f"{', '.join(str(r['rank']) for r in self.data['ranks'])}")
 
     def to_dict(self) -> dict[str, Any]:
         return self.data

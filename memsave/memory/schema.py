@@ -1,10 +1,16 @@
-"""The memory report file format, ``memsave.report/2``: validate, load (v1 converted), save, print as text.
+"""The memory report file format, ``memsave.report/2``: validate, load (v1 converted), save, print as text, and
+find the step holding the peak (:func:`peak_step`, the zoomed view of the text and the page).
 
 A report is a plain JSON-serializable dict (the schema is documented in README.md, "Memory reports"). This
 module checks it field by field and names what is wrong by its JSON path, the value found and what is
 allowed, e.g. ``report.ranks[1].timeline[3].phase = 'fwd' is not allowed; expected one of forward, backward,
 optimizer, idle``. Unknown keys are refused like bad values, so a typo in a producer fails at save time
 rather than as a silently empty chart.
+
+Two figures per category are easy to mix up, and the file keeps them apart: ``peak.bytes``, each category *at*
+the peak sample (they sum to ``peak.total``), and ``category_peak``, each category's own maximum over the run
+("max over run" in the text and the page), reached at different times; so each maximum is at least the
+category's bytes at the peak, which the validator checks.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ __all__ = [
     "format_text",
     "in_memory_total",
     "load_report",
+    "peak_step",
     "save_report",
     "validate_report",
 ]
@@ -148,6 +155,11 @@ def _rank(value: Any, path: str, cats: tuple[str, ...], world_size: int) -> int:
         raise _fail(f"{path}.peak.total", peak["total"],
                     f"the in-memory sum of {path}.peak.bytes, {in_memory_total(peak['bytes'])}")
     _bytes(rank["category_peak"], f"{path}.category_peak", cats)
+    for cat, at_peak in peak["bytes"].items():  # the peak sample is one of the samples each maximum is over
+        if rank["category_peak"].get(cat, 0) < at_peak:
+            raise _fail(f"{path}.category_peak.{cat}", rank["category_peak"].get(cat, 0),
+                        f"at least the bytes at the peak sample, {path}.peak.bytes.{cat} = {at_peak} (the "
+                        "maximum over the run)")
     process = _keys(rank["process"], f"{path}.process", _PROCESS)
     for key in _PROCESS:
         _int(process[key], f"{path}.process.{key}")
@@ -284,16 +296,90 @@ def save_report(data: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
         raise
 
 
+# -- the step holding the peak --------------------------------------------------------------------------------
+def peak_step(rank: Mapping[str, Any]) -> dict[str, Any] | None:
+    """One training step of a rank's timeline, phase by phase: the step holding the rank's peak (a whole run of
+    steps looks like a comb; one step shows its phases). ``None`` without a timeline.
+
+    Returns ``{"step": n, "samples": [i, ...], "peak": i, "holds_peak": bool, "phases": [{"phase": name,
+    "repeat": k, "samples": [i, ...], "peak": i}, ...]}``: indices into ``rank["timeline"]``; ``phases`` are the
+    runs of consecutive samples of one phase in timeline order (``repeat`` counts a phase's runs from 1: under
+    gradient accumulation forward and backward come once per micro-batch); a run's first sample is its start and
+    ``peak`` its largest (in-memory total, the first of equals). ``holds_peak``: the step's largest sample is the
+    rank's peak (``rank["peak"]``), false only when the timeline lost it (e.g. edited). The step is
+    ``rank["peak"]["step"]``, or, when no sample carries it, the step of the largest sample.
+    """
+    timeline = rank["timeline"]
+    if not timeline:
+        return None
+    totals = [in_memory_total(s["bytes"]) for s in timeline]
+    step = rank["peak"]["step"]
+    if not any(s["step"] == step for s in timeline):
+        step = timeline[max(range(len(timeline)), key=totals.__getitem__)]["step"]
+    samples = [i for i, s in enumerate(timeline) if s["step"] == step]
+    phases: list[dict[str, Any]] = []
+    repeats: dict[str, int] = {}
+    for i in samples:
+        name = timeline[i]["phase"]
+        if not phases or phases[-1]["phase"] != name:
+            repeats[name] = repeats.get(name, 0) + 1
+            phases.append({"phase": name, "repeat": repeats[name], "samples": [], "peak": i})
+        run = phases[-1]
+        run["samples"].append(i)
+        if totals[i] > totals[run["peak"]]:
+            run["peak"] = i
+    peak = max(samples, key=totals.__getitem__)  # the first of equals, like the tracker's peak
+    holds = totals[peak] == rank["peak"]["total"] and step == rank["peak"]["step"]
+    return {"step": step, "samples": samples, "peak": peak, "holds_peak": holds, "phases": phases}
+
+
 # -- text ------------------------------------------------------------------------------------------------------
+def _table(head: list[str], rows: list[list[str]], left: int = 0) -> list[str]:
+    """Columns right-aligned (the first ``left`` ones left-aligned), two spaces apart."""
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    return ["  ".join((c.ljust(w) if i < left else c.rjust(w)) for i, (c, w) in enumerate(zip(line, widths)))
+            .rstrip() for line in [head, *rows]]
+
+
+def _tracked(rank: Mapping[str, Any]) -> bool:
+    """Taken with a tracker: peaks over samples (without one the "peak" is the current sample)."""
+    return bool(rank["timeline"] or rank["phases"])
+
+
+def _format_step(rank: Mapping[str, Any], cats: list[str]) -> list[str]:
+    view = peak_step(rank)
+    if view is None:
+        return []
+    timeline = rank["timeline"]
+    rows: list[list[str]] = []
+    for run in view["phases"]:
+        name = run["phase"] + (f" {run['repeat']}" if run["repeat"] > 1 else "")
+        start = run["samples"][0]
+        for at, i in ((("start", start), ("peak", run["peak"])) if run["peak"] != start else (("start, peak", start),)):
+            s = timeline[i]
+            mark = "<- the rank's peak" if i == view["peak"] and view["holds_peak"] else ""
+            rows.append([name if at.startswith("start") else "", at, s["event"], s["unit"] or "",
+                         *(format_bytes(s["bytes"].get(c, 0)) for c in cats), format_bytes(in_memory_total(s["bytes"])),
+                         mark])
+    order = " -> ".join(run["phase"] for run in view["phases"])
+    where = "the step holding the peak" if view["holds_peak"] else "the step of the peak; its sample is not in the timeline"
+    lines = [f"rank {rank['rank']} step {view['step']} by phase ({where}): {order}; each phase at its first sample "
+             f"(start) and its largest (peak)"]
+    head = ["phase", "sample", "event", "unit", *cats, "in memory", ""]
+    return lines + ["  " + line for line in _table(head, rows, left=4)]
+
+
 def format_text(data: Mapping[str, Any]) -> str:
-    """One validated report as a text table: per rank, each category's current and peak bytes, the totals,
-    the estimate when there is one, and the process figures (RSS, and the allocator's on CUDA)."""
+    """One validated report as text: per rank, each category now, at the peak sample (these sum to the peak) and
+    at its own maximum over the run, with the totals, the estimate when there is one and the process figures (RSS,
+    and the allocator's on CUDA); then per rank the peak and the step holding it, phase by phase."""
     run, est = data["run"], data["estimate"]
     cats = list(data["categories"])
     head = ["rank", "", *cats, "in memory", "rss", "peak rss", "unaccounted"]
     cuda = run["device"] == "cuda"
     if cuda:
         head += ["gpu alloc", "gpu peak"]
+    blank = [""] * (len(head) - len(cats) - 3)  # after the in-memory column
     rows: list[list[str]] = []
     for r in data["ranks"]:
         proc = r["process"]
@@ -303,24 +389,31 @@ def format_text(data: Mapping[str, Any]) -> str:
         rows.append([str(r["rank"]), "now", *(format_bytes(r["current"].get(c, 0)) for c in cats),
                      format_bytes(now), format_bytes(proc["rss"]), format_bytes(proc["peak_rss"]),
                      format_bytes(base - now), *extra])
-        peak = r["peak"]
-        rows.append(["", "peak", *(format_bytes(r["category_peak"].get(c, 0)) for c in cats),
-                     format_bytes(peak["total"]), "", "", "", *([""] * len(extra))])
+        if _tracked(r):
+            peak = r["peak"]
+            rows.append(["", "at peak", *(format_bytes(peak["bytes"].get(c, 0)) for c in cats),
+                         format_bytes(peak["total"]), *blank])
+            # no total: the maxima are reached at different times, their sum is no sample's
+            rows.append(["", "max over run", *(format_bytes(r["category_peak"].get(c, 0)) for c in cats), "",
+                         *blank])
     if est is not None:
         rows.append(["est", f"N={est['world_size']}", *(format_bytes(est["bytes"].get(c, 0)) for c in cats),
-                     format_bytes(est["peak_total"]), "", "", "", *([""] * (len(head) - len(cats) - 6))])
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+                     format_bytes(est["peak_total"]), *blank])
     name = f" {run['name']}" if run["name"] and run["name"] != run["profile"] else ""
     title = f"memory report{name}" + (f" ({run['profile']})" if run["profile"] else "")
     lines = [f"{title}: {run['world_size']} rank(s) on {run['device']}"
              + (f", {run['model']} {run['num_params']:,} parameters" if run["model"] else "")]
-    lines.append("  ".join(h.rjust(w) for h, w in zip(head, widths)))
-    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    lines += _table(head, rows)
+    if any(_tracked(r) for r in data["ranks"]):
+        lines.append("at peak: each category at the peak sample (they sum to its in-memory total); max over run: "
+                     "each category's own maximum, reached at different times")
     for r in data["ranks"]:
         p = r["peak"]
-        if r["timeline"]:  # without a tracker the "peak" is the current sample: nothing to add
+        if _tracked(r):
             unit = f", unit {p['unit']}" if p["unit"] else ""
             lines.append(f"rank {r['rank']} peak {format_bytes(p['total'])} at step {p['step']}, {p['phase']}{unit}")
+    for r in data["ranks"]:
+        lines += _format_step(r, cats)
     if est is not None:
         lines += [f"note: {n}" for n in est["notes"]]
     return "\n".join(lines)
