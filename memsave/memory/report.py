@@ -1,6 +1,6 @@
 """``memsave.report(model, optimizer)``: bytes per category on every rank, beside the process figures.
 
-The result is a :class:`MemoryReport` around one ``memsave.report/2`` dict (the schema: README.md, "Memory
+The result is a :class:`MemoryReport` around one ``memsave.report/2`` dict (the schema: docs/memory.md, "Memory
 reports"; validated by :mod:`memsave.memory.schema`). With a :class:`~memsave.memory.tracker.MemoryTracker`
 attached to the model (or passed as ``tracker=``) each rank's entry carries its peak sample (``peak``: the
 categories at that instant, which sum to the peak), each category's own maximum over the run

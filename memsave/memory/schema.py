@@ -1,7 +1,7 @@
 """The memory report file format, ``memsave.report/2``: validate, load (v1 converted), save, print as text, and
 find the step holding the peak (:func:`peak_step`, the zoomed view of the text and the page).
 
-A report is a plain JSON-serializable dict (the schema is documented in README.md, "Memory reports"). This
+A report is a plain JSON-serializable dict (the schema is documented in docs/memory.md, "Memory reports"). This
 module checks it field by field and names what is wrong by its JSON path, the value found and what is
 allowed, e.g. ``report.ranks[1].timeline[3].phase = 'fwd' is not allowed; expected one of forward, backward,
 optimizer, idle``. Unknown keys are refused like bad values, so a typo in a producer fails at save time
