@@ -35,7 +35,7 @@ from torch import nn
 
 from memsave.config import Profile, load_profile
 from memsave.memory.schema import CATEGORIES, OFF_DEVICE, format_bytes
-from memsave.models.units import default_units, output_tensors
+from memsave.models.units import choose_units, output_tensors, unit_parameters
 from memsave.offload.chunks import MASTER_BYTES, plan, row_pieces, window_bytes
 from memsave.offload.tiers import round_up
 from memsave.precision import compute_dtype, reduce_dtype_for
@@ -54,6 +54,7 @@ class Estimate:
         gradients at stages 0-1), the figure to compare with a step's end.
     activations: what one forward leaves held under the recompute policy, at its end: the bytes saved for
         backward and the outputs (logits, loss) not among them, as the tracker counts them.
+    units: which units were estimated and why (``units: 30 units (children of ...): 0, 1 .. 29``), also a note.
     """
 
     profile: str
@@ -64,6 +65,7 @@ class Estimate:
     model_state: int
     activations: int
     notes: tuple[str, ...] = ()
+    units: str = ""
 
     @property
     def peak_total(self) -> int:
@@ -114,19 +116,16 @@ def _state_per_shard(shape: torch.Size, local: int, prof: Profile) -> int:
     return second + momentum + 4
 
 
-def _units(model: nn.Module, units: Sequence[nn.Module] | None) -> tuple[list[list[nn.Parameter]], list[nn.Module]]:
-    """The root's parameters and each unit's, grouped as ``memsave.zero`` does (a parameter shared between
-    units, or owned by none, belongs to the root)."""
-    modules = list(units) if units is not None else default_units(model)
-    owners: dict[nn.Parameter, set[int]] = {}
-    for k, m in enumerate(modules):
-        for p in m.parameters():
-            owners.setdefault(p, set()).add(k)
-    groups: list[list[nn.Parameter]] = [[] for _ in range(len(modules) + 1)]
-    for p in model.parameters():  # deduplicated: tied weights once
-        ks = owners.get(p, set())
-        groups[next(iter(ks)) + 1 if len(ks) == 1 else 0].append(p)
-    return groups, modules
+def _units(model: nn.Module, units: Sequence[nn.Module] | None) -> tuple[list[list[nn.Parameter]], list[nn.Module], str]:
+    """The root's parameters and each unit's, grouped as ``memsave.zero`` does (the same
+    :func:`~memsave.models.units.unit_parameters`, over the same default units), and a line saying which."""
+    if units is None:
+        choice = choose_units(model)
+        modules, said = list(choice.modules), f"units: {choice.describe()}"
+    else:
+        modules, said = list(units), f"units: {len(units)} given (units=)"
+    groups = [[p for _, p in group] for group in unit_parameters(model, modules)]
+    return groups, modules, said
 
 
 def _model_states(groups: list[list[nn.Parameter]], order: list[nn.Parameter], prof: Profile,
@@ -273,7 +272,9 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
     ``model`` may live on the meta device (build it under ``with torch.device("meta"):``); it is not changed.
     ``batch``: one micro-batch as the model takes it (dict of keyword arguments, tuple of positional ones, a
     tensor; meta tensors are fine) or a callable ``batch(model)`` running one forward; None: model states only.
-    ``units``: as for ``memsave.wrap`` (default: the blocks of the largest ``nn.ModuleList``). Nothing is
+    ``units``: as for ``memsave.wrap`` (default: :func:`memsave.models.units.choose_units`, the policy ZeRO and
+    recompute use: the blocks of the largest ``nn.ModuleList``, else ``nn.Sequential`` children, else a
+    size-based split; the note ``units: ...`` says which). Nothing is
     allocated on a real device. ``device``: "cpu" or "cuda", the kind of device trained on (default: cuda when
     available), for the attention kernel and whether host offload moves anything. ``micro_batches``: backwards
     per optimizer step (gradient accumulation under ``model.no_sync()``): at ZeRO stages 1-3 the full gradients
@@ -299,12 +300,12 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
         names = {id(m): n for n, m in model.named_modules()}
         by_name = dict(meta.named_modules())
         meta_units = [by_name[names[id(u)]] for u in units]
-    groups, modules = _units(meta, meta_units)
+    groups, modules, said = _units(meta, meta_units)
     n, stage = world_size, prof.zero.stage
     states = _model_states(groups, list(meta.parameters()), prof, n)
     held: dict[str, int] = dict(states["bytes"])
     notes = [f"model states: {prof.optimizer.name} state, {prof.precision.compute} parameters"
-             + (", fp32 masters" if mixed else "") + f", zero stage {stage} over {n} rank(s)"]
+             + (", fp32 masters" if mixed else "") + f", zero stage {stage} over {n} rank(s)", said]
     held["buffers"] = sum(b.numel() * b.element_size() for b in meta.buffers())
     _offload(held, states, prof, device_type, notes)
     model_state = sum(held.get(c, 0) for c in ("params", "grads", "master", "optimizer_state"))
@@ -332,7 +333,7 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
     best = {k: int(v) for k, v in best.items() if v}
     return Estimate(profile=prof.name, world_size=n, model=user_class(model).__name__,
                     num_params=sum(p.numel() for p in model.parameters()), bytes=best,
-                    model_state=model_state, activations=acts + outputs, notes=tuple(notes))
+                    model_state=model_state, activations=acts + outputs, notes=tuple(notes), units=said)
 
 
 def _chunks(pieces: list[tuple[int, int, int]], per_elem: int, chunk_bytes: int,
@@ -440,4 +441,5 @@ def format_estimates(estimates: Sequence[Estimate]) -> str:
         e = estimates[0]
         lines.append(f"{e.model}: {e.num_params:,} parameters; per rank (rank 0: the most rows), at the estimated "
                      "peak; model state as the ZeRO formula counts it (full gradients at stages 0-1)")
+        lines += [u for u in dict.fromkeys(e.units for e in estimates) if u]
     return "\n".join(lines)

@@ -13,19 +13,35 @@ fires before any of the unit's backward nodes and so before the recomputation), 
 the parameters gathered and adds no collective; the unit is freed when its gradients are reduced, as without
 recomputation. Submodules *inside* a unit are called through ``__call__`` during recomputation, so their
 hooks do run again: never make a module with communication hooks part of a recomputed unit.
+
+[Note: a replay sees the inputs of the first call] torch's checkpoint saves a unit's positional tensor arguments
+(through the saved-tensor hooks) but holds every other argument by reference, and the recomputation calls the
+forward again with those objects as they are *then*. A model that threads a state object through its blocks
+(``s.h = self.fc(s.h); return s``: a block returning the object it was given, holding its output) has changed them
+by backward, so the replay would compute from later values: wrong gradients, or torch's ``CheckpointError``
+("Recomputed values for the following tensors have different metadata") where the shapes differ. So before the
+first call the containers and plain objects among the arguments that hold tensors are copied (shallowly, tensors
+by reference), and every replay gets a fresh copy of that snapshot. The first call gets the caller's own objects,
+so what the forward changes in them stays visible to the caller, as without recomputation.
+
+torch also stashes the random state only of the devices of tensors it finds in the positional arguments (lists,
+tuples, dicts): a unit whose tensors come as keyword arguments or inside an object would replay its GPU dropout
+from another random state. An empty tensor per such device is passed along for it to see.
 """
 
 from __future__ import annotations
 
-import functools
+import copy
 import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
+from memsave.models.units import attributes, output_tensors
 from memsave.recompute.measure import note_held
 from memsave.recompute.policy import SelectivePolicy
 
@@ -53,12 +69,107 @@ class RecomputedForward:
                                                                                    self.module)
         if not torch.is_grad_enabled():  # eval / no_grad: nothing is saved, so nothing to recompute
             return forward(*args, **kwargs)
-        if kwargs:
-            # Bound in a partial, not passed through checkpoint(**kwargs): a unit's keyword may not collide with
-            # checkpoint's own (debug, context_fn, ...). Either way they are held by reference until backward.
-            note_held(kwargs)
-            forward = functools.partial(forward, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, context_fn=self._context_fn)
+        # Keyword arguments and non-tensor positional ones are held by reference until backward (in the closure
+        # below: a unit's keyword may not collide with checkpoint's own, debug, context_fn, ...).
+        held = [a for a in args if not isinstance(a, torch.Tensor)]
+        if held or kwargs:
+            note_held(list(output_tensors((held, kwargs))))
+        # [Note: a replay sees the inputs of the first call]. The positional tensors are not in the snapshot, nor
+        # held by `run` after the first call: checkpoint keeps them through the saved-tensor hooks (offloaded or
+        # compressed there) and hands them back to the replay.
+        is_tensor = [isinstance(a, torch.Tensor) for a in args]
+        frozen = snapshot(([None if t else a for a, t in zip(args, is_tensor, strict=True)], kwargs))
+        first_call = [(args, kwargs)]
+
+        def run(*saved: Any) -> Any:
+            if first_call:
+                call_args, call_kwargs = first_call.pop()
+                return forward(*call_args, **call_kwargs)
+            old_args, old_kwargs = snapshot(frozen)
+            replay = [s if t else a for a, s, t in zip(old_args, saved, is_tensor)]  # saved: + the anchors
+            return forward(*replay, **old_kwargs)
+
+        return checkpoint(run, *args, *_device_anchors(args, kwargs), use_reentrant=False, preserve_rng_state=True,
+                          context_fn=self._context_fn)
+
+
+# never copied nor looked into by snapshot(): hold no argument tensors of their own
+_ATOMS = (nn.Module, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+          str, bytes, int, float, complex, torch.dtype, torch.device)
+
+
+def snapshot(obj: Any) -> Any:
+    """``obj`` with every list, tuple, dict and plain object that holds a tensor (at any depth) replaced by a
+    shallow copy; tensors, and whatever holds none, as they are. Shared references stay shared; an object that
+    cannot be copied is kept as it is ([Note: a replay sees the inputs of the first call])."""
+    return _snapshot(obj, {})
+
+
+def _snapshot(obj: Any, memo: dict[int, Any]) -> Any:
+    if obj is None or isinstance(obj, (torch.Tensor, *_ATOMS)):
+        return obj
+    if id(obj) in memo:
+        return memo[id(obj)]
+    memo[id(obj)] = obj  # a cycle leads back to the original
+    try:
+        memo[id(obj)] = new = _copy(obj, memo)
+    except Exception:  # a type that refuses to be copied or rebuilt: as without the snapshot
+        return obj
+    return new
+
+
+def _changed(old: list[Any], new: list[Any]) -> bool:
+    return any(isinstance(a, torch.Tensor) or a is not b for a, b in zip(old, new, strict=True))
+
+
+def _copy(obj: Any, memo: dict[int, Any]) -> Any:
+    if isinstance(obj, list | tuple):
+        items = list(obj)
+        new = [_snapshot(x, memo) for x in items]
+        if not _changed(items, new):
+            return obj
+        if type(obj) is list or type(obj) is tuple:
+            return type(obj)(new)
+        if isinstance(obj, tuple):  # a namedtuple, or a structseq (torch.return_types)
+            make = getattr(type(obj), "_make", None)
+            return make(new) if make is not None else type(obj)(new)
+        seq = copy.copy(obj)  # a list subclass
+        seq[:] = new
+        return seq
+    if isinstance(obj, dict):
+        keys = list(obj)
+        old, new = [obj[k] for k in keys], [_snapshot(obj[k], memo) for k in keys]
+        if not _changed(old, new):
+            return obj
+        if type(obj) is dict:
+            return dict(zip(keys, new, strict=True))
+        mapping = copy.copy(obj)  # a dict subclass (an OrderedDict, a ModelOutput)
+        for k, a, b in zip(keys, old, new, strict=True):
+            if a is not b:
+                mapping[k] = b
+        return mapping
+    attrs = attributes(obj)  # a plain object (a dataclass, a SimpleNamespace, a small class instance)
+    old = list(attrs.values())
+    new = [_snapshot(x, memo) for x in old]
+    if not attrs or not _changed(old, new):
+        return obj
+    out = copy.copy(obj)
+    inside = getattr(out, "__dict__", {})
+    for k, x in zip(attrs, new, strict=True):
+        if k in inside:
+            inside[k] = x
+        else:  # a slot
+            object.__setattr__(out, k, x)
+    return out
+
+
+def _device_anchors(args: tuple, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """An empty tensor on each accelerator that tensors inside ``args``'s objects or in ``kwargs`` live on, but no
+    tensor torch's checkpoint sees does, so it saves and restores that device's random state too ([Note: a replay
+    sees the inputs of the first call])."""
+    visible = {t.device for t in tree_leaves(args) if isinstance(t, torch.Tensor)}
+    hidden = {t.device for t in output_tensors((args, kwargs)) if t.device.type not in ("cpu", "meta")}
+    return [torch.empty(0, device=d) for d in sorted(hidden - visible, key=str)]
 
 
 def is_recomputed(module: nn.Module) -> bool:

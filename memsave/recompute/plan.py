@@ -255,7 +255,9 @@ def apply(
     models with ``use_cache=False`` for training, as their own gradient checkpointing does).
 
     Args:
-        units: the candidate units, in forward order; None: the blocks of ``model``'s largest ``nn.ModuleList``.
+        units: the candidate units, in forward order; None: ``model``'s default units, as ZeRO's
+            (:func:`memsave.models.units.default_units`: the blocks of its largest ``nn.ModuleList``, else
+            ``nn.Sequential`` children, else a size-based split).
         policy: ``"none"``; ``"full"`` (every unit); ``"every:K"`` (units 0, K, 2K, ...: the first of every K
             consecutive units); ``"selective"`` (every unit keeps the outputs of ``save_ops`` and recomputes the
             rest, via ``create_selective_checkpoint_contexts``); ``"budget:<size>"`` (measure on ``example_inputs``
@@ -288,8 +290,8 @@ def apply(
     qualified = {id(m): n for n, m in model.named_modules()} if model is not None else {}
     names = [qualified.get(id(u), f"units[{i}]") for i, u in enumerate(units)]
     if pol.kind != "none" and not units:
-        raise ValueError(f"[recompute] policy={pol}: there are no units to recompute (the model has no "
-                         "nn.ModuleList of blocks); pass units= explicitly")
+        raise ValueError(f"[recompute] policy={pol}: there are no units to recompute (no submodule of the model "
+                         "holds parameters: memsave.models.units.choose_units); pass units= explicitly")
     if pol.kind != "none" and getattr(getattr(model, "config", None), "use_cache", False) is True:
         warn_once("[recompute]: the model's config has use_cache = True; a unit that appends to a key/value cache "
                   "in forward sees its own keys again when recomputed (Hugging Face: call the model with "
