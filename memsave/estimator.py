@@ -137,6 +137,7 @@ def _model_states(groups: list[list[nn.Parameter]], order: list[nn.Parameter], p
     r = _BYTES[reduce] if reduce is not None else c
     out: dict[str, int] = dict.fromkeys(("params", "grads", "master", "optimizer_state"), 0)
     unit_full, unit_padded, unit_grad_full, unit_reduce, unit_state, unit_elems = [], [], [], [], [], []
+    unit_grad_shard: list[int] = []  # the averaged rows a unit's reduce-scatter allocates (flat_grad)
     for params in groups:
         trainable = [p for p in params if p.requires_grad]
         full = sum(p.numel() for p in params)
@@ -145,6 +146,7 @@ def _model_states(groups: list[list[nn.Parameter]], order: list[nn.Parameter], p
         unit_full.append(full * c)
         unit_padded.append(chunk * n * c)
         unit_grad_full.append(sum(p.numel() for p in trainable) * c)
+        unit_grad_shard.append(grad_chunk * r if trainable and (stage >= 2 or (stage == 1 and r != c)) else 0)
         # a reduce-scatter in flight: its staging (N * C in the reduce dtype) and, at stage 1 (or a reduce dtype
         # of its own), a fresh output chunk; stages 2-3 reduce into the persistent flat_grad
         if trainable and stage >= 1:
@@ -174,6 +176,7 @@ def _model_states(groups: list[list[nn.Parameter]], order: list[nn.Parameter], p
     pieces = [(unit_of[p], (_local_rows(_rows(p.shape)[0], shard) if len(p.shape) else 1), _rows(p.shape)[1])
               for p in order if p.requires_grad]
     return {"bytes": out, "pieces": pieces, "param_bytes": c, "unit_full": unit_full, "unit_padded": unit_padded, "unit_grad_full": unit_grad_full,
+            "unit_grad_shard": unit_grad_shard,
             "unit_reduce": unit_reduce, "unit_state": unit_state, "unit_elems": unit_elems}
 
 
@@ -310,8 +313,8 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
     _offload(held, states, prof, device_type, notes)
     model_state = sum(held.get(c, 0) for c in ("params", "grads", "master", "optimizer_state"))
     persistent_grads = held["grads"]
-    if stage == 1:
-        held["grads"] = 0  # zero_grad(set_to_none) frees the full gradients; backward makes them again
+    if stage >= 1:  # zero_grad(set_to_none) frees the full gradients (stage 1) and the reduced rows (every stage):
+        held["grads"] = 0  # backward makes them again, unit by unit
     acts, per_unit, outputs = 0, [0] * len(modules), 0
     if batch is not None:
         acts, per_unit, outputs, note = _activations(meta, modules, prof, batch, device_type)
@@ -400,6 +403,7 @@ def _walk_backward(best: dict[str, int], base: dict[str, int], states: dict[str,
     n_units = len(per_unit)
     full, grads_full, reduce_, staging = (states["unit_full"], states["unit_grad_full"], states["unit_reduce"],
                                           states["unit_padded"])
+    grads_shard = states["unit_grad_shard"]
     done: list[int] = []  # units whose reduce-scatter was launched, in order (indices into the unit lists)
     grads = 0
     for k in reversed(range(n_units)):
@@ -407,11 +411,13 @@ def _walk_backward(best: dict[str, int], base: dict[str, int], states: dict[str,
         for after in (False, True):
             if after:
                 done.append(u)
-                grads += grads_full[u] if stage == 1 else 0
+                grads += (grads_full[u] if stage == 1 else 0) + grads_shard[u]
             point = dict(base)
             point["activations"] = sum(per_unit[: k if after else k + 1])
             if stage == 1:  # (with micro-batches the accumulated full gradients are there throughout)
                 point["grads"] = max(base.get("grads", 0), grads)
+            else:  # the reduced rows of the units done so far (beside micro-batches' accumulated full gradients)
+                point["grads"] = base.get("grads", 0) + grads
             comm = sum(reduce_[j] for j in done[-_REDUCES_IN_FLIGHT:])
             if stage == 3:
                 point["params_gathered"] = full[0] + (0 if after else full[u])

@@ -43,7 +43,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from memsave import dist as mdist
 from memsave.config import ZeroConfig
 from memsave.dist import Mesh
-from memsave.models.units import default_units, output_tensors  # layer 0, shared with recompute/ and memory/
+from memsave.models.units import (  # layer 0, shared with recompute/ and memory/
+    default_units,
+    output_tensors,
+    unit_parameters,
+)
 from memsave.phases import MemoryCategory, ShardedState
 from memsave.zero.unit import Unit
 
@@ -134,14 +138,7 @@ class ZeroEngine:
             if not any(m is sub for sub in root.modules()):
                 raise ValueError(f"units= holds a {type(m).__name__} that is not a submodule of the model")
         module_names = {id(m): n for n, m in root.named_modules()}
-        owners: dict[nn.Parameter, set[int]] = {}
-        for k, m in enumerate(modules):
-            for p in m.parameters():
-                owners.setdefault(p, set()).add(k)
-        groups: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(modules) + 1)]
-        for name, p in root.named_parameters():  # each shared parameter once, under its first name
-            ks = owners.get(p, set())
-            groups[next(iter(ks)) + 1 if len(ks) == 1 else 0].append((name, p))  # shared or unowned -> root
+        groups = unit_parameters(root, modules)  # shared or unowned -> root (the estimator's grouping too)
         kw: dict[str, Any] = dict(stage=self.stage, group=self.group, reduce_group=self.reduce_group,
                                   dp_rank=self.mesh.dp_rank, dp_size=self.dp_size, reduce_dtype=self.reduce_dtype)
         units = [Unit("<root>", root, groups[0], is_root=True, **kw)]  # possibly empty-handed
