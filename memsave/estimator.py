@@ -333,6 +333,12 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
     best = dict(base, activations=acts + outputs)  # the end of forward: the outputs are still held
     if stage >= 1:
         best = _walk_backward(best, base, states, per_unit, stage, prof.zero.prefetch, persistent_grads)
+    if mixed and reduce_dtype_for(prof.precision) is not torch.float32:
+        # the step: every reduced gradient, and its fp32 copy on the masters (made by the unscale or by
+        # clip_grad_norm, dropped after the step; with fp32 reduction the gradient itself is the master's). Offloaded
+        # masters without clipping or loss scale skip the copy (cast chunk by chunk): counted anyway, as an upper bound
+        step = dict(base, activations=0, grads=persistent_grads + states["bytes"]["master"])
+        best = step if _total(step) > _total(best) else best
     best = {k: int(v) for k, v in best.items() if v}
     return Estimate(profile=prof.name, world_size=n, model=user_class(model).__name__,
                     num_params=sum(p.numel() for p in model.parameters()), bytes=best,
