@@ -274,3 +274,38 @@ def _state_dict_on_rank0_only(world: int) -> str:
 def test_state_dict_on_one_rank_says_it_is_collective() -> None:
     """Without the arrival check rank 0 hangs for the 600 s collective timeout, then shows a raw gloo error."""
     assert run_ranks(_state_dict_on_rank0_only, 2, 2, timeout=120, env={"MEMSAVE_ARRIVAL_S": "3"}) == ["ok"] * 2
+
+
+class _Opaque:
+    """An output memsave cannot look into: its tensor hides behind a closure."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.get = lambda: t
+
+
+class _OpaqueBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        box = _Opaque(self.fc(x))
+        return box
+
+
+class _OpaqueModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_OpaqueBlock(), _OpaqueBlock()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x).get()
+        return x.sum()
+
+
+def test_a_unit_output_memsave_cannot_look_into_is_refused_at_the_first_forward() -> None:
+    model = _OpaqueModel()
+    model, opt = memsave.wrap(model, torch.optim.SGD(model.parameters()), "zero3")
+    with pytest.raises(NotImplementedError, match=r"unit 'blocks\.0' \(_OpaqueBlock\) returned a _Opaque"):
+        model(torch.ones(2, 4))

@@ -290,9 +290,18 @@ class ZeroEngine:
             if not self._keep_for_backward(unit) and not (self._nested and unit.index in self._nested[-1][-1]):
                 unit.reshard()
             if torch.is_grad_enabled():
+                hooked = False
                 for t in output_tensors(output):
                     if t.requires_grad:
                         t.register_hook(self._make_pre_backward(unit))
+                        hooked = True
+                if not hooked and unit.trainable:  # its backward would run on freed parameters
+                    raise NotImplementedError(
+                        f"ZeRO-3 unit {unit.name!r} ({type(module).__name__}) returned a {type(output).__name__} in "
+                        "which memsave finds no tensor that requires grad (it looks into tensors, tuples, lists, "
+                        "dicts, dataclasses and objects' __dict__ / __slots__), so it cannot gather the unit again "
+                        "before its backward; return the tensors in one of those, or pass units= without this module"
+                    )
         return hook
 
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
