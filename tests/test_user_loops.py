@@ -306,6 +306,6 @@ class _OpaqueModel(nn.Module):
 
 def test_a_unit_output_memsave_cannot_look_into_is_refused_at_the_first_forward() -> None:
     model = _OpaqueModel()
-    model, opt = memsave.wrap(model, torch.optim.SGD(model.parameters()), "zero3")
+    model, _opt = memsave.wrap(model, torch.optim.SGD(model.parameters()), "zero3")
     with pytest.raises(NotImplementedError, match=r"unit 'blocks\.0' \(_OpaqueBlock\) returned a _Opaque"):
         model(torch.ones(2, 4))
