@@ -29,6 +29,7 @@ from memsave.precision import (
     reduce_dtype_for,
     scaler_for,
 )
+from memsave.precision.nonfinite import NonfiniteGuard
 from memsave.wrapped import (
     MemsaveModule,
     MemsaveOptimizer,
@@ -344,14 +345,17 @@ def _wrap_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, prof
                         units: Sequence[nn.Module] | None, mixed: bool, scaler: Any,
                         reduce_dtype: torch.dtype | None,
                         offload: OffloadConfig | None = None) -> tuple[nn.Module, MemsaveOptimizer]:
+    nonfinite = NonfiniteGuard(profile.precision.nonfinite, profile.precision.max_skipped)
     if profile.zero.stage == 0:
         engine = DataParallelEngine(model, mesh, bucket_mb=profile.zero.bucket_mb, reduce_dtype=reduce_dtype)
         swap_class(model, engine)
         wrapped: tuple[nn.Module, MemsaveOptimizer] = (
-            model, DataParallelOptimizer(optimizer, engine, mixed_precision=mixed, scaler=scaler))
+            model, DataParallelOptimizer(optimizer, engine, mixed_precision=mixed, scaler=scaler,
+                                         nonfinite=nonfinite))
     else:
         from memsave.zero import shard  # layer 3; imported here so stage 0 users never load it
 
         wrapped = shard(model, optimizer, stage=profile.zero.stage, mesh=mesh, units=units, config=profile.zero,
+                        nonfinite=nonfinite,
                         mixed_precision=mixed, scaler=scaler, reduce_dtype=reduce_dtype, offload=offload)
     return wrapped

@@ -137,11 +137,22 @@ class PrecisionConfig(_Checked):
         "and a step whose gradients overflowed on any rank is skipped on every rank. fp16 wants one (its range "
         "ends at 65504 and small gradients underflow); bf16 has fp32's range and needs none.",
         "\"none\", \"dynamic\" or a positive number"))
+    nonfinite: Literal["skip", "raise"] = field(default="skip", metadata=_doc(
+        "A step whose gradients hold an inf or NaN on any rank (at any precision; decided on every rank alike, "
+        "from clip_grad_norm's global norm when it ran) is never applied: \"skip\" skips it on every rank and "
+        "says so once with the step number, \"raise\" raises naming the step. fp16's overflow skips count only "
+        "once the loss scale is at its minimum."))
+    max_skipped: int = field(default=10, metadata=_doc(
+        "With nonfinite = \"skip\": after this many consecutive skipped steps, raise naming them (a NaN in the "
+        "data or a diverged run, or fp16's scale stuck at its minimum, instead of training on with no update).",
+        "an integer >= 1"))
 
     _section = "precision"
 
     def __post_init__(self) -> None:
         self._check_fields()
+        if not isinstance(self.max_skipped, int) or isinstance(self.max_skipped, bool) or self.max_skipped < 1:
+            raise _bad("precision.max_skipped", self.max_skipped, "an integer >= 1")
         ls = self.loss_scale
         if isinstance(ls, str) and ls not in ("none", "dynamic"):
             raise _bad("precision.loss_scale", ls, '"none", "dynamic" or a positive number')

@@ -33,6 +33,7 @@ from memsave import dist as mdist
 from memsave.dist import Mesh
 from memsave.phases import MemoryCategory
 from memsave.precision import LossScaler, MixedPrecisionOptimizer
+from memsave.precision.nonfinite import NonfiniteGuard
 from memsave.wrapped import MemsaveOptimizer, route_zero_grad, weak_method
 
 __all__ = ["DataParallelEngine", "DataParallelOptimizer", "trainable_parameters"]
@@ -256,10 +257,12 @@ class DataParallelOptimizer(MemsaveOptimizer):
     every rank after the all-reduce, so the overflow decision is the same everywhere without another one)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, engine: DataParallelEngine, *,
-                 mixed_precision: bool = False, scaler: LossScaler | None = None) -> None:
+                 mixed_precision: bool = False, scaler: LossScaler | None = None,
+                 nonfinite: NonfiniteGuard | None = None) -> None:
         super().__init__(optimizer)
         self.engine = engine
-        self.mp = (MixedPrecisionOptimizer(optimizer, scaler=scaler, grad_of=engine.grad_of)
+        self.nonfinite = nonfinite if nonfinite is not None else NonfiniteGuard()
+        self.mp = (MixedPrecisionOptimizer(optimizer, scaler=scaler, grad_of=engine.grad_of, nonfinite=self.nonfinite)
                    if mixed_precision or scaler is not None else None)
         self.scaler = scaler
         engine.loss_scaled = scaler is not None
@@ -284,12 +287,18 @@ class DataParallelOptimizer(MemsaveOptimizer):
         if self.mp is not None:
             return self.mp.clip_grad_norm(max_norm, norm_type)
         params = [p for p in self.engine.param_names if p.grad is not None]  # registration order
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=True)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=True)
+        self.nonfinite.norm = float(norm)  # the step's non-finite check reuses it
+        return norm
 
     def _step(self) -> None:
         if self.mp is not None:
             self.mp._step()
-        else:
+            return
+        # the gradients are the same on every rank after the all-reduce: each rank's decision is everyone's
+        skip = self.nonfinite.found([p.grad for p in self.engine.param_names], None)
+        self.nonfinite.after_step(skip)
+        if not skip:
             self.optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -27,6 +27,7 @@ from torch import nn
 
 from memsave import dist as mdist
 from memsave.phases import MemoryCategory
+from memsave.precision.nonfinite import NonfiniteGuard
 from memsave.precision.scaler import LossScaler
 from memsave.wrapped import MemsaveOptimizer
 
@@ -53,6 +54,8 @@ class MixedPrecisionOptimizer(MemsaveOptimizer):
     group: the process group whose ranks must agree on skipping a step, when their gradients differ (each
         rank checks its own; one MAX all-reduce). None: decide locally, right when gradients are identical on
         every rank (a single process, or after torch DDP's all-reduce).
+    nonfinite: what a step with an inf/NaN gradient does (memsave/precision/nonfinite.py; default: skipped, and
+        an error after 10 in a row).
     grad_of: where a model parameter's gradient is read (default ``p.grad``); engines that keep gradients
         in another dtype than the parameter (fp32 reduction of bf16 gradients) hand them over here. An fp32
         gradient becomes the master's ``.grad`` without a copy (and is unscaled in place).
@@ -61,8 +64,9 @@ class MixedPrecisionOptimizer(MemsaveOptimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, *, scaler: LossScaler | None = None,
                  group: mdist.ProcessGroup | None = None,
                  grad_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
-                 master_device: torch.device | None = None) -> None:
+                 master_device: torch.device | None = None, nonfinite: NonfiniteGuard | None = None) -> None:
         super().__init__(optimizer)
+        self.nonfinite = nonfinite if nonfinite is not None else NonfiniteGuard()
         if optimizer.state:
             raise ValueError(f"optimizer already has state for {len(optimizer.state)} parameters; wrap it before "
                              "its first step (then load a checkpoint with load_state_dict)")
@@ -117,8 +121,8 @@ class MixedPrecisionOptimizer(MemsaveOptimizer):
                 grads.append(g)
             if self.scaler is not None:
                 self._checked = self.scaler.unscale_and_check(grads, self.group)
-            else:
-                self._checked = False
+            else:  # bf16: no overflow to expect, but a NaN loss must not reach the masters
+                self._checked = self.nonfinite.found(grads, self.group)
         return self._checked
 
     @torch.no_grad()
@@ -136,10 +140,12 @@ class MixedPrecisionOptimizer(MemsaveOptimizer):
         unscale or check, so ``step`` gets no fp32 gradient copies: it casts the model's gradients chunk by chunk
         ([Note: offloaded masters] in memsave/offload/state.py); ``clip_grad_norm`` still makes them (it needs
         every gradient at once)."""
-        if step is not None and self.scaler is None and self._checked is None:
-            self._checked = False
+        if step is not None and self.scaler is None and self._checked is None:  # check the model's gradients
+            self._checked = self.nonfinite.found([self._grad_of(p) for _, p in self._pairs], self.group)
         overflow = self._unscale()
         self.last_step_skipped = overflow
+        stuck = self.scaler is None or self.scaler.scale <= self.scaler.min_scale  # nothing left to adjust
+        self.nonfinite.after_step(overflow, counts=stuck)  # (raises per [precision] nonfinite / max_skipped)
         if not overflow and step is not None:
             step()
         elif not overflow:

@@ -10,6 +10,7 @@ from torch import nn
 from memsave.config import OffloadConfig, ZeroConfig
 from memsave.dist import Mesh
 from memsave.precision import LossScaler
+from memsave.precision.nonfinite import NonfiniteGuard
 from memsave.wrapped import swap_class
 from memsave.zero.engine import ZeroEngine, default_units
 from memsave.zero.layout import ShardLayout
@@ -30,6 +31,7 @@ def shard(
     scaler: LossScaler | None = None,
     reduce_dtype: torch.dtype | None = None,
     offload: OffloadConfig | None = None,
+    nonfinite: NonfiniteGuard | None = None,
 ) -> tuple[nn.Module, ZeroOptimizer]:
     """Shard ``model`` and ``optimizer`` with ZeRO ``stage`` over ``mesh``'s dp axis, in place.
 
@@ -52,4 +54,5 @@ def shard(
                       master_elements=None if mixed_precision or scaler is not None else 0)
     engine = ZeroEngine(model, mesh, cfg, units, reduce_dtype=reduce_dtype)
     swap_class(model, engine)
-    return model, ZeroOptimizer(optimizer, engine, mixed_precision=mixed_precision, scaler=scaler, offload=offload)
+    return model, ZeroOptimizer(optimizer, engine, mixed_precision=mixed_precision, scaler=scaler, offload=offload,
+                                nonfinite=nonfinite)

@@ -22,6 +22,7 @@ from memsave.config import OffloadConfig
 from memsave.optim import Adafactor
 from memsave.phases import MemoryCategory
 from memsave.precision import LossScaler, MixedPrecisionOptimizer
+from memsave.precision.nonfinite import NonfiniteGuard
 from memsave.precision.optimizer import follow
 from memsave.wrapped import MemsaveOptimizer, route_zero_grad, weak_method
 from memsave.zero.engine import ZeroEngine
@@ -57,8 +58,10 @@ class ZeroOptimizer(MemsaveOptimizer):
             warn_once(f"ZeRO assumes {name} updates each element independently; if it does not, results differ")
 
     def __init__(self, optimizer: torch.optim.Optimizer, engine: ZeroEngine, *, mixed_precision: bool = False,
-                 scaler: LossScaler | None = None, offload: OffloadConfig | None = None) -> None:
+                 scaler: LossScaler | None = None, offload: OffloadConfig | None = None,
+                 nonfinite: NonfiniteGuard | None = None) -> None:
         super().__init__(optimizer)
+        self.nonfinite = nonfinite if nonfinite is not None else NonfiniteGuard()
         self.check(optimizer, engine.stage)
         self.engine = engine
         self.scaler = scaler
@@ -79,7 +82,8 @@ class ZeroOptimizer(MemsaveOptimizer):
         # holds 4 bytes per parameter of them ([Note: offloaded masters] in memsave/offload/state.py).
         host_masters = (offload is not None and offload.optimizer == "cpu" and engine.mesh.device.type == "cuda")
         self.mp = (MixedPrecisionOptimizer(optimizer, scaler=scaler, group=engine.group, grad_of=engine.shard_grad,
-                                           master_device=torch.device("cpu") if host_masters else None)
+                                           master_device=torch.device("cpu") if host_masters else None,
+                                           nonfinite=self.nonfinite)
                    if mixed_precision or scaler is not None else None)
         # what the optimizer steps (a shard, or its master) -> the full parameter
         self._opt_full = ({m: self._full_of[s] for m, s in self.mp._pairs} if self.mp is not None
@@ -145,6 +149,7 @@ class ZeroOptimizer(MemsaveOptimizer):
             total = local.to(device).reshape(1)
             mdist.all_reduce(total, self.engine.group)
             norm = total[0] ** (1.0 / norm_type)
+        self.nonfinite.norm = float(norm)  # the step's non-finite check reuses this global norm
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         if grads:
             torch._foreach_mul_(grads, coef.to(grads[0].dtype))
@@ -175,10 +180,15 @@ class ZeroOptimizer(MemsaveOptimizer):
             self.mp._step(step)  # or skips it, on every rank
             if self.mp.last_step_skipped:
                 return
-        elif self.offloaded is not None:
-            self.offloaded.step(overlap=self.overlap)
         else:
-            self.optimizer.step()
+            skip = self.nonfinite.found(self._shard_grads(), self.engine.group, device=self.engine.mesh.device)
+            self.nonfinite.after_step(skip)  # agreed over dp: every rank skips, or none
+            if skip:
+                return
+            if self.offloaded is not None:
+                self.offloaded.step(overlap=self.overlap)
+            else:
+                self.optimizer.step()
         if self.offloaded is not None and self.engine.mesh.device.type == "cpu":
             mdist.after_forward()  # the host policy's trim: the chunks' transients go back to the OS too
         self.engine.gather_params_after_step()
