@@ -5,6 +5,12 @@
 set we start a world of one on an in-memory store (no port, no rendezvous), so the same script runs unchanged
 as ``python train.py``. If the default process group already exists (the user or accelerate created it), it is
 used as it is.
+
+[Note: elastic restarts] ``torchrun --max-restarts N`` restarts every rank after one dies, on the same store (the
+agent's). The restarted ranks would read the keys the first attempt left there, gloo's among them, and connect to
+the dead rank's old address ("Gloo connectFullMesh failed ... Connection refused"; a plain torch script fails
+the same way on torch 2.13). So under an elastic agent the store is wrapped in a prefix per
+``TORCHELASTIC_RESTART_COUNT``: each attempt rendezvouses in keys of its own.
 """
 
 from __future__ import annotations
@@ -97,7 +103,14 @@ def init(
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
             kwargs = {"device_id": dev} if dev.type == "cuda" else {}
-            dist.init_process_group(backend, init_method="env://", timeout=timeout, **kwargs)  # type: ignore[arg-type]
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+            if restart is None:
+                dist.init_process_group(backend, init_method="env://", timeout=timeout, **kwargs)  # type: ignore[arg-type]
+            else:  # [Note: elastic restarts]
+                store, rank, size = next(dist.rendezvous("env://", timeout=timeout))
+                store = dist.PrefixStore(f"memsave/restart{restart}/", store)
+                dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout,
+                                        **kwargs)  # type: ignore[arg-type]
     elif dist.get_backend() != backend:
         get_logger().info("using the existing %s process group (asked for %s)", dist.get_backend(), backend)
     mesh = Mesh.build(device=dev, dp=dp, tp=tp, pp=pp, local_rank=local_rank)
