@@ -1,5 +1,6 @@
 """Layer 1: the only place that calls ``torch.distributed``."""
 
+from memsave.dist.agreement import Agreement
 from memsave.dist.collectives import (
     COMM_STATS,
     CommStats,
@@ -28,6 +29,7 @@ from memsave.dist.mesh import AXES, Mesh, validate_degrees
 
 __all__ = [
     "AXES",
+    "Agreement",
     "COMM_STATS",
     "CommStats",
     "Handle",

@@ -68,6 +68,7 @@ class DataParallelEngine:
         self.group = mesh.dp_group
         self.dp_size = mesh.dp_size
         self.require_grad_sync = True
+        self.agreement = mdist.Agreement(mesh.new_group("dp"), mesh.device)  # [Note: control-flow agreement]
         named = trainable_parameters(model)
         self.param_names = {p: n for n, p in named}
         self.buckets = self._make_buckets([p for _, p in reversed(named)], int(bucket_mb * 2**20), reduce_dtype)
@@ -141,6 +142,7 @@ class DataParallelEngine:
         if not self.require_grad_sync:
             return
         if not self._callback_queued:
+            self.agreement.check("backward")  # before its first all-reduce
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
         bucket, i = self._slot[param]  # type: ignore[index]
@@ -280,6 +282,7 @@ class DataParallelOptimizer(MemsaveOptimizer):
             self.engine.in_scaled_backward = False
         if self.engine.require_grad_sync and self.engine.num_syncs == before:
             # No gradient reached this rank's parameters, so no hook queued the sync; the peers still need it.
+            self.engine.agreement.check("backward")
             self.engine._finalize_backward()
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -292,6 +295,8 @@ class DataParallelOptimizer(MemsaveOptimizer):
         return norm
 
     def _step(self) -> None:
+        self.engine.agreement.check("optimizer")  # [Note: control-flow agreement] in memsave/dist/agreement.py
+        self.engine.agreement.step += 1
         if self.mp is not None:
             self.mp._step()
             return

@@ -85,6 +85,7 @@ class ZeroEngine:
         self.group, self.dp_size = mesh.dp_group, mesh.dp_size
         self.reduce_dtype = reduce_dtype  # None: the parameters' own dtype ([Note: reduce dtype] in unit.py)
         self.reduce_group = mesh.new_group("dp")
+        self.agreement = mdist.Agreement(mesh.new_group("dp"), mesh.device)  # [Note: control-flow agreement]
         self.require_grad_sync = True
         self.units = self._build_units(list(units) if units is not None else default_units(model))
         self.shard_of: dict[nn.Parameter, nn.Parameter] = {}
@@ -221,6 +222,7 @@ class ZeroEngine:
         self.param_offload.load(unit, ahead=order[at + 1 :])
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        self.agreement.check("forward")  # its gathers would pair with a peer's other collectives
         if self._graph_pending and not torch.is_grad_enabled():
             # a no_grad forward (a metric or teacher pass) between a training forward and its backward: it must
             # leave every unit as that backward expects it
@@ -382,6 +384,8 @@ class ZeroEngine:
     # -- gradients -----------------------------------------------------------------------------------------
     def _queue_callback(self) -> None:
         if not self._callback_queued:
+            if self.require_grad_sync:
+                self.agreement.check("backward")  # before its first reduce-scatter
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
 

@@ -125,6 +125,7 @@ class ZeroOptimizer(MemsaveOptimizer):
         finally:
             self.engine.in_scaled_backward = False
         if self.engine.require_grad_sync and self.engine.num_syncs == before:
+            self.engine.agreement.check("backward")  # as the peers' first gradient hook does
             self.engine._finalize_backward()  # no gradient reached this rank's parameters; peers still sync
 
     def _shard_grads(self) -> list[torch.Tensor]:
@@ -173,6 +174,9 @@ class ZeroOptimizer(MemsaveOptimizer):
         self.offloaded.load_local_state(states, own)
 
     def _step(self) -> None:
+        agreement = self.engine.agreement
+        agreement.check("optimizer")  # [Note: control-flow agreement] in memsave/dist/agreement.py
+        agreement.step += 1
         self.engine.reshard_all()  # stage 3: units gathered on access would hold the weights before the step
         if self.mp is not None:
             offloaded = self.offloaded

@@ -1,0 +1,51 @@
+"""Ranks whose control flow diverged are named within one step instead of hanging for the collective timeout
+(issue 24, item 4; [Note: control-flow agreement] in memsave/dist/agreement.py). Before, these loops hung for
+600 s and ended in gloo's generic timeout, and under ddp the off-by-one all-reduces first averaged the wrong
+gradients."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch
+
+import memsave
+from tests.harness import run_ranks
+from tests.toy import ToyLM, toy_batch
+
+
+def _loop(profile: str, mesh: memsave.Mesh, *, skip_step_on: int = -1, extra_forward_on: int = -1) -> None:
+    model = ToyLM(n_blocks=2)
+    model, opt = memsave.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), profile, mesh=mesh)
+    for step in range(4):
+        opt.backward(model(**toy_batch(step, 2, seed=mesh.dp_rank)).loss)
+        if not (step == 1 and mesh.dp_rank == skip_step_on):
+            opt.step()
+        opt.zero_grad()
+        if step == 1 and mesh.dp_rank == extra_forward_on:  # an evaluation pass on one rank only
+            with torch.no_grad():
+                model(**toy_batch(step, 2))
+
+
+def _cases(world: int) -> dict[str, float]:
+    mesh = memsave.init()
+    took = {}
+    for profile in ("ddp", "zero1", "zero2", "zero3"):
+        t0 = time.monotonic()
+        ahead = "forward" if profile == "zero3" else "backward"  # stage 3's forward communicates already
+        other = "rank 0 at step 1 (optimizer)" if mesh.dp_rank == 1 else f"rank 1 at step 1 ({ahead})"
+        with pytest.raises(RuntimeError, match=rf"control flow diverged .* {re.escape(other)}"):
+            _loop(profile, mesh, skip_step_on=1)
+        took[profile] = time.monotonic() - t0
+    # a forward on one rank only: legal where forward does not communicate, named at stage 3 where it does
+    _loop("zero2", mesh, extra_forward_on=0)
+    with pytest.raises(RuntimeError, match=r"control flow diverged .* at step 2 \((forward|backward)\)"):
+        _loop("zero3", mesh, extra_forward_on=0)
+    return took
+
+
+def test_a_rank_that_skips_a_step_is_named_within_the_step() -> None:
+    for took in run_ranks(_cases, 2, 2, timeout=120):
+        assert max(took.values()) < 30, took  # not a collective timeout
