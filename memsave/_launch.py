@@ -8,6 +8,11 @@ rank order. On CPU each process gets an equal share of the cores as torch thread
 The first rank that raises ends the run: every other process is killed (its peers would otherwise wait in a
 collective until the timeout) and :class:`LaunchError` is raised with the rank, the exception's type and
 message, and the child's traceback. The same happens to all of them after ``timeout_s``.
+
+[Note: port clash] The port is free when :func:`free_port` looks, not necessarily when rank 0's store binds it a
+few seconds later: another process may take it in between, or two launches may be handed the same one. Rank 0
+then fails with ``EADDRINUSE`` before any work is done, so the launch is started again, all processes anew, on a
+new port (``PORT_ATTEMPTS`` launches in all), and the retry is said in the log. Only that failure is retried.
 """
 
 from __future__ import annotations
@@ -22,9 +27,12 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from memsave._logging import get_logger
 from memsave.dist import shutdown
 
-__all__ = ["LaunchError", "free_port", "spawn_local"]
+__all__ = ["PORT_ATTEMPTS", "LaunchError", "free_port", "is_port_clash", "spawn_local"]
+
+PORT_ATTEMPTS = 3  # launches per spawn_local call when the rendezvous port was taken (see [Note: port clash])
 
 
 class LaunchError(RuntimeError):
@@ -39,6 +47,7 @@ class LaunchError(RuntimeError):
 
     def __init__(self, summary: str, *, rank: int, exc_type: str, message: str, child_traceback: str = "") -> None:
         super().__init__(summary if not child_traceback else f"{summary}\n\n{child_traceback}")
+        self.summary = summary
         self.rank = rank
         self.exc_type = exc_type
         self.message = message
@@ -84,21 +93,48 @@ def _stop(procs: Sequence[Any], *, graceful: bool) -> None:
         p.join()
 
 
+def is_port_clash(exc: LaunchError) -> bool:
+    """Whether the launch failed because the rendezvous port was taken (rank 0's store could not listen)."""
+    text = exc.message.lower()
+    return "eaddrinuse" in text or "address already in use" in text
+
+
 def spawn_local(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, timeout_s: float) -> list[Any]:
     """``fn(*args)`` in ``nprocs`` local processes; their return values in rank order.
 
     ``fn`` must be a module-level function and ``args`` and the results picklable. Raises :class:`LaunchError`
-    if a rank raises, dies or has not returned after ``timeout_s`` seconds; all processes are gone by then.
+    if a rank raises, dies or has not returned after ``timeout_s`` seconds; all processes are gone by then. A
+    launch whose port was taken is started again on another one (see [Note: port clash]); ``timeout_s`` applies
+    to each launch.
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs={nprocs!r} is not allowed; expected a positive number of processes")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s={timeout_s!r} is not allowed; expected a positive number of seconds")
+    ports: list[int] = []
+    while True:
+        ports.append(free_port())
+        try:
+            return _launch_once(fn, nprocs, tuple(args), timeout_s, ports[-1])
+        except LaunchError as exc:
+            if not is_port_clash(exc):
+                raise
+            if len(ports) >= PORT_ATTEMPTS:
+                tried = ", ".join(map(str, ports))
+                raise LaunchError(f"{exc.summary} (the rendezvous port was taken on all {len(ports)} launches: "
+                                  f"ports {tried})", rank=exc.rank, exc_type=exc.exc_type, message=exc.message,
+                                  child_traceback=exc.child_traceback) from None
+            get_logger().warning("port %d was taken before rank 0 could listen on it (%s); starting the %d "
+                                 "processes again on another port", ports[-1], exc.exc_type, nprocs)
+
+
+def _launch_once(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], timeout_s: float,
+                 port: int) -> list[Any]:
+    """One launch of ``nprocs`` processes rendezvousing on ``port``; see :func:`spawn_local`."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port = free_port()
     threads = max(1, _cpu_count() // nprocs)
-    procs = [ctx.Process(target=_child, args=(r, nprocs, port, threads, fn, tuple(args), queue), daemon=True)
+    procs = [ctx.Process(target=_child, args=(r, nprocs, port, threads, fn, args, queue), daemon=True)
              for r in range(nprocs)]
     results: dict[int, Any] = {}
     ok = False

@@ -16,20 +16,22 @@ import importlib
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from memsave import dist as mdist
+from memsave._launch import LaunchError, spawn_local
 from memsave.api import wrap
 from memsave.config import load_profile
 from memsave.memory import account, peak_rss_bytes, rss_bytes
 from memsave.models import GPT, TokenBatches, gpt_config
 from memsave.optim import Adafactor, build_optimizer
 
-__all__ = ["BenchOptions", "comm_elements", "format_recompute_table", "format_table", "formula_bytes", "precision_label",
-           "run_bench", "run_recompute_bench"]
+__all__ = ["BenchOptions", "ConfigFailed", "comm_elements", "format_recompute_table", "format_table", "formula_bytes", "precision_label",
+           "run_bench", "run_each", "run_recompute_bench"]
 
 DEFAULT_PROFILES = ("ddp", "zero1", "zero2", "zero3")
 DEFAULT_BASELINES = ("torch-ddp", "torch-zero1", "fsdp2", "fsdp2-noreshard", "fsdp2+malloc")
@@ -232,49 +234,85 @@ def _worker(name: str, opts: BenchOptions) -> dict[str, Any]:
     return out
 
 
-def run_bench(names: list[str], opts: BenchOptions, *, timeout_s: float = 1800) -> list[dict[str, Any]]:
-    """Run every configuration in ``names`` (profiles or baselines); one summary row each."""
-    from memsave._launch import spawn_local
+class ConfigFailed(LaunchError):
+    """A configuration of the bench failed (after :func:`memsave._launch.spawn_local`'s retries on a taken port).
 
-    rows = []
+    Its message names the configuration; ``rows`` are the configurations that finished before it, compared
+    among themselves as a full run's rows are.
+    """
+
+    def __init__(self, name: str, rows: list[dict[str, Any]], cause: LaunchError) -> None:
+        super().__init__(f"configuration {name!r} failed: {cause.summary}", rank=cause.rank,
+                         exc_type=cause.exc_type, message=f"configuration {name!r}: {cause.message}",
+                         child_traceback=cause.child_traceback)
+        self.name = name
+        self.rows = rows
+
+
+def run_each(names: list[str], run_one: Callable[[str], dict[str, Any]],
+             compare: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
+    """``run_one(name)`` for each configuration in order, then ``compare(rows)``; a configuration that fails
+    raises :class:`ConfigFailed` naming it and carrying the finished rows, compared."""
+    rows: list[dict[str, Any]] = []
     for name in names:
-        ranks = spawn_local(_worker, opts.nproc, (name, opts), timeout_s=timeout_s)
-        r0 = ranks[0]
-        n = opts.nproc
-        per_step = [max(r["times"][s] for r in ranks) for s in range(opts.steps)]  # the slowest rank sets the pace
-        # the formula is AdamW's; other optimizers are shown against nothing
-        adam = r0["optimizer"] in ("AdamW", "ZeroRedundancyOptimizer")
-        formula = formula_bytes(r0["stage"], r0["psi"], n, compute=r0["state_precision"],
-                                reduce=r0["reduce"] if r0["state_precision"] != "fp32" else "compute") if adam else None
-        w = opts.warmup
-        baseline = _base_name(name) in _BASELINES
-        rows.append({
-            "name": name, "kind": "baseline" if baseline else "memsave", "stage": r0["stage"],
-            "precision": precision_label(r0["compute"], r0["reduce"]), "compute": r0["compute"], "reduce": r0["reduce"],
-            "nproc": n, "params": r0["psi"],
-            "median_step_s": statistics.median(per_step[opts.warmup :]),
-            "peak_rss": [r["peak_rss"] for r in ranks],
-            "device_peak": [r.get("device_peak", 0) for r in ranks],
-            "model_state_bytes": [r["model_state_bytes"] for r in ranks],
-            "state_bytes_by_category": [r["bytes"] for r in ranks],
-            "formula_bytes": formula,
-            "state_vs_formula": None if formula is None else max(r["model_state_bytes"] for r in ranks) / formula,
-            "optimizer": r0["optimizer"],
-            "median_optimizer_step_s": statistics.median(max(r["opt_times"][s] for r in ranks) for s in range(w, opts.steps)),
-            "median_optimizer_reduce_s": statistics.median(max(r["reduce_times"][s] for r in ranks) for s in range(w, opts.steps)),
-            "comm_bytes_per_step": None if baseline else r0["comm_bytes_per_step"],
-            "comm_bytes_by_kind": None if baseline else r0["comm_bytes_by_kind"],
-            "comm_elems_over_psi": None if baseline else comm_elements(
-                r0["comm_bytes_by_kind"], compute=r0["compute"], reduce=r0["reduce"]) / r0["psi"],
-            "losses": r0["losses"], "final_loss": r0["losses"][-1],
-        })
+        try:
+            rows.append(run_one(name))
+        except LaunchError as exc:
+            if rows:
+                compare(rows)
+            raise ConfigFailed(name, rows, exc) from None
+    compare(rows)
+    return rows
+
+
+def _bench_row(name: str, opts: BenchOptions, timeout_s: float) -> dict[str, Any]:
+    """One configuration in fresh processes: its summary row."""
+    ranks = spawn_local(_worker, opts.nproc, (name, opts), timeout_s=timeout_s)
+    r0 = ranks[0]
+    n = opts.nproc
+    per_step = [max(r["times"][s] for r in ranks) for s in range(opts.steps)]  # the slowest rank sets the pace
+    # the formula is AdamW's; other optimizers are shown against nothing
+    adam = r0["optimizer"] in ("AdamW", "ZeroRedundancyOptimizer")
+    formula = formula_bytes(r0["stage"], r0["psi"], n, compute=r0["state_precision"],
+                            reduce=r0["reduce"] if r0["state_precision"] != "fp32" else "compute") if adam else None
+    w = opts.warmup
+    baseline = _base_name(name) in _BASELINES
+    return {
+        "name": name, "kind": "baseline" if baseline else "memsave", "stage": r0["stage"],
+        "precision": precision_label(r0["compute"], r0["reduce"]), "compute": r0["compute"], "reduce": r0["reduce"],
+        "nproc": n, "params": r0["psi"],
+        "median_step_s": statistics.median(per_step[opts.warmup :]),
+        "peak_rss": [r["peak_rss"] for r in ranks],
+        "device_peak": [r.get("device_peak", 0) for r in ranks],
+        "model_state_bytes": [r["model_state_bytes"] for r in ranks],
+        "state_bytes_by_category": [r["bytes"] for r in ranks],
+        "formula_bytes": formula,
+        "state_vs_formula": None if formula is None else max(r["model_state_bytes"] for r in ranks) / formula,
+        "optimizer": r0["optimizer"],
+        "median_optimizer_step_s": statistics.median(max(r["opt_times"][s] for r in ranks) for s in range(w, opts.steps)),
+        "median_optimizer_reduce_s": statistics.median(max(r["reduce_times"][s] for r in ranks) for s in range(w, opts.steps)),
+        "comm_bytes_per_step": None if baseline else r0["comm_bytes_per_step"],
+        "comm_bytes_by_kind": None if baseline else r0["comm_bytes_by_kind"],
+        "comm_elems_over_psi": None if baseline else comm_elements(
+            r0["comm_bytes_by_kind"], compute=r0["compute"], reduce=r0["reduce"]) / r0["psi"],
+        "losses": r0["losses"], "final_loss": r0["losses"][-1],
+    }
+
+
+def _compare(rows: list[dict[str, Any]]) -> None:
+    """Each row against ``torch-ddp`` (or the first row where it did not run)."""
     ref = next((r for r in rows if r["name"] == "torch-ddp"), rows[0])
     for r in rows:
         r["vs_ref_step_time"] = r["median_step_s"] / ref["median_step_s"]
         r["vs_ref_peak_rss"] = max(r["peak_rss"]) / max(ref["peak_rss"])
         r["final_loss_diff"] = r["final_loss"] - ref["final_loss"]
         r["reference"] = ref["name"]
-    return rows
+
+
+def run_bench(names: list[str], opts: BenchOptions, *, timeout_s: float = 1800) -> list[dict[str, Any]]:
+    """Run every configuration in ``names`` (profiles or baselines); one summary row each. Raises
+    :class:`ConfigFailed` with the rows finished so far if one fails."""
+    return run_each(names, lambda name: _bench_row(name, opts, timeout_s), _compare)
 
 
 # -- optimizers alone: state bytes and step time on one process ----------------------------------------------
@@ -322,14 +360,14 @@ def _optim_worker(name: str, opts: BenchOptions) -> dict[str, Any]:
 
 def run_optim_bench(names: list[str], opts: BenchOptions, *, timeout_s: float = 1800) -> list[dict[str, Any]]:
     """Each optimizer in a fresh single-thread process; state and step time against the first (AdamW)."""
-    from memsave._launch import spawn_local
 
-    rows = [spawn_local(_optim_worker, 1, (name, opts), timeout_s=timeout_s)[0] for name in names]
-    for r in rows:
-        r["vs_ref_state"] = r["state_bytes"] / max(rows[0]["state_bytes"], 1)
-        r["vs_ref_step_time"] = r["median_step_s"] / rows[0]["median_step_s"]
-        r["reference"] = rows[0]["name"]
-    return rows
+    def compare(rows: list[dict[str, Any]]) -> None:
+        for r in rows:
+            r["vs_ref_state"] = r["state_bytes"] / max(rows[0]["state_bytes"], 1)
+            r["vs_ref_step_time"] = r["median_step_s"] / rows[0]["median_step_s"]
+            r["reference"] = rows[0]["name"]
+
+    return run_each(names, lambda name: spawn_local(_optim_worker, 1, (name, opts), timeout_s=timeout_s)[0], compare)
 
 
 def format_optim_table(rows: list[dict[str, Any]]) -> str:
@@ -455,21 +493,21 @@ def _recompute_worker(name: str, opts: BenchOptions) -> dict[str, Any]:
 def run_recompute_bench(names: list[str], opts: BenchOptions, *, timeout_s: float = 1800) -> list[dict[str, Any]]:
     """Each recompute configuration in a fresh single-thread process; step time, activations and peak memory
     against the first (``none``)."""
-    from memsave._launch import spawn_local
+    from memsave.recompute import parse_policy
 
-    rows = [spawn_local(_recompute_worker, 1, (name, opts), timeout_s=timeout_s)[0] for name in names]
-    ref = rows[0]
-    for r in rows:
-        r["vs_ref_step_time"] = r["median_step_s"] / ref["median_step_s"]
-        r["vs_ref_activations"] = r["saved_activation_bytes"] / max(ref["saved_activation_bytes"], 1)
-        r["vs_ref_peak"] = r["peak_total"] / max(ref["peak_total"], 1)
-        r["final_loss_diff"] = r["final_loss"] - ref["final_loss"]
-        r["reference"] = ref["name"]
-        if r["name"].startswith("budget:"):
-            from memsave.recompute import parse_policy
+    def compare(rows: list[dict[str, Any]]) -> None:
+        ref = rows[0]
+        for r in rows:
+            r["vs_ref_step_time"] = r["median_step_s"] / ref["median_step_s"]
+            r["vs_ref_activations"] = r["saved_activation_bytes"] / max(ref["saved_activation_bytes"], 1)
+            r["vs_ref_peak"] = r["peak_total"] / max(ref["peak_total"], 1)
+            r["final_loss_diff"] = r["final_loss"] - ref["final_loss"]
+            r["reference"] = ref["name"]
+            if r["name"].startswith("budget:"):
+                r["budget_bytes"] = parse_policy(r["name"]).budget_bytes
 
-            r["budget_bytes"] = parse_policy(r["name"]).budget_bytes
-    return rows
+    return run_each(names, lambda name: spawn_local(_recompute_worker, 1, (name, opts), timeout_s=timeout_s)[0],
+                    compare)
 
 
 def format_recompute_table(rows: list[dict[str, Any]]) -> str:
@@ -528,8 +566,36 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def to_json(rows: list[dict[str, Any]], opts: BenchOptions) -> str:
-    return json.dumps({"schema": "memsave.bench/1", "options": dataclasses.asdict(opts), "rows": rows}, indent=2)
+def to_json(rows: list[dict[str, Any]], opts: Any, *, schema: str = "memsave.bench/1",
+            failed: str | None = None) -> str:
+    """The results file: the options and the rows (and, after a failure, the configuration that failed)."""
+    out: dict[str, Any] = {"schema": schema, "options": dataclasses.asdict(opts), "rows": rows}
+    if failed is not None:
+        out["failed"] = failed
+    return json.dumps(out, indent=2)
+
+
+def show_results(run: Callable[[], list[dict[str, Any]]], show: Callable[[list[dict[str, Any]]], None],
+                 json_path: Path | None, opts: Any, *, schema: str = "memsave.bench/1") -> int:
+    """``show(run())`` and the JSON file. When a configuration fails (:class:`ConfigFailed`), the rows that
+    finished are shown and written all the same, with a line naming the failed one, before the error goes on to
+    ``memsave``'s handler."""
+    try:
+        rows = run()
+    except ConfigFailed as exc:
+        if exc.rows:
+            show(exc.rows)
+        print(f"{len(exc.rows)} configuration{'' if len(exc.rows) == 1 else 's'} finished; {exc.name!r} failed "
+              "and the rest did not run", flush=True)
+        if json_path is not None and exc.rows:
+            json_path.write_text(to_json(exc.rows, opts, schema=schema, failed=exc.name))
+            print(f"finished results written to {json_path}", flush=True)
+        raise
+    show(rows)
+    if json_path is not None:
+        json_path.write_text(to_json(rows, opts, schema=schema))
+        print(f"results written to {json_path}")
+    return 0
 
 
 # -- the `memsave bench` subcommand ----------------------------------------------------------------------------
@@ -604,34 +670,23 @@ def run_command(args: Any, extra: Any) -> int:
         for name in rc_names:
             if name not in RECOMPUTE_BASELINES:
                 parse_policy(name)  # a bad policy fails now
-        rc_rows = run_recompute_bench(rc_names, opts)
-        print(format_recompute_table(rc_rows))
-        for r in rc_rows:
-            if r["plan"] is not None and r["name"].startswith("budget:"):
-                print(r["plan"]["summary"])
-        if args.json is not None:
-            args.json.write_text(json.dumps({"schema": "memsave.bench-recompute/1",
-                                             "options": dataclasses.asdict(opts), "rows": rc_rows}, indent=2))
-            print(f"results written to {args.json}")
-        return 0
+
+        def show_recompute(rows: list[dict[str, Any]]) -> None:
+            print(format_recompute_table(rows))
+            for r in rows:
+                if r["plan"] is not None and r["name"].startswith("budget:"):
+                    print(r["plan"]["summary"])
+
+        return show_results(lambda: run_recompute_bench(rc_names, opts), show_recompute, args.json, opts,
+                            schema="memsave.bench-recompute/1")
     if args.optimizers:
         opt_names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
         for name in opt_names:
             _make_optimizer(name, [torch.zeros(1, requires_grad=True)], 1e-3)  # a bad name fails now
-        opt_rows = run_optim_bench(opt_names, opts)
-        print(format_optim_table(opt_rows))
-        if args.json is not None:
-            args.json.write_text(json.dumps({"schema": "memsave.bench-optim/1", "options": dataclasses.asdict(opts),
-                                             "rows": opt_rows}, indent=2))
-            print(f"results written to {args.json}")
-        return 0
+        return show_results(lambda: run_optim_bench(opt_names, opts), lambda rows: print(format_optim_table(rows)),
+                            args.json, opts, schema="memsave.bench-optim/1")
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     for name in names:
         if _base_name(name) not in _BASELINES:
             load_profile(name)  # a bad name fails now, not after the other runs
-    rows = run_bench(names, opts)
-    print(format_table(rows))
-    if args.json is not None:
-        args.json.write_text(to_json(rows, opts))
-        print(f"results written to {args.json}")
-    return 0
+    return show_results(lambda: run_bench(names, opts), lambda rows: print(format_table(rows)), args.json, opts)

@@ -136,11 +136,15 @@ def _trial(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run_trial(name: str, n_layer: int, opts: FitOptions, timeout: float) -> dict[str, Any]:
-    from memsave._launch import spawn_local
+    from memsave._launch import LaunchError, spawn_local
+    from memsave.bench import ConfigFailed
 
     profile, overrides = FIT_VARIANTS.get(name, (name, ()))
     spec = {"profile": profile, "overrides": list(overrides), "n_layer": n_layer, "opts": dataclasses.asdict(opts)}
-    return spawn_local(_trial, 1, (spec,), timeout_s=timeout)[0]
+    try:
+        return spawn_local(_trial, 1, (spec,), timeout_s=timeout)[0]
+    except LaunchError as exc:  # a trial that did not fit returns; this one crashed (or its launch failed)
+        raise ConfigFailed(f"{name} (n_layer={n_layer})", [], exc) from None
 
 
 def run_fit_bench(names: list[str], opts: FitOptions, *, timeout: float = 600.0,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import json
 import statistics
 import time
 from pathlib import Path
@@ -23,8 +22,9 @@ from typing import Any
 import torch
 
 from memsave import dist as mdist
+from memsave._launch import spawn_local
 from memsave.api import wrap
-from memsave.bench import BenchOptions
+from memsave.bench import BenchOptions, run_each, show_results
 from memsave.config import load_profile
 from memsave.estimator import estimate
 from memsave.memory import MemoryTracker, peak_rss_bytes
@@ -123,16 +123,15 @@ def _memtracker_worker(opts: BenchOptions) -> dict[str, Any]:
 
 
 def run_memory_bench(names: list[str], opts: BenchOptions, *, timeout_s: float = 1800) -> list[dict[str, Any]]:
-    from memsave._launch import spawn_local
+    """Each profile (and ``memtracker``) in fresh processes; raises :class:`memsave.bench.ConfigFailed` with the
+    rows finished so far if one fails."""
 
-    rows: list[dict[str, Any]] = []
-    for name in names:
+    def run_one(name: str) -> dict[str, Any]:
         if name == MEMTRACKER:
-            rows.append(spawn_local(_memtracker_worker, 1, (opts,), timeout_s=timeout_s)[0])
-        else:
-            ranks = spawn_local(_worker, opts.nproc, (name, opts), timeout_s=timeout_s)
-            rows.append({"profile": name, "ranks": ranks})
-    return rows
+            return spawn_local(_memtracker_worker, 1, (opts,), timeout_s=timeout_s)[0]
+        return {"profile": name, "ranks": spawn_local(_worker, opts.nproc, (name, opts), timeout_s=timeout_s)}
+
+    return run_each(names, run_one, lambda rows: None)
 
 
 def _mib(n: float) -> str:
@@ -190,10 +189,5 @@ def run_command(names_text: str, opts: BenchOptions, json_path: Path | None) -> 
     for name in names:
         if name != MEMTRACKER:
             load_profile(name)  # a bad name fails now
-    rows = run_memory_bench(names, opts)
-    print(format_memory_table(rows))
-    if json_path is not None:
-        json_path.write_text(json.dumps({"schema": "memsave.bench-memory/1", "options": dataclasses.asdict(opts),
-                                         "rows": rows}, indent=1))
-        print(f"results written to {json_path}")
-    return 0
+    return show_results(lambda: run_memory_bench(names, opts), lambda rows: print(format_memory_table(rows)),
+                        json_path, opts, schema="memsave.bench-memory/1")

@@ -24,8 +24,9 @@ from typing import Any
 import torch
 
 from memsave import dist as mdist
+from memsave._launch import LaunchError, spawn_local
 from memsave.api import wrap
-from memsave.bench import BenchOptions
+from memsave.bench import BenchOptions, ConfigFailed
 from memsave.config import load_profile
 from memsave.memory import account, peak_rss_bytes
 from memsave.models import GPT, TokenBatches, gpt_config
@@ -147,8 +148,6 @@ def run_offload_bench(names: list[str], opts: BenchOptions, *, path: str | None 
                       timeout_s: float = 1800, repeat: int = 1) -> list[dict[str, Any]]:
     """Every configuration in fresh processes, ``repeat`` times round-robin (medians); the first is the in-memory
     reference."""
-    from memsave._launch import spawn_local
-
     if repeat < 1:
         raise ValueError(f"bench option repeat={repeat} is not allowed; expected >= 1")
     folder = path or tempfile.gettempdir()
@@ -157,7 +156,10 @@ def run_offload_bench(names: list[str], opts: BenchOptions, *, path: str | None 
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for _ in range(repeat):
         for name in names:
-            ranks = spawn_local(_worker, opts.nproc, (name, folder, opts), timeout_s=timeout_s)
+            try:
+                ranks = spawn_local(_worker, opts.nproc, (name, folder, opts), timeout_s=timeout_s)
+            except LaunchError as exc:  # no rows: they are medians over every repeat, compared with the first
+                raise ConfigFailed(name, [], exc) from None
             runs[name].append(_row(name, ranks, opts))
     rows = [_median_row(runs[name]) for name in names]
     _estimates(rows, opts)

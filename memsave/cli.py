@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +40,22 @@ _USER_ERRORS = ("ValueError", "NotImplementedError")
 
 class UsageError(Exception):
     """A mistake in the command line, reported in one line with exit code 2."""
+
+
+class _ArgumentError(UsageError):
+    """What argparse found wrong (a bad number, a missing value), raised instead of printing usage and exiting."""
+
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(message)
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors raised as :class:`_ArgumentError` so that ``main`` prints them in one line (and
+    returns 2 rather than exiting). The subcommands' parsers are of this class too (``add_subparsers``)."""
+
+    def error(self, message: str) -> Any:  # argparse's signature says NoReturn
+        raise _ArgumentError(self.prog, message)
 
 
 # -- memsave demo --------------------------------------------------------------------------------------------
@@ -90,15 +107,16 @@ def _demo_worker(opts: DemoOptions) -> dict[str, Any]:
             "train_s": train_s, "report": result.report, "num_params": num_params}
 
 
-def _split_overrides(extra: Sequence[str]) -> list[str]:
-    """``--section.key=value`` (or ``--section.key value``) arguments argparse did not know."""
+def _split_overrides(extra: Sequence[str], *, hint: str = "") -> list[str]:
+    """``--section.key=value`` (or ``--section.key value``) arguments argparse did not know; ``hint`` is added to
+    the error for any other argument."""
     out: list[str] = []
     i = 0
     while i < len(extra):
         item = extra[i]
         name = item[2:].partition("=")[0]
         if not item.startswith("--") or "." not in name:
-            raise UsageError(f"unrecognized argument {item!r}; profile overrides look like --zero.stage=2")
+            raise UsageError(f"unrecognized argument {item!r}; profile overrides look like --zero.stage=2{hint}")
         if "=" not in item and i + 1 < len(extra) and not extra[i + 1].startswith("--"):
             item = f"{item}={extra[i + 1]}"
             i += 1
@@ -130,11 +148,16 @@ def _add_demo(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the model and the data (default: 0)")
     p.add_argument("--log-every", type=int, default=None, help="log every N steps (default: steps / 10)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the run is stopped")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (where stderr is not a terminal, no progress lines)")
+    p.add_argument("--progress-every", type=float, default=30.0, metavar="SECONDS",
+                   help="where stderr is not a terminal (CI, redirected output), a progress line at most this often "
+                        "instead of the bar (default: 30)")
     p.add_argument("--report-json", type=Path, default=None, help="also write the memory report as JSON here")
     p.add_argument("--report-dir", default="runs/memsave-demo",
-                   help="folder for report.json and report.html, the memory report with its timeline and the "
-                        "estimate beside it (default: runs/memsave-demo; '' writes none)")
+                   help="each run writes report.json and report.html (the memory report with its timeline and the "
+                        "estimate beside it) into a new folder <profile>-<timestamp> under this one, and prints it "
+                        "(default: runs/memsave-demo; '' writes none)")
     p.add_argument("--no-track", action="store_true",
                    help="no memory tracking (the report then has the final bytes only, no peaks or timeline)")
 
@@ -151,10 +174,26 @@ def _demo_options(args: argparse.Namespace, extra: Sequence[str]) -> tuple[DemoO
     train = TrainConfig(
         steps=args.steps, micro_batches=args.micro_batches, batch_size=args.batch_size, seq_len=seq_len,
         log_every=args.log_every or max(1, args.steps // 10), grad_clip=1.0, progress=not args.no_progress,
-        seed=args.seed, track_memory=not args.no_track, report_dir=args.report_dir,
+        progress_every_s=args.progress_every, seed=args.seed, track_memory=not args.no_track,
     )
     est = _demo_estimate(profile, args.size, train, nproc)
     return DemoOptions(profile=profile, size=args.size, train=train, estimate=est.to_report_dict()), nproc
+
+
+def new_run_dir(parent: Path, profile: str) -> Path:
+    """A new folder ``parent/<profile>-<YYYYmmdd-HHMMSS>`` for one run's report, created here; a second run in
+    the same second (or a concurrent one) gets ``-2``, ``-3``... since creating it is what claims the name."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    base = f"{re.sub(r'[^A-Za-z0-9._+-]+', '_', profile) or 'profile'}-{stamp}"
+    parent.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 10_000):
+        path = parent / (base if n == 1 else f"{base}-{n}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise UsageError(f"--report-dir {str(parent)!r}: 9999 runs of {profile!r} in one second; clean the folder")
 
 
 def _demo_estimate(profile: Profile, size: str, train: TrainConfig, nproc: int) -> Estimate:
@@ -171,8 +210,16 @@ def _demo_estimate(profile: Profile, size: str, train: TrainConfig, nproc: int) 
 
 def _run_demo(args: argparse.Namespace, extra: Sequence[str]) -> int:
     opts, nproc = _demo_options(args, extra)
+    run_dir = new_run_dir(Path(args.report_dir), opts.profile.name) if args.report_dir else None
+    if run_dir is not None:
+        opts = dataclasses.replace(opts, train=dataclasses.replace(opts.train, report_dir=str(run_dir)))
     start = time.perf_counter()
-    ranks = spawn_local(_demo_worker, nproc, (opts,), timeout_s=args.timeout)
+    try:
+        ranks = spawn_local(_demo_worker, nproc, (opts,), timeout_s=args.timeout)
+    except BaseException:
+        if run_dir is not None and not any(run_dir.iterdir()):
+            run_dir.rmdir()  # a failed run leaves no empty folder behind
+        raise
     wall = time.perf_counter() - start
     r0 = ranks[0]
     rep = r0["report"]
@@ -182,9 +229,10 @@ def _run_demo(args: argparse.Namespace, extra: Sequence[str]) -> int:
         args.report_json.parent.mkdir(parents=True, exist_ok=True)
         args.report_json.write_text(rep.to_json() + "\n")
         print(f"memory report written to {args.report_json}")
-    if args.report_dir:
+    if run_dir is not None:
         print(f"memory report (JSON, and a page with the timeline: open it in a browser) written to "
-              f"{Path(args.report_dir) / 'report.json'} and {Path(args.report_dir) / 'report.html'}")
+              f"{run_dir / 'report.json'} and {run_dir / 'report.html'}")
+        print(f"report directory of this run: {run_dir}")
     losses = r0["losses"]
     print(f"\nloss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps (val loss {r0['eval_loss']:.4f}); "
           f"{r0['tokens_per_s']:,.0f} tokens/s over {nproc} process{'es' if nproc > 1 else ''}; training {r0['train_s']:.1f} s, "
@@ -268,21 +316,47 @@ def _add_estimate(sub: Any) -> None:
     p.add_argument("--json", type=Path, default=None, help="also write the estimates here")
 
 
+def _gpt_field(spec: str, item: str) -> tuple[str, Any]:
+    """One ``key=value`` of ``--model gpt:SIZE,key=value,...``, parsed by the type of that GPTConfig field."""
+    from memsave.models.gpt import GPTConfig
+
+    # "int", "float" or "bool": the annotation as written (a string under postponed annotations) or its class
+    types = {f.name: f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+             for f in dataclasses.fields(GPTConfig)}
+    key, eq, value = (part.strip() for part in item.partition("="))
+    allowed = ", ".join(types)
+    if not eq or not key:
+        raise UsageError(f"--model {spec!r}: {item!r} is not key=value (e.g. n_layer=48); the fields are {allowed}")
+    if key not in types:
+        raise UsageError(f"--model {spec!r}: {key!r} is not a field of the GPT; the fields are {allowed}")
+    kind = types[key]
+    if kind == "bool":
+        if value.lower() not in ("true", "false"):
+            raise UsageError(f"--model {spec!r}: {key}={value!r} is not allowed; expected true or false")
+        return key, value.lower() == "true"
+    try:
+        return key, float(value) if kind == "float" else int(value)
+    except ValueError:
+        what = "a number" if kind == "float" else "an integer"
+        raise UsageError(f"--model {spec!r}: {key}={value!r} is not allowed; expected {what}") from None
+
+
 def _estimate_model(spec: str, batch_size: int, seq_len: int) -> tuple[torch.nn.Module, Any]:
     import importlib
 
     kind, sep, rest = spec.partition(":")
     if not sep or not rest:
         raise UsageError(f"--model {spec!r} is not gpt:SIZE or MODULE:FUNCTION")
+    for flag, value in (("--batch-size", batch_size), ("--seq-len", seq_len)):
+        if value < 1:
+            raise UsageError(f"{flag} {value} is not allowed; expected a positive integer")
     if kind == "gpt":
         size, *fields = rest.split(",")
-        overrides: dict[str, Any] = {}
-        for f in fields:
-            key, eq, value = f.partition("=")
-            if not eq or not (value.isdigit() or value in ("true", "false")):
-                raise UsageError(f"--model {spec!r}: {f!r} is not key=integer or key=true/false (e.g. n_layer=48)")
-            overrides[key] = value == "true" if value in ("true", "false") else int(value)
-        cfg = gpt_config(size, **overrides)
+        overrides = dict(_gpt_field(spec, f) for f in fields)
+        try:
+            cfg = gpt_config(size.strip(), **overrides)
+        except ValueError as exc:  # GPTConfig's checks: n_layer=-1, d_model not a multiple of n_head, ...
+            raise UsageError(f"--model {spec!r}: {exc}") from None
         if seq_len > cfg.block_size:
             cfg = dataclasses.replace(cfg, block_size=seq_len)
         with torch.device("meta"):
@@ -304,7 +378,7 @@ def _estimate_model(spec: str, batch_size: int, seq_len: int) -> tuple[torch.nn.
 def _run_estimate(args: argparse.Namespace, extra: Sequence[str]) -> int:
     import json
 
-    overrides = _split_overrides(extra)
+    overrides = _split_overrides(extra, hint=" and the GPT's fields go in --model, e.g. --model gpt:bench,n_layer=48")
     model, batch = _estimate_model(args.model, args.batch_size, args.seq_len)
     names = [args.profile] if args.profile else list_presets()
     ests = [estimate(model, load_profile(n, overrides), world_size=args.world_size, batch=batch, device=args.device)
@@ -333,7 +407,7 @@ _COMMANDS: list[Command] = [
 def build_parser() -> argparse.ArgumentParser:
     from memsave import __version__
 
-    parser = argparse.ArgumentParser(prog="memsave", description="Train PyTorch models that do not fit.")
+    parser = _Parser(prog="memsave", description="Train PyTorch models that do not fit.")
     parser.add_argument("--version", action="version", version=f"memsave {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for _name, add, _run in _COMMANDS:
@@ -344,7 +418,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``memsave`` console script; returns the exit code."""
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    try:
+        args, extra = parser.parse_known_args(argv)
+    except _ArgumentError as exc:
+        print(f"{exc.prog}: error: {exc} (see {exc.prog} --help)", file=sys.stderr)
+        return 2
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2

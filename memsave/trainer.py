@@ -3,8 +3,10 @@
 One optimizer step is ``micro_batches`` forward/backward passes (all but the last under ``model.no_sync()``,
 each loss divided by ``micro_batches``), an optional global gradient clip, the learning-rate schedule, the
 optimizer step and ``zero_grad``. Losses are averaged over the dp group with one small all-reduce per logging
-interval (not per step), through ``memsave.dist``. Logging, the progress bar and ``on_log`` happen on rank 0
-only; every collective (loss reduction, clip norm, evaluation, report) runs on every rank alike.
+interval (not per step), through ``memsave.dist``. Logging, progress and ``on_log`` happen on rank 0 only; every
+collective (loss reduction, clip norm, evaluation, report) runs on every rank alike. Progress is a tqdm bar on a
+terminal; where stderr is not one (CI logs, ``torchrun`` with its output redirected) a bar would write a
+carriage-return frame per update, so plain lines are printed instead, at most every ``progress_every_s``.
 
 The per-step work is :meth:`Trainer.train_step` and one micro-batch's forward and backward is
 :meth:`Trainer._forward_backward`, so tensor- and pipeline-parallel engines can replace either.
@@ -26,6 +28,7 @@ from torch import nn
 from tqdm import tqdm
 
 from memsave import dist as mdist
+from memsave._logging import set_rank_source
 from memsave.dist import Mesh
 from memsave.memory import MemoryReport, MemoryTracker, account, peak_rss_bytes, report
 from memsave.wrapped import MemsaveOptimizer
@@ -33,6 +36,11 @@ from memsave.wrapped import MemsaveOptimizer
 __all__ = ["BatchSource", "LogRecord", "TrainConfig", "TrainResult", "Trainer", "cosine_schedule"]
 
 Batch = Mapping[str, torch.Tensor]
+
+# warn_once prints on rank 0 only; once a process group exists its rank is the one that counts (see [Note:
+# rank-zero warnings] in memsave/_logging.py). Registered here because `import memsave` always loads this
+# module and memsave/_logging.py, layer 0, may not import memsave.dist.
+set_rank_source(lambda: mdist.group_rank(None) if mdist.group_size(None) > 1 else None)
 
 
 class BatchSource(Protocol):
@@ -57,7 +65,10 @@ class TrainConfig:
     eval_every: evaluate every this many steps; 0 never evaluates during ``fit``.
     eval_batches: batches of ``eval_data`` averaged by the default evaluation.
     grad_clip: clip gradients to this global norm; None does not clip.
-    progress: show a tqdm progress bar on rank 0.
+    progress: show progress on rank 0: a tqdm bar when stderr is a terminal, else a plain line on stderr (steps
+        done, the last logged loss, tokens/s, elapsed and remaining time) at most every ``progress_every_s``
+        seconds and at the last step.
+    progress_every_s: seconds between those plain progress lines; 0 prints one every step.
     seed: seeds torch's RNG at the start of ``fit`` (plus the dp rank, so dropout masks differ per rank).
     track_memory: sample memory at every phase and unit boundary (:class:`memsave.memory.MemoryTracker`), so
         the final report carries peaks per category and phase and a timeline; off costs nothing.
@@ -73,6 +84,7 @@ class TrainConfig:
     eval_batches: int = 4
     grad_clip: float | None = 1.0
     progress: bool = False
+    progress_every_s: float = 30.0
     seed: int = 0
     track_memory: bool = False
     report_dir: str = ""
@@ -86,6 +98,9 @@ class TrainConfig:
         clip = self.grad_clip
         if clip is not None and (isinstance(clip, bool) or not isinstance(clip, int | float) or not clip > 0):
             raise _bad("grad_clip", clip, "None or a positive number")
+        every = self.progress_every_s
+        if isinstance(every, bool) or not isinstance(every, int | float) or not every >= 0:
+            raise _bad("progress_every_s", every, "a number of seconds >= 0")
         for name in ("progress", "track_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "true or false")
@@ -165,6 +180,40 @@ def _loss_of(output: Any) -> torch.Tensor:
             "model(**batch) to return a loss (pass labels in the batch) or pass a model that returns it"
         )
     return loss.reshape(())
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty(), or a closed stream
+        return False
+
+
+class _ProgressLines:
+    """What the progress bar shows, as a plain line on stderr at most every ``every_s`` seconds and at the last
+    step: for output that is not a terminal. Tokens/s is this rank's tokens times the dp size (every dp rank
+    reads batches of the same shape) over the time since ``fit`` started."""
+
+    def __init__(self, *, first_step: int, end_step: int, dp_size: int, every_s: float) -> None:
+        self.first_step, self.end_step, self.dp_size, self.every_s = first_step, end_step, dp_size, every_s
+        self.start = self.last = time.perf_counter()
+        self.tokens = 0
+        self.loss: float | None = None  # the last logged (dp-averaged) loss
+
+    def update(self, done: int, tokens: int) -> None:
+        """``done`` optimizer steps are done (of ``end_step``), ``tokens`` more read by this rank."""
+        self.tokens += tokens
+        now = time.perf_counter()
+        if now - self.last < self.every_s and done < self.end_step:
+            return
+        self.last = now
+        elapsed = max(now - self.start, 1e-9)
+        rate = (done - self.first_step) / elapsed
+        left = (self.end_step - done) / rate if rate > 0 else 0.0
+        loss = "-" if self.loss is None else f"{self.loss:.4f}"
+        print(f"train {done:>{len(str(self.end_step))}}/{self.end_step} ({100 * done / self.end_step:.0f}%) | "
+              f"loss {loss} | {self.dp_size * self.tokens / elapsed:,.0f} tok/s | {rate:.2f} steps/s | elapsed "
+              f"{tqdm.format_interval(elapsed)}, left {tqdm.format_interval(left)}", file=sys.stderr, flush=True)
 
 
 class Trainer:
@@ -337,8 +386,14 @@ class Trainer:
         pending: list[float] = []
         interval_time = total_time = 0.0
         total_tokens = 0
-        bar = tqdm(initial=self.step, total=self._end_step, disable=not (cfg.progress and self.is_main),
+        show = cfg.progress and self.is_main
+        on_terminal = show and _is_terminal(sys.stderr)
+        bar = tqdm(initial=self.step, total=self._end_step, disable=not on_terminal,
                    desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+        lines = None
+        if show and not on_terminal:
+            lines = _ProgressLines(first_step=self.step, end_step=self._end_step, dp_size=self.mesh.dp_size,
+                                   every_s=cfg.progress_every_s)
         tracker = None
         if cfg.track_memory and getattr(self.model, "memsave_tracker", None) is None:
             tracker = MemoryTracker(self.model, self.optimizer)
@@ -348,7 +403,9 @@ class Trainer:
                 start = time.perf_counter()
                 first = step * cfg.micro_batches
                 batches = [self.train_data.batch(first + m) for m in range(cfg.micro_batches)]
+                tokens_before = self._tokens
                 pending.append(self.train_step(batches))
+                step_tokens = self._tokens - tokens_before
                 elapsed = time.perf_counter() - start
                 step_times.append(elapsed)
                 interval_time += elapsed
@@ -363,6 +420,8 @@ class Trainer:
                         record = self._record(step, reduced[-1], tokens / max(interval_time, 1e-9))
                         logs.append(record)
                         bar.set_postfix(loss=f"{record.loss:.4f}", refresh=False)
+                        if lines is not None:
+                            lines.loss = record.loss
                         if self.on_log is not None:
                             self.on_log(record)
                         else:
@@ -372,6 +431,8 @@ class Trainer:
                     eval_losses.append((step + 1, self.evaluate()))
                     if self.is_main and self.on_log is None:
                         self._say(f"step {step + 1}: eval loss {eval_losses[-1][1]:.4f}", bar)
+                if lines is not None:
+                    lines.update(step + 1, step_tokens)
         finally:
             bar.close()
         try:

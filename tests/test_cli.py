@@ -38,11 +38,15 @@ def test_demo_tiny_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert first > 5.0 and last < first - 0.5
     data = json.loads(report.read_text())
     assert data["schema"] == "memsave.report/2" and [r["rank"] for r in data["ranks"]] == [0, 1]
-    # tracked by default, with the estimate beside it, as JSON and as the page
-    tracked = json.loads((tmp_path / "run" / "report.json").read_text())
+    # tracked by default, with the estimate beside it, as JSON and as the page, in this run's own folder
+    match = re.search(r"report directory of this run: (\S+)", out)
+    assert match, out
+    run_dir = Path(match[1])
+    assert run_dir.parent == tmp_path / "run" and re.fullmatch(r"zero2-\d{8}-\d{6}", run_dir.name), run_dir
+    tracked = json.loads((run_dir / "report.json").read_text())
     assert all(r["timeline"] for r in tracked["ranks"]) and tracked["estimate"]["peak_total"] > 0
     assert tracked["ranks"][0]["peak"]["total"] == pytest.approx(tracked["estimate"]["peak_total"], rel=0.1)
-    assert (tmp_path / "run" / "report.html").stat().st_size > 10_000
+    assert (run_dir / "report.html").stat().st_size > 10_000
 
 
 def test_demo_through_python_m() -> None:
@@ -54,6 +58,9 @@ def test_demo_through_python_m() -> None:
     assert "memsave demo: GPT tiny" in proc.stdout and "memory report (zero3)" in proc.stdout
     assert re.search(r"step 12/12 \| loss \d", proc.stdout), proc.stdout  # rank 0's log lines
     assert proc.stdout.count("memsave demo: GPT tiny") == 1  # printed by rank 0 only
+    # stderr is a pipe here, not a terminal: a plain progress line (the last step's at least), no tqdm frames
+    assert "\r" not in proc.stderr and "it/s" not in proc.stderr and "step/s" not in proc.stderr, proc.stderr
+    assert re.search(r"^train 12/12 \(100%\) \| loss \d+\.\d+ \| [\d,]+ tok/s", proc.stderr, re.M), proc.stderr
     first, last = _losses(proc.stdout)
     assert last < first
 

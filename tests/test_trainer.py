@@ -7,6 +7,7 @@ import contextlib
 import io
 import itertools
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -126,14 +127,24 @@ def case_losses_fall(mesh: memsave.Mesh) -> list[float]:
     return result.losses
 
 
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
 def case_logging(mesh: memsave.Mesh) -> dict:
-    """Default logging prints a line per interval, and the progress bar draws, on rank 0 only."""
+    """Default logging prints a line per interval on rank 0 only; so does progress: the tqdm bar on a terminal,
+    plain lines where stderr is not one (here every step: progress_every_s=0)."""
     model, opt = _wrapped("ddp", mesh, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
-    out, err = io.StringIO(), io.StringIO()
-    cfg = TrainConfig(steps=5, batch_size=2, seq_len=SEQ, log_every=2, progress=True, grad_clip=None)
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        result = Trainer(model, opt, mesh=mesh, config=cfg, train_data=_data(mesh, 2)).fit()
-    return {"stdout": out.getvalue(), "stderr": err.getvalue(), "logs": len(result.logs)}
+    out: dict[str, Any] = {}
+    for name, err in (("terminal", _Terminal()), ("pipe", io.StringIO())):
+        stdout = io.StringIO()
+        cfg = TrainConfig(steps=5, batch_size=2, seq_len=SEQ, log_every=2, progress=True, grad_clip=None,
+                          progress_every_s=0)
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(err):
+            result = Trainer(model, opt, mesh=mesh, config=cfg, train_data=_data(mesh, 2)).fit()
+        out[name] = {"stdout": stdout.getvalue(), "stderr": err.getvalue(), "logs": len(result.logs)}
+    return out
 
 
 def case_errors(mesh: memsave.Mesh) -> None:
@@ -192,18 +203,27 @@ def test_trainer(world: int) -> None:
     ref = results[0]["end_to_end"]["ddp"]["losses"]
     for p in profiles:
         assert results[0]["end_to_end"][p]["losses"] == pytest.approx(ref, rel=1e-5), p
-    main_log = results[0]["logging"]
-    assert main_log["logs"] == 3 and main_log["stdout"].count("step ") == 3 and "loss" in main_log["stdout"]
-    assert "5/5" in main_log["stderr"]  # the tqdm bar
-    for r in results[1:]:
-        assert r["logging"] == {"stdout": "", "stderr": "", "logs": 0}
+    for name in ("terminal", "pipe"):
+        main_log = results[0]["logging"][name]
+        assert main_log["logs"] == 3 and main_log["stdout"].count("step ") == 3 and "loss" in main_log["stdout"]
+        for r in results[1:]:
+            assert r["logging"][name] == {"stdout": "", "stderr": "", "logs": 0}
+    bar = results[0]["logging"]["terminal"]["stderr"]
+    assert "5/5" in bar and "\r" in bar and "step/s" in bar  # the tqdm bar
+    plain = results[0]["logging"]["pipe"]["stderr"]
+    assert "\r" not in plain and "step/s" not in plain, plain  # no bar frames in a log file
+    lines = plain.splitlines()
+    assert [line.split(" |")[0] for line in lines] == [f"train {s}/5 ({100 * s // 5}%)" for s in range(1, 6)], lines
+    assert lines[0].split(" | ")[1] == "loss -"  # nothing logged yet after step 1
+    assert re.fullmatch(r"train 5/5 \(100%\) \| loss \d\.\d{4} \| [\d,]+ tok/s \| [\d.]+ steps/s \| elapsed "
+                        r"00:\d\d, left 00:00", lines[-1]), lines[-1]
 
 
 def test_train_config_validation() -> None:
     TrainConfig(steps=1, grad_clip=None, eval_every=0)
     for field, value in [("steps", 0), ("micro_batches", 0), ("batch_size", -1), ("log_every", 0),
                          ("eval_every", -1), ("grad_clip", 0.0), ("grad_clip", True), ("steps", 2.5),
-                         ("progress", 1), ("seed", -1)]:
+                         ("progress", 1), ("seed", -1), ("progress_every_s", -1.0), ("progress_every_s", True)]:
         with pytest.raises(ValueError, match=rf"TrainConfig\.{field}={value!r} .*expected"):
             kwargs: dict[str, Any] = {field: value}
             TrainConfig(**kwargs)
