@@ -121,11 +121,13 @@ class LogRecord:
     peak_rss_bytes: int  # this process (rank 0)
     model_state_bytes: int  # accounted parameters, gradients and optimizer state on rank 0
     loss_scale: float | None = None  # with a loss scaler: its current scale
-    skipped_steps: int = 0  # with a loss scaler: steps skipped on overflow so far
+    skipped_steps: int = 0  # steps skipped so far: a non-finite gradient, or an fp16 overflow
 
     def format(self) -> str:
         norm = "-" if self.grad_norm is None else f"{self.grad_norm:.3f}"
         scale = "" if self.loss_scale is None else f" | scale {self.loss_scale:g} ({self.skipped_steps} skipped)"
+        if self.loss_scale is None and self.skipped_steps:
+            scale = f" | {self.skipped_steps} skipped"
         return (f"step {self.step:>{len(str(self.steps))}}/{self.steps} | loss {self.loss:.4f} | lr {self.lr:.2e} | "
                 f"grad norm {norm}{scale} | {self.tokens_per_s:,.0f} tok/s | peak rss "
                 f"{self.peak_rss_bytes / 2**20:.1f} MiB | model state {self.model_state_bytes / 2**20:.2f} MiB")
@@ -141,6 +143,7 @@ class TrainResult:
     tokens_per_s: float  # global tokens over the time spent in steps
     report: MemoryReport  # memsave.report(model, optimizer) after the last step
     logs: list[LogRecord] = dataclasses.field(default_factory=list)
+    skipped_steps: int = 0  # steps not applied ([precision] nonfinite; fp16 overflows), the same on every rank
 
 
 def cosine_schedule(warmup_steps: int, total_steps: int, min_ratio: float) -> Callable[[int], float]:
@@ -370,8 +373,13 @@ class Trainer:
             grad_norm=None if norm is None else float(norm), tokens_per_s=tokens_per_s,
             peak_rss_bytes=peak_rss_bytes(), model_state_bytes=account((self.model, self.optimizer)).model_state(),
             loss_scale=None if scaler is None else scaler.scale,
-            skipped_steps=0 if scaler is None else scaler.num_skipped,
+            skipped_steps=self._skipped(),
         )
+
+    def _skipped(self) -> int:
+        guard = getattr(self.optimizer, "nonfinite", None)  # memsave/precision/nonfinite.py
+        scaler = getattr(self.optimizer, "scaler", None)
+        return guard.num_skipped if guard is not None else (scaler.num_skipped if scaler is not None else 0)
 
     def fit(self) -> TrainResult:
         """Run ``config.steps`` optimizer steps (from ``self.step``); evaluate, log, and report memory at the end."""
@@ -445,4 +453,5 @@ class Trainer:
             final.save(out / "report.json")
             final.save(out / "report.html")
         return TrainResult(losses=losses, eval_losses=eval_losses, step_times=step_times,
-                           tokens_per_s=total_tokens / max(total_time, 1e-9), report=final, logs=logs)
+                           tokens_per_s=total_tokens / max(total_time, 1e-9), report=final, logs=logs,
+                           skipped_steps=self._skipped())

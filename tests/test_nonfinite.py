@@ -84,3 +84,32 @@ def test_nonfinite_keys_are_checked() -> None:
         memsave.load_profile("zero1", ["precision.nonfinite=ignore"])
     with pytest.raises(ValueError, match=r"precision.max_skipped' = 0"):
         memsave.load_profile("zero1", ["precision.max_skipped=0"])
+
+
+class _Batches:
+    def batch(self, step: int) -> dict[str, torch.Tensor]:
+        return toy_batch(step, 2)
+
+
+def test_the_trainer_says_how_many_steps_it_skipped() -> None:
+    from memsave.trainer import TrainConfig, Trainer
+
+    model = ToyLM(n_blocks=2)
+    calls = {"n": 0}
+
+    def poison(module: torch.nn.Module, args: Any, kwargs: Any, out: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second step's batch
+            out.loss = out.loss * math.nan
+        return out
+
+    model.register_forward_hook(poison, with_kwargs=True)
+    model, opt = memsave.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "zero2")
+    logs: list[str] = []
+    trainer = Trainer(model, opt, mesh=memsave.init(), config=TrainConfig(steps=4, log_every=2, batch_size=2,
+                                                                           seq_len=8),
+                      train_data=_Batches(), on_log=lambda r: logs.append(r.format()))
+    result = trainer.fit()
+    assert result.skipped_steps == 1, result.skipped_steps
+    assert "| 1 skipped" in logs[-1], logs
+    assert all(torch.isfinite(p).all() for p in model.parameters())
