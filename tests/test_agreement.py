@@ -5,6 +5,7 @@ gradients."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 
@@ -49,3 +50,22 @@ def _cases(world: int) -> dict[str, float]:
 def test_a_rank_that_skips_a_step_is_named_within_the_step() -> None:
     for took in run_ranks(_cases, 2, 2, timeout=120):
         assert max(took.values()) < 30, took  # not a collective timeout
+
+
+def _slow_rank(world: int) -> str:
+    mesh = memsave.init()
+    model = ToyLM(n_blocks=2)
+    model, opt = memsave.wrap(model, torch.optim.AdamW(model.parameters()), "zero3", mesh=mesh)
+    if mesh.dp_rank == 0:
+        with pytest.raises(memsave.dist.CollectiveError,
+                           match=r"all_gather over 2 ranks during step 0, forward .* failed: .*"):
+            model(**toy_batch(0, 2))
+    else:  # a rank stuck elsewhere, long past the collective timeout
+        time.sleep(8)
+        with contextlib.suppress(RuntimeError):  # its peer gave up: whatever the transport says
+            model(**toy_batch(0, 2))
+    return "ok"
+
+
+def test_a_collective_timeout_names_the_collective_the_phase_and_the_unit() -> None:
+    assert run_ranks(_slow_rank, 2, 2, timeout=90, env={"MEMSAVE_TIMEOUT_S": "3"}) == ["ok"] * 2

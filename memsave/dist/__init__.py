@@ -3,6 +3,7 @@
 from memsave.dist.agreement import Agreement
 from memsave.dist.collectives import (
     COMM_STATS,
+    CollectiveError,
     CommStats,
     Handle,
     ProcessGroup,
@@ -12,6 +13,7 @@ from memsave.dist.collectives import (
     all_reduce,
     barrier,
     broadcast,
+    doing,
     expect_every_rank,
     group_rank,
     group_size,
@@ -29,8 +31,9 @@ from memsave.dist.mesh import AXES, Mesh, validate_degrees
 
 __all__ = [
     "AXES",
-    "Agreement",
     "COMM_STATS",
+    "Agreement",
+    "CollectiveError",
     "CommStats",
     "Handle",
     "HostMemoryPolicy",
@@ -45,6 +48,7 @@ __all__ = [
     "broadcast",
     "configure_host_memory",
     "default_device",
+    "doing",
     "expect_every_rank",
     "group_rank",
     "group_size",

@@ -19,7 +19,7 @@ import collections
 import dataclasses
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -29,6 +29,7 @@ from torch.autograd.profiler import record_function
 
 __all__ = [
     "COMM_STATS",
+    "CollectiveError",
     "CommStats",
     "Handle",
     "ProcessGroup",
@@ -38,6 +39,7 @@ __all__ = [
     "all_reduce",
     "barrier",
     "broadcast",
+    "doing",
     "group_rank",
     "group_size",
     "reduce_scatter_into",
@@ -63,6 +65,50 @@ class _Done:
 
 
 _DONE = _Done()
+
+# [Note: named collectives] What the engines are doing, set at each hook ("forward, unit 'blocks.1'"): a
+# collective that fails (a peer died, the timeout passed) says which collective, in which phase and unit, instead
+# of gloo's or NCCL's generic message alone. Captured when the collective is issued, so an async one's wait()
+# names where it was issued.
+_doing: list[str] = ["no phase"]
+
+
+def doing(what: str) -> None:
+    """Say what this rank does now (a phase, a unit); named by the collectives that fail from here on."""
+    _doing[0] = what
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names the collective, the phase and the unit."""
+
+
+def _failed(label: str, exc: BaseException) -> CollectiveError:
+    return CollectiveError(f"memsave: {label} failed: {type(exc).__name__}: {exc}")
+
+
+class _Named:
+    """An async collective's work, whose failure names the collective ([Note: named collectives])."""
+
+    __slots__ = ("label", "work")
+
+    def __init__(self, work: Any, label: str) -> None:
+        self.work, self.label = work, label
+
+    def wait(self) -> Any:
+        try:
+            return self.work.wait()
+        except RuntimeError as exc:
+            raise _failed(self.label, exc) from exc
+
+
+def _issue(kind: str, group: ProcessGroup | None, async_op: bool, call: Callable[[], Any]) -> Handle:
+    label = f"{kind} over {group_size(group)} ranks during {_doing[0]}"
+    try:
+        with record_function(f"memsave::{kind}"):
+            work = call()
+    except RuntimeError as exc:
+        raise _failed(label, exc) from exc
+    return _Named(work, label) if async_op else _DONE
 
 
 @dataclasses.dataclass
@@ -124,9 +170,8 @@ def all_reduce(
     if group_size(group) == 1:
         return _DONE
     COMM_STATS.add("all_reduce", 2 * _nbytes(tensor))
-    with record_function("memsave::all_reduce"):
-        work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-    return work if async_op else _DONE
+    return _issue("all_reduce", group, async_op,
+                  lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
 
 
 def all_gather_into(
@@ -141,9 +186,8 @@ def all_gather_into(
             output.copy_(input)
         return _DONE
     COMM_STATS.add("all_gather", _nbytes(output))
-    with record_function("memsave::all_gather"):
-        work = _all_gather_single(output, input, group=group, async_op=async_op)
-    return work if async_op else _DONE
+    return _issue("all_gather", group, async_op,
+                  lambda: _all_gather_single(output, input, group=group, async_op=async_op))
 
 
 def reduce_scatter_into(
@@ -163,9 +207,8 @@ def reduce_scatter_into(
             output.copy_(input)
         return _DONE
     COMM_STATS.add("reduce_scatter", _nbytes(input))
-    with record_function("memsave::reduce_scatter"):
-        work = _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
-    return work if async_op else _DONE
+    return _issue("reduce_scatter", group, async_op,
+                  lambda: _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op))
 
 
 def broadcast(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup | None) -> None:
@@ -173,9 +216,8 @@ def broadcast(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup | N
     if group_size(group) == 1:
         return
     COMM_STATS.add("broadcast", _nbytes(tensor))
-    with record_function("memsave::broadcast"):
-        src = dist.get_global_rank(group, src_group_rank) if group is not None else src_group_rank
-        dist.broadcast(tensor, src=src, group=group)
+    src = dist.get_global_rank(group, src_group_rank) if group is not None else src_group_rank
+    _issue("broadcast", group, False, lambda: dist.broadcast(tensor, src=src, group=group))
 
 
 def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:

@@ -8,6 +8,7 @@ out), built on torch's :class:`~torch.distributed.device_mesh.DeviceMesh` with a
 from __future__ import annotations
 
 import dataclasses
+import datetime
 
 import torch
 import torch.distributed as dist
@@ -93,12 +94,23 @@ class Mesh:
         dim = AXES.index(axis)
         slices = ranks.movedim(dim, -1).reshape(-1, ranks.size(dim)).tolist()
         mine = None
+        timeout = self._default_timeout()
         for members in slices:
-            group = dist.new_group(members)
+            group = dist.new_group(members, timeout=timeout)
             if self.rank in members:
                 mine = group
         assert mine is not None
         return mine
+
+    def _default_timeout(self) -> datetime.timedelta | None:
+        """The default group's collective timeout (``memsave.init(timeout_s=)``, ``MEMSAVE_TIMEOUT_S``), for the
+        groups made here: torch gives a ``new_group`` without one its own default (30 minutes for gloo), so a hang
+        on a ZeRO reduce-scatter group would outlast the timeout the user set. None where torch does not say."""
+        try:
+            backend = dist.distributed_c10d._get_default_group()._get_backend(self.device)
+            return backend.options._timeout  # type: ignore[attr-defined]
+        except (AttributeError, RuntimeError):
+            return None
 
     @property
     def rank(self) -> int:

@@ -222,6 +222,7 @@ class ZeroEngine:
         self.param_offload.load(unit, ahead=order[at + 1 :])
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        mdist.doing(f"step {self.agreement.step}, forward (ZeRO-3 gathers from unit '<root>')")
         self.agreement.check("forward")  # its gathers would pair with a peer's other collectives
         if self._graph_pending and not torch.is_grad_enabled():
             # a no_grad forward (a metric or teacher pass) between a training forward and its backward: it must
@@ -240,6 +241,7 @@ class ZeroEngine:
     def _make_pre_forward(self, unit: Unit) -> Any:
         def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
             k = unit.index
+            mdist.doing(f"step {self.agreement.step}, forward of unit {unit.name!r}")
             with record_function("memsave::zero3::pre_forward"):
                 self._issue_forward_through(k + self.config.prefetch)
                 for j in range(1, k):  # gathered in order but skipped by this forward
@@ -371,6 +373,7 @@ class ZeroEngine:
                 self._queue_callback()  # until that one ends
             if k in self._bwd_ran:
                 return
+            mdist.doing(f"step {self.agreement.step}, backward of unit {unit.name!r}")
             self._queue_callback()
             with record_function("memsave::zero3::pre_backward"):
                 self._bwd_ran.add(k)
@@ -384,6 +387,7 @@ class ZeroEngine:
     # -- gradients -----------------------------------------------------------------------------------------
     def _queue_callback(self) -> None:
         if not self._callback_queued:
+            mdist.doing(f"step {self.agreement.step}, backward (ZeRO gradient reduce-scatters)")
             if self.require_grad_sync:
                 self.agreement.check("backward")  # before its first reduce-scatter
             self._callback_queued = True
