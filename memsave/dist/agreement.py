@@ -35,7 +35,7 @@ class Agreement:
             return
         mine = torch.tensor([self.step, PHASES.index(phase)], dtype=torch.int64, device=self.device)
         every = torch.empty(2 * self.size, dtype=torch.int64, device=self.device)
-        all_gather_into(every, mine, self.group)
+        all_gather_into(every, mine, self.group, count_as="control")
         seen = every.view(self.size, 2).tolist()
         if all(s == seen[0] for s in seen):
             return

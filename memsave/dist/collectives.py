@@ -113,7 +113,8 @@ def _issue(kind: str, group: ProcessGroup | None, async_op: bool, call: Callable
 
 @dataclasses.dataclass
 class CommStats:
-    """Calls and logical bytes per collective kind, for this process (see [Note: logical bytes])."""
+    """Calls and logical bytes per collective kind, for this process (see [Note: logical bytes]); the few bytes
+    ranks exchange to agree (control flow, non-finite steps) count as "control", apart from the model's traffic."""
 
     calls: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     bytes: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
@@ -164,18 +165,21 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def all_reduce(
-    tensor: torch.Tensor, group: ProcessGroup | None, *, op: Any = ReduceOp.SUM, async_op: bool = False
+    tensor: torch.Tensor, group: ProcessGroup | None, *, op: Any = ReduceOp.SUM, async_op: bool = False,
+    count_as: str = "all_reduce",
 ) -> Handle:
-    """In-place all-reduce of ``tensor`` over ``group``."""
+    """In-place all-reduce of ``tensor`` over ``group``. ``count_as``: the kind :data:`COMM_STATS` counts it
+    under (``"control"`` for the few bytes of an agreement, apart from the model's traffic)."""
     if group_size(group) == 1:
         return _DONE
-    COMM_STATS.add("all_reduce", 2 * _nbytes(tensor))
+    COMM_STATS.add(count_as, 2 * _nbytes(tensor))
     return _issue("all_reduce", group, async_op,
                   lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
 
 
 def all_gather_into(
-    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, *, async_op: bool = False
+    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, *, async_op: bool = False,
+    count_as: str = "all_gather",
 ) -> Handle:
     """Gather every rank's ``input`` into the flat ``output`` (rank order), ``output.numel() == size * input.numel()``."""
     size = group_size(group)
@@ -185,7 +189,7 @@ def all_gather_into(
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return _DONE
-    COMM_STATS.add("all_gather", _nbytes(output))
+    COMM_STATS.add(count_as, _nbytes(output))
     return _issue("all_gather", group, async_op,
                   lambda: _all_gather_single(output, input, group=group, async_op=async_op))
 

@@ -54,7 +54,7 @@ class NonfiniteGuard:
             norms = torch._foreach_norm(live, math.inf)  # NaN and inf both survive a max-norm
             bad[0] = (~torch.stack([n.float() for n in norms]).isfinite()).any().float()
         if group is not None:
-            mdist.all_reduce(bad, group, op=mdist.ReduceOp.MAX)
+            mdist.all_reduce(bad, group, op=mdist.ReduceOp.MAX, count_as="control")
         return bool(bad.item() > 0)
 
     def after_step(self, skipped: bool, *, counts: bool = True, why: str = "the gradients hold an inf or NaN") -> None:
