@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memsave._logging import get_logger
+from memsave._logging import get_logger, warn_once
 
 __all__ = ["UnitChoice", "UnitPolicy", "attributes", "choose_units", "default_units", "output_tensors",
            "unit_parameters"]
@@ -163,12 +163,17 @@ _said: set[str] = set()
 
 
 def default_units(model: nn.Module, *, policy: UnitPolicy | None = None) -> list[nn.Module]:
-    """The units of :func:`choose_units`, saying once (log level info) which were chosen and why."""
+    """The units of :func:`choose_units`, saying once which were chosen and why: printed (rank 0) when they are
+    not the blocks of an ``nn.ModuleList`` (the usual case, logged at info level), since the user did not write
+    them down anywhere."""
     choice = choose_units(model, policy=policy)
     message = f"memsave: {choice.describe()}; pass units= to choose others"
     if message not in _said:
         _said.add(message)
-        get_logger().info(message)
+        if choice.rule == "nn.ModuleList":
+            get_logger().info(message)
+        else:
+            warn_once(message)
     return list(choice.modules)
 
 
