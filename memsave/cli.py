@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -208,6 +209,16 @@ def _demo_estimate(profile: Profile, size: str, train: TrainConfig, nproc: int) 
                     micro_batches=train.micro_batches)
 
 
+def _demo_memory_note(extra: Sequence[str], opts: DemoOptions, nproc: int) -> str:
+    """What to run after a rank ran out of memory: this run's estimate, and the command that compares profiles."""
+    peak = (opts.estimate or {}).get("peak_total")
+    command = " ".join(["memsave estimate", f"--model gpt:{opts.size}", f"--world-size {nproc}",
+                        f"--batch-size {opts.train.batch_size}", f"--seq-len {opts.train.seq_len}", *extra])
+    said = (f"memsave estimate predicted {peak / 2**20:,.1f} MiB of tensors per rank for this run (profile "
+            f"{opts.profile.name}); " if peak else "")
+    return f"{said}compare every preset with `{command}` and pick one that fits, or lower --batch-size"
+
+
 def _run_demo(args: argparse.Namespace, extra: Sequence[str]) -> int:
     opts, nproc = _demo_options(args, extra)
     run_dir = new_run_dir(Path(args.report_dir), opts.profile.name) if args.report_dir else None
@@ -216,9 +227,11 @@ def _run_demo(args: argparse.Namespace, extra: Sequence[str]) -> int:
     start = time.perf_counter()
     try:
         ranks = spawn_local(_demo_worker, nproc, (opts,), timeout_s=args.timeout)
-    except BaseException:
+    except BaseException as exc:
         if run_dir is not None and not any(run_dir.iterdir()):
             run_dir.rmdir()  # a failed run leaves no empty folder behind
+        if isinstance(exc, LaunchError) and exc.out_of_memory:
+            raise exc.with_note(_demo_memory_note(extra, opts, nproc)) from None
         raise
     wall = time.perf_counter() - start
     r0 = ranks[0]
@@ -438,9 +451,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         print(f"memsave {args.command}: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"memsave {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM during a launch (LaunchInterrupted): all stopped by now
+        signum = getattr(exc, "signum", signal.SIGINT)
+        how = "interrupted" if signum == signal.SIGINT else f"terminated by {signal.Signals(signum).name}"
+        print(f"memsave {args.command}: {how}", file=sys.stderr)
+        return 128 + int(signum)
 
 
 if __name__ == "__main__":
