@@ -55,7 +55,7 @@ def test_a_rank_that_skips_a_step_is_named_within_the_step() -> None:
 def _slow_rank(world: int) -> str:
     mesh = memsave.init()
     model = ToyLM(n_blocks=2)
-    model, opt = memsave.wrap(model, torch.optim.AdamW(model.parameters()), "zero3", mesh=mesh)
+    model, _opt = memsave.wrap(model, torch.optim.AdamW(model.parameters()), "zero3", mesh=mesh)
     if mesh.dp_rank == 0:
         with pytest.raises(memsave.dist.CollectiveError,
                            match=r"all_gather over 2 ranks during step 0, forward .* failed: .*"):
