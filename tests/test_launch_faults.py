@@ -92,8 +92,15 @@ def _launcher(tmp: Path, fault: str = "block") -> subprocess.Popen[str]:
             f"try:\n    spawn_local(_rank, 2, ({str(tmp)!r}, {fault!r}), timeout_s=120)\n"
             f"except KeyboardInterrupt as exc:\n    print('interrupted', getattr(exc, 'signum', 2)); sys.exit(1)\n")
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True)
+    # output to files, not pipes: a pipe nobody drains until the processes are gone could block a rank's or the
+    # launcher's write of its traceback, and so the very ending this measures
+    with open(tmp / "launcher.out", "w") as out, open(tmp / "launcher.err", "w") as err:
+        return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, text=True, stdout=out, stderr=err,
+                                start_new_session=True)
+
+
+def _output(tmp: Path) -> tuple[str, str]:
+    return (tmp / "launcher.out").read_text(), (tmp / "launcher.err").read_text()
 
 
 def _in_thread(fn: Callable[[], None]) -> threading.Thread:
@@ -234,8 +241,9 @@ def test_launcher_stopped_ends_everything_and_leaves_nothing(tmp_path: Path, how
         else:
             proc.send_signal(signal.SIGTERM)
         took = _wait_gone(pids, start)
-        out, err = proc.communicate(timeout=END_S)
+        proc.wait(timeout=END_S)
         launcher_took = time.monotonic() - start
+        out, err = _output(tmp_path)
     finally:
         proc.kill()
     signum = signal.SIGINT if how == "Ctrl-C" else signal.SIGTERM
