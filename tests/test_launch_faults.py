@@ -88,7 +88,10 @@ def _left(tmp: Path) -> list[str]:
 
 def _launcher(tmp: Path, fault: str = "block") -> subprocess.Popen[str]:
     """``spawn_local`` in a process of its own (its own session, as a terminal's job), printing how it ended."""
-    code = (f"import sys; from memsave._launch import spawn_local; from tests.test_launch_faults import _rank\n"
+    # SIGINT as a terminal's job has it: a job started with & by a non-interactive shell (as CI may run the suite)
+    # inherits SIGINT ignored, and so would the launcher and its ranks
+    code = (f"import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            f"import sys; from memsave._launch import spawn_local; from tests.test_launch_faults import _rank\n"
             f"try:\n    spawn_local(_rank, 2, ({str(tmp)!r}, {fault!r}), timeout_s=120)\n"
             f"except KeyboardInterrupt as exc:\n    print('interrupted', getattr(exc, 'signum', 2)); sys.exit(1)\n")
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -135,7 +138,7 @@ def test_a_rank_whose_parent_changed_ends_and_a_disk_tier_cleans_up_on_sigterm(t
     code = (f"import os; from memsave.offload.tiers import DiskTier; from memsave._launch import _watch_parent\n"
             f"tier = DiskTier({str(tmp_path / 'offload')!r}, rank=0, needed_bytes=1 << 16)\n"
             f"tier.allocate('unit0', 4096); tier._fd('unit0'); print(tier.folder, flush=True)\n"
-            f"_watch_parent(os.getppid() + 1)\n")
+            f"_watch_parent(os.getppid() + 1)\nimport time; time.sleep(30)\n")  # the signal ends it, not the script
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == -signal.SIGTERM, proc.stderr[-2000:]
     assert Path(proc.stdout.strip()).parent == tmp_path / "offload" and _left(tmp_path) == []
