@@ -70,12 +70,18 @@ _DONE = _Done()
 # collective that fails (a peer died, the timeout passed) says which collective, in which phase and unit, instead
 # of gloo's or NCCL's generic message alone. Captured when the collective is issued, so an async one's wait()
 # names where it was issued.
-_doing: list[str] = ["no phase"]
+_doing: list[tuple[int, str, str | None]] = [(0, "no phase", None)]
 
 
-def doing(what: str) -> None:
-    """Say what this rank does now (a phase, a unit); named by the collectives that fail from here on."""
-    _doing[0] = what
+def doing(step: int, phase: str, unit: str | None = None) -> None:
+    """Say what this rank does now (step, phase, unit); named by the collectives that fail from here on. Only the
+    parts are kept: the text is made if a collective fails (this runs at every unit's hooks)."""
+    _doing[0] = (step, phase, unit)
+
+
+def _label(kind: str, group: ProcessGroup | None, where: tuple[int, str, str | None]) -> str:
+    step, phase, unit = where
+    return f"{kind} over {group_size(group)} ranks during step {step}, {phase}" + (f" of unit {unit!r}" if unit else "")
 
 
 class CollectiveError(RuntimeError):
@@ -89,26 +95,26 @@ def _failed(label: str, exc: BaseException) -> CollectiveError:
 class _Named:
     """An async collective's work, whose failure names the collective ([Note: named collectives])."""
 
-    __slots__ = ("label", "work")
+    __slots__ = ("group", "kind", "where", "work")
 
-    def __init__(self, work: Any, label: str) -> None:
-        self.work, self.label = work, label
+    def __init__(self, work: Any, kind: str, group: ProcessGroup | None, where: tuple[int, str, str | None]) -> None:
+        self.work, self.kind, self.group, self.where = work, kind, group, where
 
     def wait(self) -> Any:
         try:
             return self.work.wait()
         except RuntimeError as exc:
-            raise _failed(self.label, exc) from exc
+            raise _failed(_label(self.kind, self.group, self.where), exc) from exc
 
 
 def _issue(kind: str, group: ProcessGroup | None, async_op: bool, call: Callable[[], Any]) -> Handle:
-    label = f"{kind} over {group_size(group)} ranks during {_doing[0]}"
+    where = _doing[0]  # the text is made only if it fails
     try:
         with record_function(f"memsave::{kind}"):
             work = call()
     except RuntimeError as exc:
-        raise _failed(label, exc) from exc
-    return _Named(work, label) if async_op else _DONE
+        raise _failed(_label(kind, group, where), exc) from exc
+    return _Named(work, kind, group, where) if async_op else _DONE
 
 
 @dataclasses.dataclass

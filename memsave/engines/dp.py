@@ -142,7 +142,7 @@ class DataParallelEngine:
         if not self.require_grad_sync:
             return
         if not self._callback_queued:
-            mdist.doing(f"step {self.agreement.step}, backward (gradient bucket all-reduces)")
+            mdist.doing(self.agreement.step, "backward (gradient bucket all-reduces)")
             self.agreement.check("backward")  # before its first all-reduce
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
@@ -296,7 +296,7 @@ class DataParallelOptimizer(MemsaveOptimizer):
         return norm
 
     def _step(self) -> None:
-        mdist.doing(f"step {self.engine.agreement.step}, optimizer.step()")
+        mdist.doing(self.engine.agreement.step, "optimizer.step()")
         self.engine.agreement.check("optimizer")  # [Note: control-flow agreement] in memsave/dist/agreement.py
         self.engine.agreement.step += 1
         if self.mp is not None:

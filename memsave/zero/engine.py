@@ -99,8 +99,7 @@ class ZeroEngine:
         self._trainable = [p for u in self.units for i, p in enumerate(u.params) if i in u.trainable]
         self._frozen = [(n, p) for u in self.units for i, (n, p) in enumerate(zip(u.names, u.params))
                         if i not in u.trainable]
-        self._trainable_slot = {p: (u, j) for u in self.units for j, i in enumerate(u.trainable)
-                                for p in (u.params[i],)}
+        self._trainable_slot = {u.params[i]: (u, j) for u in self.units for j, i in enumerate(u.trainable)}
         self._used = torch.zeros(len(self._trainable), dtype=torch.int32, device=mesh.device)
         self._used_index = {p: k for k, p in enumerate(self._trainable)}
         self._backward_order = list(reversed(self.units))  # root last
@@ -222,7 +221,7 @@ class ZeroEngine:
         self.param_offload.load(unit, ahead=order[at + 1 :])
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
-        mdist.doing(f"step {self.agreement.step}, forward (ZeRO-3 gathers from unit '<root>')")
+        mdist.doing(self.agreement.step, "forward", "<root>")
         self.agreement.check("forward")  # its gathers would pair with a peer's other collectives
         if self._graph_pending and not torch.is_grad_enabled():
             # a no_grad forward (a metric or teacher pass) between a training forward and its backward: it must
@@ -241,7 +240,7 @@ class ZeroEngine:
     def _make_pre_forward(self, unit: Unit) -> Any:
         def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
             k = unit.index
-            mdist.doing(f"step {self.agreement.step}, forward of unit {unit.name!r}")
+            mdist.doing(self.agreement.step, "forward", unit.name)
             with record_function("memsave::zero3::pre_forward"):
                 self._issue_forward_through(k + self.config.prefetch)
                 for j in range(1, k):  # gathered in order but skipped by this forward
@@ -348,8 +347,8 @@ class ZeroEngine:
         raise RuntimeError(
             f"memsave ZeRO-3: parameter {unit.names[i]!r} was read ({what}) while its unit {unit.name!r} is sharded "
             "(it holds no values outside that unit's forward and backward). Read it inside the forward of the "
-            f"module that owns it, or gather it first on every rank: `with memsave.gathered(model): ...` (or "
-            "model.unshard() / model.reshard()); for a copy of the weights use model.state_dict() (collective)"
+            "module that owns it, or gather first on every rank: model.unshard(), then model.reshard(); for a copy "
+            "of the weights use model.state_dict() (collective)"
         )
 
     def reshard_all(self) -> None:
@@ -373,7 +372,7 @@ class ZeroEngine:
                 self._queue_callback()  # until that one ends
             if k in self._bwd_ran:
                 return
-            mdist.doing(f"step {self.agreement.step}, backward of unit {unit.name!r}")
+            mdist.doing(self.agreement.step, "backward", unit.name)
             self._queue_callback()
             with record_function("memsave::zero3::pre_backward"):
                 self._bwd_ran.add(k)
@@ -387,7 +386,7 @@ class ZeroEngine:
     # -- gradients -----------------------------------------------------------------------------------------
     def _queue_callback(self) -> None:
         if not self._callback_queued:
-            mdist.doing(f"step {self.agreement.step}, backward (ZeRO gradient reduce-scatters)")
+            mdist.doing(self.agreement.step, "backward (gradient reduce-scatters)")
             if self.require_grad_sync:
                 self.agreement.check("backward")  # before its first reduce-scatter
             self._callback_queued = True

@@ -175,7 +175,7 @@ class ZeroOptimizer(MemsaveOptimizer):
 
     def _step(self) -> None:
         agreement = self.engine.agreement
-        mdist.doing(f"step {agreement.step}, optimizer.step()")
+        mdist.doing(agreement.step, "optimizer.step()")
         agreement.check("optimizer")  # [Note: control-flow agreement] in memsave/dist/agreement.py
         agreement.step += 1
         self.engine.reshard_all()  # stage 3: units gathered on access would hold the weights before the step
