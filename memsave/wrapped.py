@@ -30,8 +30,19 @@ from torch.nn.modules.module import _WrappedHook
 
 from memsave.phases import MemoryCategory
 
-__all__ = ["MemsaveModule", "MemsaveOptimizer", "is_wrapped_optimizer", "route_zero_grad", "swap_class",
-           "unswap_class", "user_class", "weak_method", "wrapped_model_of"]
+__all__ = [
+    "MemsaveModule",
+    "MemsaveOptimizer",
+    "check_still_frozen",
+    "is_wrapped_optimizer",
+    "route_zero_grad",
+    "swap_class",
+    "unscaled_backward_error",
+    "unswap_class",
+    "user_class",
+    "weak_method",
+    "wrapped_model_of",
+]
 
 _CLASS_CACHE: dict[type, type] = {}
 # What memsave wrapped, for the errors that name it (an optimizer or a parameter passed to a second wrap).
@@ -213,6 +224,27 @@ def wrapped_model_of(t: torch.Tensor) -> tuple[nn.Module, str] | None:
 def is_wrapped_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` is a :class:`MemsaveOptimizer` or the user's optimizer inside one."""
     return isinstance(optimizer, MemsaveOptimizer) or optimizer in _WRAPPED_OPTIMIZERS
+
+
+def check_still_frozen(frozen: list[tuple[str, nn.Parameter]], consequence: str) -> None:
+    """Refuse a parameter frozen at wrap that is trainable now (engines call it before each forward): the engine
+    laid out its buffers for the parameters trainable at wrap, so training it would go wrong as ``consequence``
+    says."""
+    for name, p in frozen:
+        if p.requires_grad:
+            raise NotImplementedError(
+                f"parameter {name!r} was frozen (requires_grad=False) at memsave.wrap and is trainable now; "
+                f"{consequence}. Set requires_grad before memsave.wrap; to unfreeze part of a model later, save a "
+                "checkpoint and wrap again"
+            )
+
+
+def unscaled_backward_error() -> RuntimeError:
+    """fp16 with a loss scale: a backward that did not come through ``optimizer.backward(loss)``."""
+    return RuntimeError(
+        "memsave fp16: this backward did not go through optimizer.backward(loss), so the loss was not multiplied "
+        "by the loss scale that optimizer.step() divides by; call optimizer.backward(loss) instead of loss.backward()"
+    )
 
 
 def route_zero_grad(inner: torch.optim.Optimizer, wrapper: MemsaveOptimizer) -> None:

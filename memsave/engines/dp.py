@@ -34,7 +34,13 @@ from memsave.dist import Mesh
 from memsave.phases import MemoryCategory
 from memsave.precision import LossScaler, MixedPrecisionOptimizer
 from memsave.precision.nonfinite import NonfiniteGuard
-from memsave.wrapped import MemsaveOptimizer, route_zero_grad, weak_method
+from memsave.wrapped import (
+    MemsaveOptimizer,
+    check_still_frozen,
+    route_zero_grad,
+    unscaled_backward_error,
+    weak_method,
+)
 
 __all__ = ["DataParallelEngine", "DataParallelOptimizer", "trainable_parameters"]
 
@@ -124,21 +130,13 @@ class DataParallelEngine:
             listener(None)
 
     def _check_trainable(self, module: nn.Module, args: Any) -> None:
-        for name, p in self._frozen:
-            if p.requires_grad:  # it has no bucket: each rank would step it with its own local gradient
-                raise NotImplementedError(
-                    f"parameter {name!r} was frozen (requires_grad=False) at memsave.wrap and is trainable now; its "
-                    "gradient would never be averaged over ranks, so the replicas would diverge. Set requires_grad "
-                    "before memsave.wrap; to unfreeze part of a model later, save a checkpoint and wrap again"
-                )
+        # it has no bucket: each rank would step it with its own local gradient
+        check_still_frozen(self._frozen, "its gradient would never be averaged over ranks, so the replicas would "
+                                         "diverge")
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if self.loss_scaled and not self.in_scaled_backward:
-            raise RuntimeError(
-                "memsave fp16: this backward did not go through optimizer.backward(loss), so the loss was not "
-                "multiplied by the loss scale that optimizer.step() divides by; call optimizer.backward(loss) "
-                "instead of loss.backward()"
-            )
+            raise unscaled_backward_error()
         if not self.require_grad_sync:
             return
         if not self._callback_queued:

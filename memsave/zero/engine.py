@@ -49,6 +49,7 @@ from memsave.models.units import (  # layer 0, shared with recompute/ and memory
     unit_parameters,
 )
 from memsave.phases import MemoryCategory, ShardedState
+from memsave.wrapped import check_still_frozen, unscaled_backward_error
 from memsave.zero.unit import Unit
 
 __all__ = ["ZeroEngine", "default_units"]
@@ -180,14 +181,8 @@ class ZeroEngine:
     def _check_trainable(self, module: nn.Module, args: Any) -> None:
         """A parameter frozen at wrap has no gradient shard, no reduce and no optimizer state: training it later
         would silently never update it (and under plain data parallelism would let replicas diverge)."""
-        for name, p in self._frozen:
-            if p.requires_grad:
-                raise NotImplementedError(
-                    f"parameter {name!r} was frozen (requires_grad=False) at memsave.wrap and is trainable now; "
-                    "ZeRO laid out gradient shards and optimizer state only for the parameters trainable at wrap, "
-                    "so it would never be updated. Set requires_grad before memsave.wrap; to unfreeze part of a "
-                    "model later, save a checkpoint (memsave.save / state_dict) and wrap again"
-                )
+        check_still_frozen(self._frozen, "ZeRO laid out gradient shards and optimizer state only for the "
+                                         "parameters trainable at wrap, so it would never be updated")
 
     # -- stage 3 forward -----------------------------------------------------------------------------------
     def _issue_forward_through(self, k: int) -> None:
@@ -394,11 +389,7 @@ class ZeroEngine:
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if self.loss_scaled and not self.in_scaled_backward:
-            raise RuntimeError(
-                "memsave fp16: this backward did not go through optimizer.backward(loss), so the loss was not "
-                "multiplied by the loss scale that optimizer.step() divides by; call optimizer.backward(loss) "
-                "instead of loss.backward()"
-            )
+            raise unscaled_backward_error()
         self._queue_callback()
         unit = self._unit_of[param]  # type: ignore[index]
         unit.pending -= 1
