@@ -5,14 +5,15 @@ ZeRO-1/2/3 sharding, offload, activation recomputation, mixed precision and memo
 """
 
 from memsave import memory, optim, precision, recompute, zero
-from memsave.api import wrap
+from memsave.api import parallelize, wrap
 from memsave.config import Profile, list_presets, load_profile
 from memsave.dist import Mesh, init
+from memsave.engines import MemsaveOptimizer
 from memsave.estimator import Estimate, estimate
 from memsave.memory import MemoryReport, MemoryTracker, report
 from memsave.phases import MemoryCategory, Phase
 from memsave.trainer import TrainConfig, Trainer, TrainResult, cosine_schedule
-from memsave.wrapped import MemsaveModule, MemsaveOptimizer
+from memsave.wrapped import MemsaveModule
 
 __version__ = "0.1.0"
 
@@ -37,6 +38,7 @@ __all__ = [
     "load_profile",
     "memory",
     "optim",
+    "parallelize",
     "precision",
     "recompute",
     "report",

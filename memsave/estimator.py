@@ -35,7 +35,7 @@ from torch import nn
 
 from memsave.config import Profile, load_profile
 from memsave.memory.schema import CATEGORIES, OFF_DEVICE, format_bytes
-from memsave.models.units import choose_units, output_tensors, unit_parameters
+from memsave.models.units import REDUCES_IN_FLIGHT, choose_units, output_tensors, unit_parameters
 from memsave.offload.chunks import MASTER_BYTES, plan, row_pieces, window_bytes
 from memsave.offload.tiers import round_up
 from memsave.precision import compute_dtype, reduce_dtype_for
@@ -399,9 +399,6 @@ def _offload(held: dict[str, int], states: dict[str, Any], prof: Profile, device
                     if moves_params else ""))
 
 
-_REDUCES_IN_FLIGHT = 2  # memsave/zero/engine.py keeps at most this many reduce-scatters in flight
-
-
 def _walk_backward(best: dict[str, int], base: dict[str, int], states: dict[str, Any], per_unit: list[int],
                    stage: int, prefetch: int, persistent_grads: int) -> dict[str, int]:
     """The largest total over the samples of backward at stages 1-3 ([Note: the estimated peak]): before and
@@ -424,7 +421,7 @@ def _walk_backward(best: dict[str, int], base: dict[str, int], states: dict[str,
                 point["grads"] = max(base.get("grads", 0), grads)
             else:  # the reduced rows of the units done so far (beside micro-batches' accumulated full gradients)
                 point["grads"] = base.get("grads", 0) + grads
-            comm = sum(reduce_[j] for j in done[-_REDUCES_IN_FLIGHT:])
+            comm = sum(reduce_[j] for j in done[-REDUCES_IN_FLIGHT:])
             if stage == 3:
                 point["params_gathered"] = full[0] + (0 if after else full[u])
                 if prefetch and k >= 1:  # the gather of the unit before it is in flight

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["MemoryCategory", "Phase", "ShardedState"]
+__all__ = ["MemoryCategory", "Phase", "ShardedState", "TrainingState", "UnitState"]
 
 
 class Phase(enum.Enum):
@@ -16,11 +16,30 @@ class Phase(enum.Enum):
     OPTIMIZER = "optimizer"
 
 
-class ShardedState(enum.Enum):
-    """A ZeRO-3 unit holds either only its shards or, between unshard and reshard, the full parameters."""
+class UnitState(enum.Enum):
+    """A ZeRO-3 unit's parameters: only its shards, a gather in flight, or the full parameters (between
+    unshard and reshard). The transitions are written once, in ``memsave.zero.unit.Unit._enter``."""
 
     SHARDED = "sharded"
+    GATHERING = "gathering"
     UNSHARDED = "unsharded"
+
+
+ShardedState = UnitState  # the name before the lifecycle had a gathering state
+
+
+class TrainingState(enum.Enum):
+    """Where a stage-3 engine's schedule is in a training step (FSDP2's ``TrainingState``, for a whole model).
+    The transitions are written once, in ``memsave.zero.schedule``.
+
+    IDLE: no forward's graph is waiting for its backward. FORWARD: inside the model's forward.
+    AWAIT_BACKWARD: a grad-enabled forward ended and its backward has not started (or a ``create_graph``
+    backward ended, whose graph the next backward runs through). BACKWARD: inside a backward."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    AWAIT_BACKWARD = "await_backward"
+    BACKWARD = "backward"
 
 
 class MemoryCategory(enum.Enum):

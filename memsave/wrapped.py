@@ -4,7 +4,7 @@ The model is *not* put inside a container: like FSDP2's ``fully_shard``, memsave
 for a subclass that also derives from :class:`MemsaveModule`, so attribute access, ``isinstance`` checks,
 ``state_dict`` keys and the ``forward`` signature are exactly those of the user's model.
 
-The optimizer is a :class:`MemsaveOptimizer` around the user's own optimizer instance; it is a
+The optimizer is a :class:`WrappedOptimizer` around the user's own optimizer instance; it is a
 ``torch.optim.Optimizer`` (LR schedulers accept it) whose ``param_groups`` *are* the inner optimizer's, so a
 scheduler built on either object changes the learning rate that is used.
 
@@ -32,7 +32,7 @@ from memsave.phases import MemoryCategory
 
 __all__ = [
     "MemsaveModule",
-    "MemsaveOptimizer",
+    "WrappedOptimizer",
     "check_still_frozen",
     "is_wrapped_optimizer",
     "route_zero_grad",
@@ -66,13 +66,8 @@ class MemsaveModule:
         Same contract as DDP's ``no_sync``: the first backward *after* the block synchronizes everything
         accumulated so far. Use it for all micro-batches but the last of a gradient-accumulation step.
         """
-        engine = self.memsave_engine
-        previous = engine.require_grad_sync
-        engine.require_grad_sync = False
-        try:
+        with self.memsave_engine.no_sync():
             yield
-        finally:
-            engine.require_grad_sync = previous
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``nn.Module.zero_grad``, plus the gradients the engine keeps for the model's parameters (reduced shards,
@@ -83,13 +78,11 @@ class MemsaveModule:
     def unshard(self) -> None:
         """ZeRO-3: gather every unit's full parameters (collective: call on every rank), e.g. to read weights
         outside the forward; :meth:`reshard` frees them again. No-op at other stages."""
-        if hasattr(self.memsave_engine, "unshard_all"):
-            self.memsave_engine.unshard_all()
+        self.memsave_engine.unshard()
 
     def reshard(self) -> None:
         """ZeRO-3: free the units gathered by :meth:`unshard` (or on access). No-op at other stages."""
-        if hasattr(self.memsave_engine, "reshard_all"):
-            self.memsave_engine.reshard_all()
+        self.memsave_engine.reshard()
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         """What ``model.to(...)``, ``.half()``, ``.float()``, ``.cuda()`` run: refused when it would change a parameter
@@ -222,8 +215,8 @@ def wrapped_model_of(t: torch.Tensor) -> tuple[nn.Module, str] | None:
 
 
 def is_wrapped_optimizer(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` is a :class:`MemsaveOptimizer` or the user's optimizer inside one."""
-    return isinstance(optimizer, MemsaveOptimizer) or optimizer in _WRAPPED_OPTIMIZERS
+    """Whether ``optimizer`` is a :class:`WrappedOptimizer` or the user's optimizer inside one."""
+    return isinstance(optimizer, WrappedOptimizer) or optimizer in _WRAPPED_OPTIMIZERS
 
 
 def check_still_frozen(frozen: list[tuple[str, nn.Parameter]], consequence: str) -> None:
@@ -247,7 +240,7 @@ def unscaled_backward_error() -> RuntimeError:
     )
 
 
-def route_zero_grad(inner: torch.optim.Optimizer, wrapper: MemsaveOptimizer) -> None:
+def route_zero_grad(inner: torch.optim.Optimizer, wrapper: WrappedOptimizer) -> None:
     """Make the user's own optimizer instance's ``zero_grad()`` the wrapper's: a loop that kept the original
     object (``opt.zero_grad()``) must clear the engine's gradients too, or the next step would add them up. The
     class's method stays reachable as ``type(inner).zero_grad(inner, ...)``. Held weakly: the inner optimizer does
@@ -269,11 +262,11 @@ def weak_method(method: Callable[..., Any], fallback: Callable[..., Any] | None 
     return call
 
 
-class MemsaveOptimizer(torch.optim.Optimizer, abc.ABC):
-    """The optimizer half of ``memsave.wrap``'s result: the training-loop API every engine provides.
-
+class WrappedOptimizer(torch.optim.Optimizer, abc.ABC):
+    """A ``torch.optim.Optimizer`` facade over the user's optimizer instance, with the training-loop API:
     ``backward(loss)``, ``clip_grad_norm(max_norm)``, ``step()``, ``zero_grad()``, ``state_dict()`` and
-    ``load_state_dict()``. Subclasses implement the engine-specific parts.
+    ``load_state_dict()``. :class:`memsave.engines.MemsaveOptimizer` (what ``memsave.wrap`` returns) and
+    :class:`memsave.precision.MixedPrecisionOptimizer` implement it.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
@@ -283,7 +276,7 @@ class MemsaveOptimizer(torch.optim.Optimizer, abc.ABC):
                 f"optimizer must be a torch.optim.Optimizer instance, got {type(optimizer).__name__}; "
                 "build it over model.parameters() before calling memsave.wrap"
             )
-        if isinstance(optimizer, MemsaveOptimizer):
+        if isinstance(optimizer, WrappedOptimizer):
             raise ValueError("optimizer is already wrapped by memsave; pass the original optimizer")
         self.optimizer = optimizer
         _WRAPPED_OPTIMIZERS.add(optimizer)
@@ -364,3 +357,6 @@ class MemsaveOptimizer(torch.optim.Optimizer, abc.ABC):
             for v in state.values():
                 if isinstance(v, torch.Tensor):
                     yield MemoryCategory.OPTIMIZER_STATE, v
+
+
+MemsaveOptimizer = WrappedOptimizer  # the name trainer.py imports until it moves to memsave.engines

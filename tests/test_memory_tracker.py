@@ -366,7 +366,7 @@ def test_estimate_host_offload_on_cuda_moves_state_masters_and_parameters() -> N
     assert est.bytes["offload_host"] == pytest.approx((12 + 2) * psi / 8, rel=0.02), est.bytes
     assert est.bytes.get("params", 0) == 0 and est.bytes.get("master", 0) == 0
     assert est.model_state < plain.model_state / 4, (est.model_state, plain.model_state)
-    from memsave.zero.offload import effective_offload  # what wrap refuses on CUDA, before anything changes
+    from memsave.validate import effective_offload  # what wrap refuses on CUDA, before anything changes
 
     assert effective_offload(over, torch.device("cuda")) is over.offload
     for bad in (("offload.params=cpu",), ("offload.optimizer=cpu", "offload.params=cpu", "offload.fraction=0.5")):

@@ -122,7 +122,7 @@ def test_an_optimizer_that_was_already_wrapped_is_refused() -> None:
     memsave.wrap(third, inner3, "zero3")  # its param_groups now hold ZeRO shards
     model = ToyLM(seed=2)
     before = _state(model)
-    with pytest.raises(ValueError, match=r"optimizer is the DataParallelOptimizer an earlier memsave\.wrap returned; "
+    with pytest.raises(ValueError, match=r"optimizer is the MemsaveOptimizer an earlier memsave\.wrap returned; "
                                          r"pass the torch optimizer you built over this model's parameters"):
         memsave.wrap(model, wrapped_opt, "ddp")
     for used in (inner, inner3):

@@ -28,22 +28,39 @@ from memsave.dist.host_memory import (
 )
 from memsave.dist.init import default_device, init, launch_env
 from memsave.dist.mesh import AXES, Mesh, validate_degrees
+from memsave.dist.placement import (
+    DATA_AXES,
+    AgreeOver,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    all_reduce_over,
+    sum_over_shards,
+)
 
 __all__ = [
     "AXES",
     "COMM_STATS",
+    "DATA_AXES",
+    "AgreeOver",
     "Agreement",
     "CollectiveError",
     "CommStats",
     "Handle",
     "HostMemoryPolicy",
     "Mesh",
+    "Partial",
+    "Placement",
     "ProcessGroup",
     "ReduceOp",
+    "Replicate",
+    "Shard",
     "after_forward",
     "all_gather_into",
     "all_gather_object",
     "all_reduce",
+    "all_reduce_over",
     "barrier",
     "broadcast",
     "configure_host_memory",
@@ -57,5 +74,6 @@ __all__ = [
     "launch_env",
     "reduce_scatter_into",
     "shutdown",
+    "sum_over_shards",
     "validate_degrees",
 ]

@@ -82,6 +82,10 @@ class Mesh:
         self._check_axis(axis)
         return self.device_mesh.get_group(axis)
 
+    def groups_for(self, axes: tuple[str, ...] | list[str]) -> list[dist.ProcessGroup]:
+        """The groups of ``axes`` that have more than one rank (what a placement's reduction runs over)."""
+        return [self.group(a) for a in axes if self.degree(a) > 1]
+
     def new_group(self, axis: str) -> dist.ProcessGroup:
         """A *fresh* process group over the same ranks as ``axis``: its own ordered stream of collectives.
 

@@ -22,6 +22,7 @@ used on none keep ``grad = None`` (so the optimizer skips them, as it does under
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -32,17 +33,11 @@ from torch import nn
 from memsave import dist as mdist
 from memsave.dist import Mesh
 from memsave.phases import MemoryCategory
-from memsave.precision import LossScaler, MixedPrecisionOptimizer
-from memsave.precision.nonfinite import NonfiniteGuard
-from memsave.wrapped import (
-    MemsaveOptimizer,
-    check_still_frozen,
-    route_zero_grad,
-    unscaled_backward_error,
-    weak_method,
-)
+from memsave.wrapped import check_still_frozen, unscaled_backward_error
 
-__all__ = ["DataParallelEngine", "DataParallelOptimizer", "trainable_parameters"]
+__all__ = ["DataParallelEngine", "trainable_parameters"]
+
+_REPLICATED = mdist.Placement()
 
 
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -143,7 +138,7 @@ class DataParallelEngine:
             mdist.doing(self.agreement.step, "backward (gradient bucket all-reduces)")
             self.agreement.check("backward")  # before its first all-reduce
             self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(self.sync_gradients)
         bucket, i = self._slot[param]  # type: ignore[index]
         self._adopt(bucket, i)
         bucket.pending -= 1
@@ -180,8 +175,10 @@ class DataParallelEngine:
         if self._next_launch == len(self.buckets):
             self._used_handle = mdist.all_reduce(self._used, self.group, async_op=True)
 
-    def _finalize_backward(self) -> None:
-        """End of backward: launch what the hooks did not (unused parameters), wait, settle unused grads."""
+    def sync_gradients(self) -> None:
+        """End of backward: launch what the hooks did not (unused parameters), wait, settle unused grads. The
+        autograd engine calls it after a backward; a rank whose backward reached none of its parameters calls it
+        (after the agreement check) so that its peers' all-reduces are matched."""
         self._callback_queued = False
         for bucket in self.buckets[self._next_launch :]:
             for i in range(len(bucket.params)):
@@ -211,6 +208,36 @@ class DataParallelEngine:
         self._used.zero_()
         self._next_launch = 0
         self.num_syncs += 1
+
+    # -- the Engine protocol (memsave/engines/protocol.py) ---------------------------------------------------
+    def unshard(self, unit: Any = None) -> None:
+        """Every rank holds every parameter: nothing to gather."""
+
+    def reshard(self, unit: Any = None) -> None:
+        """Nothing is ever gathered."""
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside accumulate locally; the first one after the block averages everything (as DDP)."""
+        previous, self.require_grad_sync = self.require_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_grad_sync = previous
+
+    def stepped(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """The optimizer steps the parameters themselves."""
+        return [(p, p) for p in self.model.parameters()]
+
+    def placement_of(self, stepped: torch.Tensor) -> mdist.Placement:
+        """Replicated on every rank, and so is its gradient once averaged."""
+        return _REPLICATED
+
+    def before_step(self) -> None:
+        pass
+
+    def after_step(self) -> None:
+        pass
 
     def grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
         """The averaged gradient of ``p`` in the reduce dtype ([Note: reduce dtype]); ``p.grad`` otherwise."""
@@ -250,77 +277,3 @@ class DataParallelEngine:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-
-
-class DataParallelOptimizer(MemsaveOptimizer):
-    """The user's optimizer stepping replicated parameters whose gradients the engine averaged; under mixed
-    precision it steps fp32 masters through a :class:`MixedPrecisionOptimizer` (gradients are identical on
-    every rank after the all-reduce, so the overflow decision is the same everywhere without another one)."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, engine: DataParallelEngine, *,
-                 mixed_precision: bool = False, scaler: LossScaler | None = None,
-                 nonfinite: NonfiniteGuard | None = None) -> None:
-        super().__init__(optimizer)
-        self.engine = engine
-        self.nonfinite = nonfinite if nonfinite is not None else NonfiniteGuard()
-        self.mp = (MixedPrecisionOptimizer(optimizer, scaler=scaler, grad_of=engine.grad_of, nonfinite=self.nonfinite)
-                   if mixed_precision or scaler is not None else None)
-        self.scaler = scaler
-        engine.loss_scaled = scaler is not None
-        if self.mp is not None:
-            refresh = weak_method(self.mp.refresh_masters)
-            engine.load_listeners.append(lambda _: refresh())
-        route_zero_grad(optimizer, self)
-
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        before = self.engine.num_syncs
-        self.engine.in_scaled_backward = True
-        try:
-            (self.mp.scale(loss) if self.mp is not None else loss).backward(**kwargs)
-        finally:
-            self.engine.in_scaled_backward = False
-        if self.engine.require_grad_sync and self.engine.num_syncs == before:
-            # No gradient reached this rank's parameters, so no hook queued the sync; the peers still need it.
-            self.engine.agreement.check("backward")
-            self.engine._finalize_backward()
-
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        # Gradients are replicated after the all-reduce, so the local norm is the global one.
-        if self.mp is not None:
-            return self.mp.clip_grad_norm(max_norm, norm_type)
-        params = [p for p in self.engine.param_names if p.grad is not None]  # registration order
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=True)
-        self.nonfinite.norm = float(norm)  # the step's non-finite check reuses it
-        return norm
-
-    def _step(self) -> None:
-        mdist.doing(self.engine.agreement.step, "optimizer.step()")
-        self.engine.agreement.check("optimizer")  # [Note: control-flow agreement] in memsave/dist/agreement.py
-        self.engine.agreement.step += 1
-        if self.mp is not None:
-            self.mp._step()
-            return
-        # the gradients are the same on every rank after the all-reduce: each rank's decision is everyone's
-        skip = self.nonfinite.found([p.grad for p in self.engine.param_names], None)
-        self.nonfinite.after_step(skip)
-        if not skip:
-            self.optimizer.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.engine.zero_grad(set_to_none)
-        if self.mp is not None:
-            self.mp.zero_grad(set_to_none=set_to_none)
-        else:  # the class's own: the instance's zero_grad is this method (route_zero_grad)
-            type(self.optimizer).zero_grad(self.optimizer, set_to_none=set_to_none)
-
-    def memory_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:
-        yield from self.engine.memory_tensors()
-        if self.mp is not None:
-            yield from self.mp.master_tensors()
-        yield from self._optimizer_state_tensors()
-
-    def state_dict(self) -> dict[str, Any]:
-        return (self.mp if self.mp is not None else self.optimizer).state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        (self.mp if self.mp is not None else self.optimizer).load_state_dict(state_dict)

@@ -37,7 +37,7 @@ from torch import nn
 
 from memsave._logging import get_logger, warn_once
 
-__all__ = ["UnitChoice", "UnitPolicy", "attributes", "choose_units", "default_units", "output_tensors",
+__all__ = ["REDUCES_IN_FLIGHT", "UnitChoice", "UnitPolicy", "attributes", "choose_units", "default_units", "output_tensors",
            "unit_parameters"]
 
 
@@ -175,6 +175,12 @@ def default_units(model: nn.Module, *, policy: UnitPolicy | None = None) -> list
         else:
             warn_once(message)
     return list(choice.modules)
+
+
+# What ZeRO keeps in flight, read by the engine and the estimator alike: at most this many reduce-scatters
+# (stages 1-3) and post-step parameter gathers (stages 1-2) are issued and not yet waited on. The gathers ahead
+# of a stage-3 unit are ``[zero] prefetch``.
+REDUCES_IN_FLIGHT = 2
 
 
 def unit_parameters(model: nn.Module, units: Sequence[nn.Module]) -> list[list[tuple[str, nn.Parameter]]]:

@@ -41,10 +41,11 @@ class NonfiniteGuard:
         self.norm: float | None = None  # the global norm clip_grad_norm found in this step, if it ran
 
     @torch.no_grad()
-    def found(self, grads: Sequence[torch.Tensor | None], group: mdist.ProcessGroup | None,
+    def found(self, grads: Sequence[torch.Tensor | None], group: mdist.AgreeOver,
               device: torch.device | None = None) -> bool:
-        """Whether any rank of ``group`` holds a non-finite gradient (collective over ``group``; None: this process
-        alone, right when the gradients are identical on every rank). Reuses ``clip_grad_norm``'s global norm."""
+        """Whether any rank of ``group`` holds a non-finite gradient (collective over ``group``, or over each of a
+        sequence of groups: the axes the placements say the gradients differ along; None: this process alone,
+        right when the gradients are identical on every rank). Reuses ``clip_grad_norm``'s global norm."""
         if self.norm is not None:
             return not math.isfinite(self.norm)
         live = [g for g in grads if g is not None and g.numel()]
@@ -53,8 +54,7 @@ class NonfiniteGuard:
         if live:
             norms = torch._foreach_norm(live, math.inf)  # NaN and inf both survive a max-norm
             bad[0] = (~torch.stack([n.float() for n in norms]).isfinite()).any().float()
-        if group is not None:
-            mdist.all_reduce(bad, group, op=mdist.ReduceOp.MAX, count_as="control")
+        mdist.all_reduce_over(bad, group, op=mdist.ReduceOp.MAX, count_as="control")
         return bool(bad.item() > 0)
 
     def after_step(self, skipped: bool, *, counts: bool = True, why: str = "the gradients hold an inf or NaN") -> None:

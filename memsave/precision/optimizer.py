@@ -29,7 +29,7 @@ from memsave import dist as mdist
 from memsave.phases import MemoryCategory
 from memsave.precision.nonfinite import NonfiniteGuard
 from memsave.precision.scaler import LossScaler
-from memsave.wrapped import MemsaveOptimizer
+from memsave.wrapped import WrappedOptimizer
 
 __all__ = ["MixedPrecisionOptimizer"]
 
@@ -45,14 +45,14 @@ def _own_grad(p: torch.Tensor) -> torch.Tensor | None:
 _EXTRA_KEYS = ("master_params", "loss_scaler")  # what the state dict adds to the wrapped optimizer's
 
 
-class MixedPrecisionOptimizer(MemsaveOptimizer):
+class MixedPrecisionOptimizer(WrappedOptimizer):
     """fp32 master weights and optional dynamic loss scaling around any ``torch.optim.Optimizer``.
 
     scaler: a :class:`LossScaler` (fp16 needs one), or None (bf16: its range needs no scaling).
     master_device: where the fp32 masters are made (default: beside each parameter); offload makes them on the
         host and moves them to its tier, so the device never holds them all ([Note: offloaded masters]).
-    group: the process group whose ranks must agree on skipping a step, when their gradients differ (each
-        rank checks its own; one MAX all-reduce). None: decide locally, right when gradients are identical on
+    group: the process group (or groups, one per mesh axis) whose ranks must agree on skipping a step, when
+        their gradients differ (each rank checks its own; one MAX all-reduce per group). None: decide locally, right when gradients are identical on
         every rank (a single process, or after torch DDP's all-reduce).
     nonfinite: what a step with an inf/NaN gradient does (memsave/precision/nonfinite.py; default: skipped, and
         an error after 10 in a row).
@@ -62,7 +62,7 @@ class MixedPrecisionOptimizer(MemsaveOptimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, scaler: LossScaler | None = None,
-                 group: mdist.ProcessGroup | None = None,
+                 group: mdist.AgreeOver = None,
                  grad_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
                  master_device: torch.device | None = None, nonfinite: NonfiniteGuard | None = None) -> None:
         super().__init__(optimizer)
@@ -89,6 +89,11 @@ class MixedPrecisionOptimizer(MemsaveOptimizer):
         self.last_step_skipped = False
 
     @property
+    def pairs(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """``(fp32 master, model parameter)`` in param-group order; a parameter that is fp32 is its own master."""
+        return self._pairs
+
+    @property
     def unscaled(self) -> bool:
         """Whether this step's gradients were already divided by the scale (by clip_grad_norm)."""
         return self._checked is not None
@@ -106,7 +111,7 @@ class MixedPrecisionOptimizer(MemsaveOptimizer):
         self.scale(loss).backward(**kwargs)
 
     @torch.no_grad()
-    def _unscale(self) -> bool:
+    def unscale(self) -> bool:
         """Once per step: fp32, unscaled gradients on the masters; whether any overflowed (agreed over group)."""
         if self._checked is None:
             grads = []
@@ -129,12 +134,15 @@ class MixedPrecisionOptimizer(MemsaveOptimizer):
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Unscale, then clip the fp32 gradients by their norm (of this process's gradients, as
         ``torch.nn.utils.clip_grad_norm_``); inf when they overflowed (the step will be skipped)."""
-        if self._unscale():
+        if self.unscale():
             return torch.tensor(math.inf)
         grads = [m for m, _ in self._pairs if m.grad is not None]
         return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type)
 
-    def _step(self, step: Callable[[], None] | None = None) -> None:
+    def _step(self) -> None:
+        self.step_masters()
+
+    def step_masters(self, step: Callable[[], None] | None = None) -> None:
         """Unscale, check, step the masters and cast them into the parameters; ``step`` (offload: it streams the
         masters with the optimizer state) does both of the latter itself. With no loss scale there is nothing to
         unscale or check, so ``step`` gets no fp32 gradient copies: it casts the model's gradients chunk by chunk
@@ -142,7 +150,7 @@ class MixedPrecisionOptimizer(MemsaveOptimizer):
         every gradient at once)."""
         if step is not None and self.scaler is None and self._checked is None:  # check the model's gradients
             self._checked = self.nonfinite.found([self._grad_of(p) for _, p in self._pairs], self.group)
-        overflow = self._unscale()
+        overflow = self.unscale()
         self.last_step_skipped = overflow
         stuck = self.scaler is None or self.scaler.scale <= self.scaler.min_scale  # nothing left to adjust
         self.nonfinite.after_step(overflow, counts=stuck)  # (raises per [precision] nonfinite / max_skipped)

@@ -70,7 +70,7 @@ class LossScaler:
         return loss * self.scale
 
     @torch.no_grad()
-    def unscale_and_check(self, grads: list[torch.Tensor], group: mdist.ProcessGroup | None = None,
+    def unscale_and_check(self, grads: list[torch.Tensor], group: mdist.AgreeOver = None,
                           device: torch.device | None = None) -> bool:
         """Divide ``grads`` by the scale in place and say whether any rank of ``group`` holds an inf/NaN
         (collective over ``group``: see [Note: overflow agreement]). ``group=None``: this process alone."""
@@ -80,8 +80,7 @@ class LossScaler:
             inv = torch.full((), 1.0 / self.scale, device=dev)
             for dtype_grads in _by_device_dtype(grads):
                 torch._amp_foreach_non_finite_check_and_unscale_(dtype_grads, found, inv)
-        if group is not None:
-            mdist.all_reduce(found, group, op=mdist.ReduceOp.MAX)
+        mdist.all_reduce_over(found, group, op=mdist.ReduceOp.MAX)
         return bool(found.item() > 0)
 
     def update(self, overflow: bool) -> None:

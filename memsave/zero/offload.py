@@ -22,70 +22,24 @@ is touched.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from memsave._logging import warn_once
-from memsave.config import OffloadConfig, Profile
-from memsave.offload import DiskTier, HostTier, OffloadedState, check_disk_path, state_bytes_per_element
+from memsave.config import OffloadConfig
+from memsave.offload import DiskTier, HostTier, OffloadedState, state_bytes_per_element
 from memsave.offload.chunks import MASTER_BYTES
 from memsave.offload.tiers import Tier
-from memsave.optim import Adafactor
 from memsave.zero.engine import ZeroEngine
 from memsave.zero.param_offload import ParamOffload, StepHooks
 
-__all__ = ["build_offloaded_state", "check_offload", "effective_offload", "estimate_state_bytes"]
+__all__ = ["build_offloaded_state", "estimate_state_bytes"]
 
-ELEMENTWISE = {"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop", "Adadelta", "ASGD", "Rprop"}
 
 
 def cpu_noop(device: torch.device) -> str:
     """What ``optimizer = "cpu"`` on a non-CUDA device says, once per process."""
     return (f'[offload] optimizer = "cpu" on a {device.type} device: the optimizer state already lives in host '
             'memory, nothing is moved (optimizer = "disk" moves it to files)')
-
-
-def effective_offload(profile: Profile, device: torch.device) -> OffloadConfig | None:
-    """The ``[offload]`` settings that move something on ``device`` (None: nothing moves); refuses what is not
-    implemented and says once what is ignored on this hardware."""
-    off = profile.offload
-    name = profile.name
-    if off.params == "cpu" and device.type == "cuda" and (off.optimizer != "cpu" or off.fraction != 1.0
-                                                          or profile.zero.stage != 3):
-        raise NotImplementedError(
-            f"profile {name!r}: [offload] params = \"cpu\" on a CUDA device is not implemented with optimizer = "
-            f"{off.optimizer!r}, fraction = {off.fraction}, zero.stage = {profile.zero.stage}: it needs optimizer = "
-            '"cpu", fraction = 1 and zero.stage = 3 (the step streams each unit\'s parameters with its optimizer '
-            "state)")
-    if off.params == "disk" and (device.type != "cpu" or off.optimizer != "disk" or off.fraction != 1.0):
-        raise NotImplementedError(
-            f"profile {name!r}: [offload] params = \"disk\" is not implemented with optimizer = {off.optimizer!r}, "
-            f"fraction = {off.fraction} on a {device.type} device: it needs optimizer = \"disk\" and fraction = 1 "
-            "on a CPU device (the step streams each unit's parameters with its optimizer state)")
-    if off.params == "cpu" and device.type != "cuda":
-        warn_once(f'[offload] params = "cpu" on a {device.type} device: the parameters already live in host '
-                  "memory, nothing is moved")
-    if off.overlap and (profile.zero.stage != 3 or device.type != "cpu"):
-        raise NotImplementedError(
-            f"profile {name!r}: [offload] overlap = true with optimizer = {off.optimizer!r}, zero.stage = "
-            f"{profile.zero.stage} on a {device.type} device is not implemented: it overlaps the offloaded "
-            "optimizer step with the next forward, whose stage-3 gathers wait for each unit's rows; it needs "
-            'optimizer = "disk", zero.stage = 3 and a CPU device (set overlap = false)')
-    if off.optimizer == "none":
-        return None
-    if profile.zero.stage == 0:
-        raise NotImplementedError(
-            f"profile {name!r}: [offload] optimizer = {off.optimizer!r} with zero.stage = 0 is not implemented: "
-            "offload streams ZeRO's optimizer shards; use zero.stage = 1, 2 or 3")
-    if off.optimizer == "cpu" and device.type != "cuda":
-        warn_once(cpu_noop(device))
-        return None
-    if off.optimizer == "disk" and device.type != "cpu":
-        raise NotImplementedError(
-            f"profile {name!r}: [offload] optimizer = \"disk\" on a {device.type} device is not implemented (it "
-            'needs pinned bounce buffers between the files and the device); use optimizer = "cpu"')
-    return off
 
 
 def estimate_state_bytes(optimizer: torch.optim.Optimizer, dp_size: int) -> tuple[int, int]:
@@ -103,33 +57,10 @@ def estimate_state_bytes(optimizer: torch.optim.Optimizer, dp_size: int) -> tupl
     return per_elem, total
 
 
-def check_offload(optimizer: torch.optim.Optimizer, off: OffloadConfig, dp_size: int, *,
-                  master_elements: int | None = None) -> None:
-    """Before anything changes: the optimizer can be streamed in chunks, and the disk has room (for the state, and
-    ``master_elements`` fp32 masters on this rank; None: as many as it has elements, an upper bound)."""
-    name = type(optimizer).__name__
-    if isinstance(optimizer, Adafactor):
-        raise NotImplementedError(
-            f"[offload] optimizer = {off.optimizer!r} with memsave.optim.Adafactor is not implemented: its column "
-            "statistics span every row of a shard (and are reduced over dp in one call per step), so the state "
-            "cannot be stepped chunk by chunk; use AdamW/Adam/SGD, or Adafactor without offload (its state is "
-            "~0.2% of AdamW's)")
-    if name not in ELEMENTWISE:
-        raise NotImplementedError(
-            f"[offload] optimizer = {off.optimizer!r} with {name} is not implemented: offload steps the state chunk "
-            f"by chunk, which is exact only for elementwise optimizers ({', '.join(sorted(ELEMENTWISE))})")
-    if off.optimizer == "disk":
-        per_elem, total = estimate_state_bytes(optimizer, dp_size)
-        if master_elements is None:
-            master_elements = total // max(per_elem, 1)
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        check_disk_path(off.path, int(2 * (total + MASTER_BYTES * master_elements) * off.fraction * local))
-
-
 def build_offloaded_state(optimizer: torch.optim.Optimizer, engine: ZeroEngine, off: OffloadConfig, *,
                           masters: dict[torch.Tensor, torch.Tensor] | None = None,
                           ) -> tuple[OffloadedState | None, ParamOffload | None]:
-    """The chunked, offloaded state of a ZeroOptimizer's shards (its ``param_groups`` hold them already, or their
+    """The chunked, offloaded state of a ZeRO engine's shards (its ``param_groups`` hold them already, or their
     fp32 ``masters``: master -> the model's shard, offloaded with the state); None when nothing moves on this
     device (said once)."""
     device = engine.mesh.device
@@ -143,7 +74,6 @@ def build_offloaded_state(optimizer: torch.optim.Optimizer, engine: ZeroEngine, 
     moves_params = off.params == "disk" or (off.params == "cpu" and device.type == "cuda")
     masters = masters or {}
     master_elements = sum(m.numel() for m in masters)
-    check_offload(optimizer, off, engine.dp_size, master_elements=master_elements)
     per_elem, total = estimate_state_bytes(optimizer, 1)  # the groups hold this rank's shards already
     total += MASTER_BYTES * master_elements
     tier: Tier
@@ -154,7 +84,7 @@ def build_offloaded_state(optimizer: torch.optim.Optimizer, engine: ZeroEngine, 
                         direct=None if off.direct else False)
     else:
         tier = HostTier(device)
-    units = {s: u.index for s, (u, _) in engine._slot_of.items()}
+    units = {s: u.index for u in engine.units for s in u.shards}
     units |= {m: units[s] for m, s in masters.items()}
     names = dict(engine.name_of) | {m: engine.name_of[s] for m, s in masters.items()}
     state = OffloadedState(optimizer, tier, group_of=lambda s: f"unit{units[s]}", names=names,
@@ -163,7 +93,7 @@ def build_offloaded_state(optimizer: torch.optim.Optimizer, engine: ZeroEngine, 
                            group_order=([f"unit{u.index}" for u in engine.units]
                                         if moves_params or off.overlap else None),
                            masters=masters, offload_last=off.overlap,
-                           low_grad=lambda master: engine.shard_grad(masters[master]))
+                           low_grad=lambda master: engine.grad_of(masters[master]))
     params = None
     if moves_params:  # last: the step's row pieces are views of the shards, made while they are in memory
         if engine.stage != 3:

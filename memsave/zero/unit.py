@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from memsave import dist as mdist
-from memsave.phases import MemoryCategory, ShardedState
+from memsave.phases import MemoryCategory, UnitState
 from memsave.zero.guards import is_guard, make_reduced_grad, mark_sharded, mark_unsharded, plain
 from memsave.zero.layout import ShardLayout
 
@@ -77,7 +77,7 @@ class Unit:
         self._shard_grads: list[torch.Tensor | None] = [None] * len(self.params)  # see shard_grad()
         self.param_layout = ShardLayout([p.shape for p in self.params], dp_size)
         self.grad_layout = ShardLayout([self.params[i].shape for i in self.trainable], dp_size)
-        self.state = ShardedState.UNSHARDED
+        self.state = UnitState.UNSHARDED
         # [offload] params = "disk" | "cpu": called before a gather reads flat_shard and after it completed
         # ([Note: parameter residency] in memsave/zero/param_offload.py)
         self.before_gather: Callable[[Unit], None] | None = None
@@ -130,50 +130,66 @@ class Unit:
             view = p.data.view(slot.rows, *p.shape[1:])[start:stop] if p.dim() else p.data.view(1)[start:stop]
         return nn.Parameter(view, requires_grad=p.requires_grad)
 
-    # -- stage 3: unshard / reshard ------------------------------------------------------------------------
+    # -- stage 3: the unit's lifecycle ----------------------------------------------------------------------
+    # [Note: unit lifecycle] SHARDED -> GATHERING (all-gather issued) -> UNSHARDED (full views installed) ->
+    # SHARDED (storage freed). A gather issued ahead (prefetch) and never used is completed and dropped, so
+    # GATHERING -> SHARDED too: the ranks stay in step. Every change of state goes through _enter.
+    _TRANSITIONS = {
+        UnitState.SHARDED: (UnitState.GATHERING,),
+        UnitState.GATHERING: (UnitState.UNSHARDED, UnitState.SHARDED),
+        UnitState.UNSHARDED: (UnitState.SHARDED,),
+    }
+
+    def _enter(self, state: UnitState) -> None:
+        if state not in self._TRANSITIONS[self.state]:
+            raise AssertionError(f"unit {self.name!r}: {self.state.name} -> {state.name} is not a transition")
+        self.state = state
+
     def unshard_async(self) -> None:
-        """Start gathering the full parameters (no-op when already unsharded or in flight)."""
-        if self.stage != 3 or self.state is ShardedState.UNSHARDED or self._gather is not None:
+        """Start gathering the full parameters (no-op unless SHARDED)."""
+        if self.stage != 3 or self.state is not UnitState.SHARDED:
             return
         if self.before_gather is not None:
             self.before_gather(self)
         staging = torch.empty(self.param_layout.padded_numel, dtype=self.dtype, device=self.device)
         self._gather = (mdist.all_gather_into(staging, self.flat_shard, self.group, async_op=True), staging)
+        self._enter(UnitState.GATHERING)
 
-    @torch.no_grad()
-    def unshard_wait(self) -> None:
-        """Finish the gather (starting it if needed) and point every parameter at its full view."""
-        if self.stage != 3 or self.state is ShardedState.UNSHARDED:
-            return
-        if self._gather is None:
-            self.unshard_async()
+    def _complete_gather(self) -> torch.Tensor:
         assert self._gather is not None
         handle, staging = self._gather
         handle.wait()
         self._gather = None
         if self.after_gather is not None:
             self.after_gather(self)
+        return staging
+
+    @torch.no_grad()
+    def unshard_wait(self) -> None:
+        """Finish the gather (issuing it if needed) and point every parameter at its full view."""
+        if self.stage != 3 or self.state is UnitState.UNSHARDED:
+            return
+        self.unshard_async()
+        staging = self._complete_gather()
         self.full_flat.untyped_storage().resize_(self._full_bytes)
         for i, p in enumerate(self.params):
             self.param_layout.unpack(staging, i, self.full_views[i])
             mark_unsharded(p)
             p.data = self.full_views[i]
-        self.state = ShardedState.UNSHARDED
+        self._enter(UnitState.UNSHARDED)
 
     def reshard(self) -> None:
-        """Free the full parameters (see [Note: stage-3 storage])."""
-        if self._gather is not None:  # a prefetch that was never used: complete it (ranks stay in step), drop it
-            self._gather[0].wait()
-            self._gather = None
-            if self.after_gather is not None:
-                self.after_gather(self)
-        if self.stage != 3 or self.state is ShardedState.SHARDED:
+        """Free the full parameters (see [Note: stage-3 storage]); a gather in flight is completed and dropped."""
+        if self.stage != 3 or self.state is UnitState.SHARDED:
             return
-        for p, sentinel, guard in zip(self.params, self._sentinels, self._read_guards):
-            p.data = sentinel
-            mark_sharded(p, guard)
-        self.full_flat.untyped_storage().resize_(0)
-        self.state = ShardedState.SHARDED
+        if self.state is UnitState.GATHERING:
+            self._complete_gather()
+        else:
+            for p, sentinel, guard in zip(self.params, self._sentinels, self._read_guards):
+                p.data = sentinel
+                mark_sharded(p, guard)
+            self.full_flat.untyped_storage().resize_(0)
+        self._enter(UnitState.SHARDED)
 
     def _make_read_guard(self, i: int) -> Callable[[str], None]:
         def guard(what: str) -> None:

@@ -1,0 +1,273 @@
+"""``MemsaveOptimizer``: the one optimizer ``memsave.wrap`` returns, over any :class:`~memsave.engines.Engine`.
+
+It composes, in this order each step: the engine's gradient sync (driven by ``backward``), precision (fp32
+masters and the loss scaler, :class:`~memsave.precision.MixedPrecisionOptimizer`), clipping by the global norm,
+the non-finite check, offload of the optimizer state (ZeRO), and the user's own optimizer's step. What it steps
+is what the engine says (:meth:`Engine.stepped`: the parameters, or this rank's rows of them); which groups a
+norm or a decision is reduced over follows the placements the engine reports, so the same code serves plain
+data parallelism, ZeRO 1-3 and the TP and PP engines that plug in later.
+
+The user's instance is kept (its class, hyperparameters and param groups; LR schedulers built on it keep
+working); only the tensors in its ``param_groups`` are replaced by what the engine steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from memsave import dist as mdist
+from memsave.config import OffloadConfig
+from memsave.engines import state as _state
+from memsave.engines.protocol import Engine
+from memsave.optim import Adafactor
+from memsave.phases import MemoryCategory
+from memsave.precision import LossScaler, MixedPrecisionOptimizer
+from memsave.precision.nonfinite import NonfiniteGuard
+from memsave.precision.optimizer import follow
+from memsave.wrapped import WrappedOptimizer, route_zero_grad, weak_method
+from memsave.zero.engine import ZeroEngine
+from memsave.zero.offload import build_offloaded_state
+from memsave.zero.rows import check_shardable
+
+__all__ = ["MemsaveOptimizer"]
+
+
+class MemsaveOptimizer(WrappedOptimizer):
+    """The user's optimizer stepping what ``engine`` shards, with precision, clipping and offload composed."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: Engine, *, mixed_precision: bool = False,
+                 scaler: LossScaler | None = None, offload: OffloadConfig | None = None,
+                 nonfinite: NonfiniteGuard | None = None) -> None:
+        super().__init__(optimizer)
+        self.engine = engine
+        self.nonfinite = nonfinite if nonfinite is not None else NonfiniteGuard()
+        stepped = dict(engine.stepped())
+        placements = {s: engine.placement_of(s) for s in stepped.values()}
+        self.any_sharded = any(pl.sharded_axes() for pl in placements.values())
+        if self.any_sharded:
+            check_shardable(optimizer, getattr(engine, "stage", 0))
+        self.scaler = scaler
+        engine.loss_scaled = scaler is not None
+        engine.load_listeners.append(weak_method(self._refresh_masters))
+        route_zero_grad(optimizer, self)
+        self._full_of: dict[torch.Tensor, nn.Parameter] = {}  # what the inner optimizer steps -> the parameter
+        for group in optimizer.param_groups:
+            full = group["params"]
+            group["params"] = [stepped[p] for p in full]
+            self._full_of.update(zip(group["params"], full))
+        # Decisions from local gradients are agreed over the axes along which they differ ([Note: placements]).
+        axes = sorted({a for pl in placements.values() for a in pl.differs_along()})
+        self.agree_over = engine.mesh.groups_for(axes)
+        self._norm_groups = {a: engine.mesh.group(a) if engine.mesh.degree(a) > 1 else None for a in axes}
+        # Mixed precision: the optimizer steps fp32 masters (of the shards: 4/N bytes per parameter), cast into the
+        # compute-dtype tensors after the step. With offload on CUDA the masters are made on the host and go to
+        # the tier from there: the device never holds 4 bytes per parameter of them ([Note: offloaded masters]).
+        host_masters = offload is not None and offload.optimizer == "cpu" and engine.mesh.device.type == "cuda"
+        self.mp = (MixedPrecisionOptimizer(optimizer, scaler=scaler, group=self.agree_over, grad_of=engine.grad_of,
+                                           master_device=torch.device("cpu") if host_masters else None,
+                                           nonfinite=self.nonfinite)
+                   if mixed_precision or scaler is not None else None)
+        # what the optimizer steps (a stepped tensor, or its master) -> the full parameter
+        self._opt_full = ({m: self._full_of[s] for m, s in self.mp.pairs} if self.mp is not None
+                          else dict(self._full_of))
+        self._placement = {t: placements[stepped[p]] for t, p in self._opt_full.items()}
+        # norms sum in the model's registration order, as torch's clip_grad_norm_(model.parameters()) does
+        position = {p: i for i, p in enumerate(engine.model.parameters())}
+        self._norm_order = sorted(self._opt_full, key=lambda t: position[self._opt_full[t]])
+        if isinstance(optimizer, Adafactor) and self.any_sharded:
+            dp = engine.mesh.dp_group
+            optimizer.shard(lambda t: mdist.all_reduce(t, dp), {s: p.shape for s, p in self._opt_full.items()})
+        self.offloaded, self.param_offload = None, None
+        self.overlap = False
+        self._settle_hook = None
+        if offload is not None and offload.optimizer != "none":
+            self._attach_offload(offload)
+
+    def _attach_offload(self, offload: OffloadConfig) -> None:
+        """``[offload] optimizer``: the state of this rank's shards streamed from its tier (memsave/zero/offload.py);
+        with ``overlap`` the chunks step in the background, a unit's gather waits for its rows and the end of the
+        next forward for all of them ([Note: overlapped step] in memsave/offload/state.py)."""
+        if not isinstance(self.engine, ZeroEngine):
+            raise NotImplementedError("[offload] optimizer needs a ZeRO stage (zero.stage = 1, 2 or 3): the state it "
+                                      "streams is the shards' state")
+        masters = {m: s for m, s in self.mp.pairs if m is not s} if self.mp is not None else {}
+        self.offloaded, self.param_offload = build_offloaded_state(self.optimizer, self.engine, offload,
+                                                                   masters=masters)
+        self.overlap = self.offloaded is not None and offload.overlap
+        if self.overlap:
+            state = self.offloaded
+            assert state is not None
+            self.engine.attach_step_waiter(lambda unit: state.wait_for(f"unit{unit.index}"))
+            self.engine.before_zero_in_place = weak_method(self.settle)
+            self._settle_hook = self.engine.model.register_forward_hook(lambda *_: state.settle())
+
+    # -- what the state dict and tests read ------------------------------------------------------------------
+    @property
+    def stepped_to_full(self) -> dict[torch.Tensor, nn.Parameter]:
+        """What the user's optimizer steps (a parameter, or this rank's rows of it) -> the model's parameter."""
+        return self._full_of
+
+    def full_of(self, t: torch.Tensor) -> nn.Parameter:
+        """The model parameter of a tensor the user's optimizer steps (a stepped tensor or its fp32 master)."""
+        return self._opt_full[t]
+
+    # -- the step ------------------------------------------------------------------------------------------
+    def settle(self) -> None:
+        """Wait for an optimizer step still running in the background (``[offload] overlap``); raise its error."""
+        if self.offloaded is not None:
+            self.offloaded.settle()
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        self.settle()  # the reduce-scatters write the gradient buffers a background step may still read
+        before = self.engine.num_syncs
+        self.engine.in_scaled_backward = True
+        try:
+            (self.mp.scale(loss) if self.mp is not None else loss).backward(**kwargs)
+        finally:
+            self.engine.in_scaled_backward = False
+        if self.engine.require_grad_sync and self.engine.num_syncs == before:
+            # No gradient reached this rank's parameters, so no hook queued the sync; the peers still need it.
+            self.engine.agreement.check("backward")  # as the peers' first gradient hook does
+            self.engine.sync_gradients()
+
+    def _grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(what the optimizer steps, its gradient)`` for those with one (the masters' under mixed precision), in
+        the model's parameter order."""
+        return [(t, t.grad) for t in self._norm_order if t.grad is not None]
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the global norm of the full gradient (under mixed precision: of the unscaled fp32 master
+        gradients; inf, on every rank, when any overflowed). Each parameter counts once: a sharded gradient adds
+        its part on every rank of the sharded axis, a replicated one is not reduced at all."""
+        if self.mp is not None and self.mp.unscale():
+            return torch.tensor(math.inf)
+        pairs = self._grads()
+        grads = [g for _, g in pairs]
+        if not self.any_sharded:  # the local norm is the global one: torch's own, bit for bit
+            norm = torch.nn.utils.clip_grad_norm_([t for t, _ in pairs], max_norm, norm_type=norm_type, foreach=True)
+            self.nonfinite.norm = float(norm)  # the step's non-finite check reuses it
+            return norm
+        device = self.engine.mesh.device
+        # one part per set of sharded axes, on every rank alike (empty ones too: the reductions must match)
+        parts: dict[tuple[str, ...], list[torch.Tensor]] = {pl.sharded_axes(): [] for pl in self._placement.values()}
+        for t, g in pairs:
+            if g.numel():
+                parts[self._placement[t].sharded_axes()].append(g)
+        zero = torch.zeros((), device=device)
+        if math.isinf(norm_type):
+            local = {axes: torch.stack([g.abs().max() for g in gs]).max().to(device, torch.float32) if gs else zero
+                     for axes, gs in parts.items()}
+            norm = mdist.sum_over_shards(local, self._norm_groups, op=mdist.ReduceOp.MAX)
+        else:
+            local = {axes: torch.stack([n.float() ** norm_type for n in torch._foreach_norm(gs, norm_type)]).sum()
+                     .to(device) if gs else zero for axes, gs in parts.items()}
+            norm = mdist.sum_over_shards(local, self._norm_groups) ** (1.0 / norm_type)
+        self.nonfinite.norm = float(norm)  # the step's non-finite check reuses this global norm
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        return norm
+
+    @torch.no_grad()
+    def _refresh_masters(self, loaded: dict[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """After ``model.load_state_dict``: the fp32 masters become the loaded parameters (else the next step would
+        copy the old weights back)."""
+        if self.mp is None:
+            return
+        if self.offloaded is None:
+            self.mp.refresh_masters()
+            return
+        states, own = self.offloaded.local()
+        rows = loaded if loaded is not None else {}  # [offload] params: the shards' rows, read while loaded
+        for m, s in self.mp.pairs:
+            if m is not s:
+                new = rows.get(s, s).detach()
+                own[m] = follow(own[m], new) if m in own else new.float()
+        self.offloaded.load_local_state(states, own)
+
+    def _step(self) -> None:
+        agreement = self.engine.agreement
+        mdist.doing(agreement.step, "optimizer.step()")
+        agreement.check("optimizer")  # [Note: control-flow agreement] in memsave/dist/agreement.py
+        agreement.step += 1
+        self.engine.before_step()
+        offloaded = self.offloaded
+        if self.mp is not None:
+            self.mp.step_masters((lambda: offloaded.step(overlap=self.overlap)) if offloaded is not None else None)
+            if self.mp.last_step_skipped:  # (or skips it, on every rank)
+                return
+        else:
+            grads = [g for _, g in self._grads()]
+            skip = self.nonfinite.found(grads, self.agree_over, device=self.engine.mesh.device)
+            self.nonfinite.after_step(skip)  # agreed over the placements' axes: every rank skips, or none
+            if skip:
+                return
+            if offloaded is not None:
+                offloaded.step(overlap=self.overlap)
+            else:
+                self.optimizer.step()
+        if offloaded is not None and self.engine.mesh.device.type == "cpu":
+            mdist.after_forward()  # the host policy's trim: the chunks' transients go back to the OS too
+        self.engine.after_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad(set_to_none)  # (in place, it first waits for a background step that reads them)
+        if self.mp is not None:
+            self.mp.zero_grad(set_to_none)
+        else:  # the class's own: the instance's zero_grad is this method (route_zero_grad)
+            type(self.optimizer).zero_grad(self.optimizer, set_to_none=set_to_none)
+
+    # -- state dicts ---------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The full optimizer state, in the plain optimizer's format (collective under ZeRO: call on every rank)."""
+        return _state.state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full (plain-optimizer) state dict: every rank keeps its rows of what is sharded."""
+        _state.load_state_dict(self, state_dict)
+
+    def full_grads(self) -> dict[str, torch.Tensor | None]:
+        """The averaged full gradient of every trainable parameter, by name (collective; for checks/debugging)."""
+        return _state.full_grads(self)
+
+    # -- memory ----------------------------------------------------------------------------------------------
+    def memory_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:
+        yield from self.engine.memory_tensors()
+        if self.mp is not None:
+            yield from self.mp.master_tensors()
+        yield from self._optimizer_state_tensors()
+        if self.offloaded is not None:
+            yield from self.offloaded.memory_tensors()  # the window buffers and the chunks kept in memory
+        if self.param_offload is not None:
+            yield from self.param_offload.memory_tensors()
+
+    def offloaded_bytes(self) -> dict[str, int]:
+        """Bytes held off the device now, by tier (``"host"``, ``"disk"``): optimizer state, and at stage 3 with
+        ``[offload] params`` the parameter shards (see :meth:`offloaded_param_bytes`)."""
+        out = self.offloaded.offloaded_bytes() if self.offloaded is not None else {"host": 0, "disk": 0}
+        if self.param_offload is not None:
+            for tier, n in self.param_offload.offloaded_bytes().items():
+                out[tier] += n
+        return out
+
+    def offloaded_param_bytes(self) -> int:
+        """Stage 3 with ``[offload] params``: the parameter shard bytes held on the tier (disk or pinned host)."""
+        return sum(self.param_offload.offloaded_bytes().values()) if self.param_offload is not None else 0
+
+    def close(self) -> None:
+        """Release the offload tier (its files are removed); the optimizer cannot step afterwards."""
+        if self._settle_hook is not None:
+            self._settle_hook.remove()
+        try:
+            self.settle()
+        finally:
+            if self.param_offload is not None:
+                self.param_offload.drain()
+            if self.offloaded is not None:
+                self.offloaded.close()

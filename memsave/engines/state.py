@@ -1,0 +1,128 @@
+"""The optimizer's state in the plain optimizer's format, whatever the engine shards.
+
+A state dict saved under any engine is the one the user's optimizer would save unwrapped (plus ``master_params``
+and ``loss_scaler`` under mixed precision, the format of :class:`~memsave.precision.MixedPrecisionOptimizer`),
+so it loads under another engine, stage or dp size. Which entries are gathered on save and cut to this rank's
+rows on load follows each stepped tensor's placement: ``dp=Shard(0)`` rows are gathered (a collective over dp),
+replicated tensors are taken as they are.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from memsave import dist as mdist
+from memsave.zero.rows import RowSharding
+
+if TYPE_CHECKING:
+    from memsave.engines.optimizer import MemsaveOptimizer
+
+__all__ = ["full_grads", "load_state_dict", "state_dict"]
+
+
+def _sharded(opt: MemsaveOptimizer, stepped: torch.Tensor) -> bool:
+    return isinstance(opt.engine.placement_of(stepped).dp, mdist.Shard)
+
+
+def state_dict(opt: MemsaveOptimizer) -> dict[str, Any]:
+    """The full optimizer state (collective over dp when anything is sharded: call on every rank)."""
+    rows = RowSharding(opt.engine.mesh)
+    if opt.any_sharded:
+        mdist.expect_every_rank("optimizer.state_dict() under ZeRO", rows.group)
+    opt.settle()
+    inner = opt.optimizer
+    sd = inner.state_dict()
+    stepped = [s for g in inner.param_groups for s in g["params"]]
+    own: dict[torch.Tensor, torch.Tensor] = {}  # offloaded fp32 masters
+    if opt.offloaded is not None:  # the state of every shard is in the offload store, in the plain format
+        local, own = opt.offloaded.local()
+        sd["state"] = {i: local[s] for i, s in enumerate(stepped) if s in local}
+    for index, live in sd["state"].items():
+        s = stepped[index]
+        full = opt.full_of(s)
+        state = sd["state"][index] = dict(live)  # torch hands out the live per-parameter dicts
+        if _sharded(opt, s):
+            for key in sorted(state):
+                if rows.is_per_element(inner, key, state[key], s, full):
+                    state[key] = rows.gather(state[key], full)
+    if opt.mp is not None:  # the format of MixedPrecisionOptimizer's
+        sd["master_params"] = [rows.gather(own.get(m, m).detach(), opt.full_of(m)) if _sharded(opt, m)
+                               else own.get(m, m).detach().clone() for m in stepped]
+        sd["loss_scaler"] = opt.scaler.state_dict() if opt.scaler is not None else None
+    return sd
+
+
+def load_state_dict(opt: MemsaveOptimizer, sd: dict[str, Any]) -> None:
+    """Load a full (plain-optimizer) state dict: every rank keeps its rows of what is sharded."""
+    opt.settle()
+    rows = RowSharding(opt.engine.mesh)
+    inner = opt.optimizer
+    stepped = [s for g in inner.param_groups for s in g["params"]]
+    local: dict[str, Any] = {"param_groups": sd["param_groups"], "state": {}}
+    for index, state in sd["state"].items():
+        s = stepped[int(index)]
+        full = opt.full_of(s)
+        out = {}
+        for key, value in state.items():
+            if _sharded(opt, s) and rows.is_per_element(inner, key, value, full, full):
+                out[key] = rows.own_rows(value.to(s.device), full).clone()
+            else:  # never alias the caller's tensors (e.g. Adam's step, which is incremented in place)
+                out[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        local["state"][index] = out
+    if opt.mp is None:
+        inner.load_state_dict(local)
+        if opt.offloaded is not None:  # into the store: the live optimizer holds no offloaded state
+            opt.offloaded.load_local_state({s: inner.state.pop(s) for s in stepped if s in inner.state})
+        return
+    masters = sd.get("master_params")
+    if masters is not None:
+        if len(masters) != len(stepped):
+            raise ValueError(f"state dict holds {len(masters)} master weights, this optimizer has {len(stepped)}")
+        local["master_params"] = [
+            rows.own_rows(m.to(s.device, torch.float32), opt.full_of(s)).clone() if _sharded(opt, s)
+            else m.to(s.device, torch.float32) for m, s in zip(masters, stepped)]
+    local["loss_scaler"] = sd.get("loss_scaler")
+    if opt.offloaded is None:
+        opt.mp.load_state_dict(local)
+        return
+    # offloaded masters ([Note: offloaded masters] in memsave/offload/state.py): they go into the store with
+    # the state (absent from a plain optimizer's state dict: kept as they are)
+    inner.load_state_dict({"param_groups": local["param_groups"], "state": local["state"]})
+    own = {s: m for s, m in zip(stepped, local["master_params"])} if masters is not None else None
+    opt.offloaded.load_local_state({s: inner.state.pop(s) for s in stepped if s in inner.state}, own)
+    if opt.scaler is not None and local["loss_scaler"] is not None:
+        opt.scaler.load_state_dict(local["loss_scaler"])
+
+
+@torch.no_grad()
+def full_grads(opt: MemsaveOptimizer) -> dict[str, torch.Tensor | None]:
+    """The averaged, unscaled full gradient of every trainable parameter, by name (collective over dp when
+    anything is sharded; for checks and debugging)."""
+    engine = opt.engine
+    rows = RowSharding(engine.mesh)
+    pairs = [(p, s) for s, p in opt.stepped_to_full.items()]
+    names = {p: n for n, p in engine.model.named_parameters()}
+    grads = {s: engine.grad_of(s) for _, s in pairs}
+    flags = torch.tensor([g is not None for g in grads.values()], dtype=torch.int32, device=engine.mesh.device)
+    if opt.any_sharded:
+        mdist.all_reduce(flags, rows.group)
+    master_of = {s: m for m, s in opt.mp.pairs} if opt.mp is not None else {}
+    out: dict[str, torch.Tensor | None] = {}
+    for (p, s), has in zip(pairs, flags.tolist()):
+        if not p.requires_grad:
+            continue
+        master = master_of.get(s)
+        grad = grads[s]
+        if master is not None and master is not s and master.grad is not None:
+            grad = master.grad  # unscaled already (clip_grad_norm ran)
+        elif grad is None:
+            grad = torch.zeros_like(s)
+        elif opt.scaler is not None and not (master is s and opt.mp is not None and opt.mp.unscaled):
+            grad = grad.float() / opt.scaler.scale  # the user sees unscaled gradients
+        if not has:
+            out[names[p]] = None
+        else:
+            out[names[p]] = rows.gather(grad, p) if _sharded(opt, s) else grad.clone()
+    return out

@@ -1,0 +1,306 @@
+"""Every refusal of a profile, in one module: ``memsave.parallelize`` (and so ``memsave.wrap``) calls
+:func:`validate` once, before anything changes, so a refused wrap loses nothing.
+
+It checks the profile against the mesh (``[parallel]`` degrees; a ``tp`` or ``pp`` axis is never ignored), the
+model (sparse gradients, nothing trainable, nested recomputed units), the hardware (what an ``[offload]`` or
+``[recompute] compress`` setting does on this device) and, from ``wrap``, the optimizer (shardable by rows,
+streamable by chunks, no state yet, over this model's parameters). Every refusal is a ``ValueError`` naming the
+key, the value and what is allowed, or a ``NotImplementedError`` naming the combination and why. The lower
+layers keep their own primitive checks (a disk's free space, a dtype cast on a device); this module decides
+when they run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from memsave._logging import warn_once
+from memsave.config import OffloadConfig, OptimizerConfig, Profile, list_presets
+from memsave.dist import Mesh
+from memsave.models.units import default_units
+from memsave.offload import check_disk_path
+from memsave.offload.chunks import MASTER_BYTES
+from memsave.optim import Adafactor
+from memsave.precision import LossScaler, compute_dtype, reduce_dtype_for, scaler_for
+from memsave.wrapped import WrappedOptimizer, is_wrapped_optimizer, wrapped_model_of
+from memsave.zero.offload import cpu_noop, estimate_state_bytes
+from memsave.zero.rows import ELEMENTWISE, check_shardable
+
+__all__ = ["Plan", "check_offload", "effective_offload", "validate"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a validated profile asks for on this mesh and device (each decided here, once)."""
+
+    profile: Profile
+    mesh: Mesh
+    mixed: bool  # parameters in a low-precision compute dtype, fp32 masters
+    compute_dtype: torch.dtype | None  # None: fp32
+    reduce_dtype: torch.dtype | None  # None: the parameters' own
+    scaler: LossScaler | None  # fp16: dynamic loss scaling
+    offload: OffloadConfig | None  # the [offload] settings that move something here (None: nothing moves)
+    recompute: bool
+
+
+def validate(profile: Profile, mesh: Mesh, model: nn.Module, *, units: Sequence[nn.Module] | None = None,
+             optimizer: torch.optim.Optimizer | None = None, example_inputs: Any = None) -> Plan:
+    """Check ``profile`` against ``mesh``, ``model``, this device and (from ``wrap``) ``optimizer``; return the
+    :class:`Plan` the transforms follow. Raises before anything is changed."""
+    check_parallel(profile, mesh)
+    check_profile(profile)
+    check_model(model, profile)
+    if profile.recompute.policy.startswith("budget:") and example_inputs is None:
+        raise ValueError(
+            f"profile {profile.name!r}: [recompute] policy={profile.recompute.policy!r} measures the activations "
+            "of one forward: pass example_inputs= (one training batch) to memsave.wrap, or call "
+            "memsave.recompute.apply(units, policy, model=model, example_inputs=...) yourself before wrapping"
+        )
+    prec = profile.precision
+    mixed = prec.compute != "fp32"
+    scaler = scaler_for(prec)
+    offload = None
+    if (profile.offload.optimizer, profile.offload.params) != ("none", "none"):
+        offload = effective_offload(profile, mesh.device)
+        if offload is not None and optimizer is not None:
+            check_offload(optimizer, offload, mesh.dp_size, master_elements=None if mixed or scaler else 0)
+    if profile.recompute.compress != "none":
+        from memsave.recompute.compress import (
+            check_compress,  # layer 3, loaded only when compression is asked
+        )
+
+        check_compress(profile.recompute.compress, mesh.device)
+    if optimizer is not None:
+        if (mixed or scaler is not None) and optimizer.state:
+            raise ValueError(f"optimizer already has state for {len(optimizer.state)} parameters; memsave.wrap must "
+                             "come before the first step (load a checkpoint with optimizer.load_state_dict after "
+                             "wrapping)")
+        if profile.zero.stage:
+            check_shardable(optimizer, profile.zero.stage)
+        check_optimizer_params(model, optimizer)
+        warn_unused_optimizer_section(profile, optimizer)
+    recompute = profile.recompute.policy != "none"
+    if profile.zero.stage == 0 and units is not None and not recompute:
+        raise NotImplementedError(
+            "units= has no effect with zero.stage = 0 and no [recompute] (plain data parallel buckets by size); "
+            "drop it, choose a ZeRO stage or a recompute policy"
+        )
+    if recompute and profile.zero.stage == 3:
+        check_not_nested(model, units if units is not None else default_units(model))
+    return Plan(profile=profile, mesh=mesh, mixed=mixed, compute_dtype=compute_dtype(prec) if mixed else None,
+                reduce_dtype=reduce_dtype_for(prec), scaler=scaler, offload=offload, recompute=recompute)
+
+
+def check_parallel(profile: Profile, mesh: Mesh) -> None:
+    """The mesh is the one ``[parallel]`` asks for, and no axis this release cannot train is silently ignored."""
+    par = getattr(profile, "parallel", None)
+    for axis in ("tp", "pp"):
+        want = getattr(par, axis, 1) if par is not None else 1
+        have = mesh.degree(axis)
+        if par is not None and want != have:
+            raise ValueError(
+                f"profile {profile.name!r}: [parallel] {axis} = {want} but the mesh has {axis} = {have}; build the "
+                f"mesh from the profile (memsave.init(profile=...)) or set parallel.{axis}={have}")
+        if have > 1:
+            what = "tensor" if axis == "tp" else "pipeline"
+            raise NotImplementedError(
+                f"profile {profile.name!r}: {axis} = {have} ({what} parallelism) is not implemented yet: memsave "
+                f"trains data-parallel meshes only (dp = world size); set {axis} = 1 rather than have the axis "
+                "ignored")
+
+
+def check_profile(profile: Profile) -> None:
+    """No silent fallback: a profile asking for a technique that is not built yet is refused."""
+    p = profile
+    prec = p.precision
+    if prec.reduce not in ("compute", prec.compute, "fp32"):
+        raise NotImplementedError(
+            f"profile {p.name!r}: [precision] reduce={prec.reduce!r} with compute={prec.compute!r} is not "
+            "implemented: gradients are communicated in the compute dtype or in fp32; set reduce = \"compute\" "
+            'or "fp32"'
+        )
+    if p.offload.activations != "none" and p.recompute.compress != "none":
+        raise NotImplementedError(
+            f"profile {p.name!r}: [offload] activations = {p.offload.activations!r} together with [recompute] "
+            f"compress = {p.recompute.compress!r} is not implemented: only the innermost saved-tensor hooks apply, "
+            "so one of them would be silently ignored; choose one"
+        )
+
+
+
+def check_arguments(profile: object, mesh: object) -> None:
+    """``profile`` and ``mesh`` are of the kinds :func:`wrap` takes (else the errors come from deep inside)."""
+    what = ("a preset name (" + ", ".join(list_presets()) + "), a path to a .toml file or a memsave.Profile")
+    if isinstance(profile, dict):
+        raise ValueError(f"profile must be {what}, got a dict; build one from it with memsave.Profile.from_dict(d)")
+    if not isinstance(profile, str | Path | Profile):
+        raise ValueError(f"profile must be {what}, got {type(profile).__name__} {profile!r}")
+    if isinstance(profile, str) and not profile.strip():
+        raise ValueError(f"profile is an empty string; pass {what}")
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise ValueError(
+            f"mesh must be a memsave.Mesh or None (dp over the whole default process group), got "
+            f"{type(mesh).__name__}; build it with mesh = memsave.init() (it reads the launcher's environment, or "
+            "takes the process group you initialized) and pass that"
+        )
+
+
+
+def check_optimizer_not_wrapped(optimizer: torch.optim.Optimizer) -> None:
+    if isinstance(optimizer, WrappedOptimizer):
+        raise ValueError(
+            f"optimizer is the {type(optimizer).__name__} an earlier memsave.wrap returned; pass the torch optimizer "
+            "you built over this model's parameters (each model and its optimizer are wrapped once)"
+        )
+    if is_wrapped_optimizer(optimizer):
+        raise ValueError(
+            f"optimizer ({type(optimizer).__name__}) was already wrapped by an earlier memsave.wrap, whose engine "
+            "steps it now; build a new optimizer over this model's parameters (each optimizer is wrapped once)"
+        )
+
+
+
+def check_model(model: nn.Module, profile: Profile) -> None:
+    """What no engine can train: sparse gradients anywhere; nothing trainable under plain data parallelism."""
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse and m.weight.requires_grad:
+            raise NotImplementedError(
+                f"{type(m).__name__} {name or '<root>'!r} has sparse=True: the gradient of "
+                f"{(name + '.' if name else '') + 'weight'!r} is a sparse tensor, which memsave's gradient buckets "
+                "and ZeRO shards do not hold; construct it with sparse=False (the default)"
+            )
+    if profile.zero.stage == 0 and not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            f"profile {profile.name!r} (zero.stage = 0): model {type(model).__name__} has no trainable parameters "
+            f"({len(list(model.parameters()))} parameters, none with requires_grad=True), so there is no gradient "
+            "to average; set requires_grad=True on the parameters to train before memsave.wrap"
+        )
+
+
+
+def warn_unused_optimizer_section(profile: Profile, optimizer: torch.optim.Optimizer) -> None:
+    """``[optimizer]`` describes the optimizer the trainer and ``memsave demo`` build; :func:`wrap` steps the one it
+    is given. Said once when the section is set and the optimizer passed is not the one it describes."""
+    cfg, default = profile.optimizer, OptimizerConfig()
+    if cfg == default:
+        return
+    from memsave.optim import build_optimizer  # layer 1
+
+    ref = build_optimizer([torch.zeros(1, requires_grad=True)], cfg)
+    if type(ref) is type(optimizer) and all(optimizer.defaults.get(k) == v for k, v in ref.defaults.items()):
+        return  # built from the section (memsave.optim.build_optimizer)
+    keys = ", ".join(f"{f.name} = {getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg)
+                     if getattr(cfg, f.name) != getattr(default, f.name))
+    warn_once(f"profile {profile.name!r}: its [optimizer] section ({keys}) is ignored by memsave.wrap, which steps "
+              f"the optimizer you pass ({type(optimizer).__name__}); to use the section, build the optimizer with "
+              "memsave.optim.build_optimizer(model.parameters(), profile.optimizer)")
+
+
+
+def check_optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every parameter the optimizer updates must belong to the model (else it would never be synchronized)."""
+    names = {p: n for n, p in model.named_parameters(remove_duplicate=False)}
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            owner = wrapped_model_of(p) if p not in names else None
+            if owner is not None:
+                raise ValueError(
+                    f"optimizer param_groups[{gi}] holds parameter {owner[1]!r} of another model, which memsave.wrap "
+                    f"already wrapped ({type(owner[0]).__name__}); build the optimizer over this model's parameters()"
+                )
+            if p not in names:
+                raise ValueError(
+                    f"optimizer param_groups[{gi}] holds a tensor of shape {tuple(p.shape)} that is not a parameter "
+                    "of the model; build the optimizer over model.parameters()"
+                )
+
+
+
+def check_not_nested(model: nn.Module, units: Sequence[nn.Module]) -> None:
+    """Stage 3 gathers in hooks on each unit; inside another recomputed unit those hooks would run again during
+    its recomputation (extra gathers, out of order), so recomputed units must not contain one another."""
+    for outer in units:
+        for inner in units:
+            if inner is not outer and any(inner is m for m in outer.modules()):
+                names = {id(m): n for n, m in model.named_modules()}
+                raise NotImplementedError(
+                    f"[recompute] with zero.stage = 3 is not implemented for nested units: {names.get(id(inner))!r} "
+                    f"is inside {names.get(id(outer))!r}, so its gather hooks would run again when the outer unit is "
+                    "recomputed; pass units= that do not contain one another"
+                )
+
+
+
+def effective_offload(profile: Profile, device: torch.device) -> OffloadConfig | None:
+    """The ``[offload]`` settings that move something on ``device`` (None: nothing moves); refuses what is not
+    implemented and says once what is ignored on this hardware."""
+    off = profile.offload
+    name = profile.name
+    if off.params == "cpu" and device.type == "cuda" and (off.optimizer != "cpu" or off.fraction != 1.0
+                                                          or profile.zero.stage != 3):
+        raise NotImplementedError(
+            f"profile {name!r}: [offload] params = \"cpu\" on a CUDA device is not implemented with optimizer = "
+            f"{off.optimizer!r}, fraction = {off.fraction}, zero.stage = {profile.zero.stage}: it needs optimizer = "
+            '"cpu", fraction = 1 and zero.stage = 3 (the step streams each unit\'s parameters with its optimizer '
+            "state)")
+    if off.params == "disk" and (device.type != "cpu" or off.optimizer != "disk" or off.fraction != 1.0):
+        raise NotImplementedError(
+            f"profile {name!r}: [offload] params = \"disk\" is not implemented with optimizer = {off.optimizer!r}, "
+            f"fraction = {off.fraction} on a {device.type} device: it needs optimizer = \"disk\" and fraction = 1 "
+            "on a CPU device (the step streams each unit's parameters with its optimizer state)")
+    if off.params == "cpu" and device.type != "cuda":
+        warn_once(f'[offload] params = "cpu" on a {device.type} device: the parameters already live in host '
+                  "memory, nothing is moved")
+    if off.overlap and (profile.zero.stage != 3 or device.type != "cpu"):
+        raise NotImplementedError(
+            f"profile {name!r}: [offload] overlap = true with optimizer = {off.optimizer!r}, zero.stage = "
+            f"{profile.zero.stage} on a {device.type} device is not implemented: it overlaps the offloaded "
+            "optimizer step with the next forward, whose stage-3 gathers wait for each unit's rows; it needs "
+            'optimizer = "disk", zero.stage = 3 and a CPU device (set overlap = false)')
+    if off.optimizer == "none":
+        return None
+    if profile.zero.stage == 0:
+        raise NotImplementedError(
+            f"profile {name!r}: [offload] optimizer = {off.optimizer!r} with zero.stage = 0 is not implemented: "
+            "offload streams ZeRO's optimizer shards; use zero.stage = 1, 2 or 3")
+    if off.optimizer == "cpu" and device.type != "cuda":
+        warn_once(cpu_noop(device))
+        return None
+    if off.optimizer == "disk" and device.type != "cpu":
+        raise NotImplementedError(
+            f"profile {name!r}: [offload] optimizer = \"disk\" on a {device.type} device is not implemented (it "
+            'needs pinned bounce buffers between the files and the device); use optimizer = "cpu"')
+    return off
+
+
+
+def check_offload(optimizer: torch.optim.Optimizer, off: OffloadConfig, dp_size: int, *,
+                  master_elements: int | None = None) -> None:
+    """Before anything changes: the optimizer can be streamed in chunks, and the disk has room (for the state, and
+    ``master_elements`` fp32 masters on this rank; None: as many as it has elements, an upper bound)."""
+    name = type(optimizer).__name__
+    if isinstance(optimizer, Adafactor):
+        raise NotImplementedError(
+            f"[offload] optimizer = {off.optimizer!r} with memsave.optim.Adafactor is not implemented: its column "
+            "statistics span every row of a shard (and are reduced over dp in one call per step), so the state "
+            "cannot be stepped chunk by chunk; use AdamW/Adam/SGD, or Adafactor without offload (its state is "
+            "~0.2% of AdamW's)")
+    if name not in ELEMENTWISE:
+        raise NotImplementedError(
+            f"[offload] optimizer = {off.optimizer!r} with {name} is not implemented: offload steps the state chunk "
+            f"by chunk, which is exact only for elementwise optimizers ({', '.join(sorted(ELEMENTWISE))})")
+    if off.optimizer == "disk":
+        per_elem, total = estimate_state_bytes(optimizer, dp_size)
+        if master_elements is None:
+            master_elements = total // max(per_elem, 1)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        check_disk_path(off.path, int(2 * (total + MASTER_BYTES * master_elements) * off.fraction * local))
+
+
