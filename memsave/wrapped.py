@@ -37,6 +37,7 @@ __all__ = [
     "is_wrapped_optimizer",
     "route_zero_grad",
     "swap_class",
+    "sync_suspended",
     "unscaled_backward_error",
     "unswap_class",
     "user_class",
@@ -238,6 +239,16 @@ def unscaled_backward_error() -> RuntimeError:
         "memsave fp16: this backward did not go through optimizer.backward(loss), so the loss was not multiplied "
         "by the loss scale that optimizer.step() divides by; call optimizer.backward(loss) instead of loss.backward()"
     )
+
+
+@contextlib.contextmanager
+def sync_suspended(engine: Any) -> Iterator[None]:
+    """An engine's ``no_sync()``: its ``require_grad_sync`` is False inside the block, as it was after."""
+    previous, engine.require_grad_sync = engine.require_grad_sync, False
+    try:
+        yield
+    finally:
+        engine.require_grad_sync = previous
 
 
 def route_zero_grad(inner: torch.optim.Optimizer, wrapper: WrappedOptimizer) -> None:

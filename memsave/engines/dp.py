@@ -33,7 +33,7 @@ from torch import nn
 from memsave import dist as mdist
 from memsave.dist import Mesh
 from memsave.phases import MemoryCategory
-from memsave.wrapped import check_still_frozen, unscaled_backward_error
+from memsave.wrapped import check_still_frozen, sync_suspended, unscaled_backward_error
 
 __all__ = ["DataParallelEngine", "trainable_parameters"]
 
@@ -216,14 +216,9 @@ class DataParallelEngine:
     def reshard(self, unit: Any = None) -> None:
         """Nothing is ever gathered."""
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backwards inside accumulate locally; the first one after the block averages everything (as DDP)."""
-        previous, self.require_grad_sync = self.require_grad_sync, False
-        try:
-            yield
-        finally:
-            self.require_grad_sync = previous
+        return sync_suspended(self)
 
     def stepped(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """The optimizer steps the parameters themselves."""

@@ -32,7 +32,7 @@ from memsave.models.units import (  # layer 0: the estimator reads the same grou
     unit_parameters,
 )
 from memsave.phases import MemoryCategory
-from memsave.wrapped import check_still_frozen, unscaled_backward_error
+from memsave.wrapped import check_still_frozen, sync_suspended, unscaled_backward_error
 from memsave.zero.schedule import Stage3Schedule
 from memsave.zero.unit import Unit
 
@@ -186,14 +186,9 @@ class ZeroEngine:
         for u in self.units if unit is None else [unit]:
             u.reshard()
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backwards inside accumulate locally; the first one after the block reduces everything (as DDP)."""
-        previous, self.require_grad_sync = self.require_grad_sync, False
-        try:
-            yield
-        finally:
-            self.require_grad_sync = previous
+        return sync_suspended(self)
 
     def stepped(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """``(parameter, what the optimizer steps for it)``: this rank's rows of each parameter."""
