@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -130,7 +130,7 @@ class Placement:
 
 
 def all_reduce_over(tensor: torch.Tensor, groups: AgreeOver | Iterable[ProcessGroup | None], *,
-                    op: ReduceOp = ReduceOp.SUM, count_as: str = "all_reduce") -> torch.Tensor:
+                    op: Any = ReduceOp.SUM, count_as: str = "all_reduce") -> torch.Tensor:
     """All-reduce ``tensor`` in place over each group in turn: a sum (or max) over every rank of their product.
     ``groups``: one group, several (the axes of a placement), or None (this process alone)."""
     if groups is None or isinstance(groups, ProcessGroup):
@@ -142,7 +142,7 @@ def all_reduce_over(tensor: torch.Tensor, groups: AgreeOver | Iterable[ProcessGr
 
 
 def sum_over_shards(parts: dict[tuple[str, ...], torch.Tensor], group_of: dict[str, ProcessGroup | None], *,
-                    op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+                    op: Any = ReduceOp.SUM) -> torch.Tensor:
     """Combine per-rank partial results into the global one, each tensor counted once.
 
     ``parts`` maps a set of sharded axes (:meth:`Placement.sharded_axes`) to this rank's sum (or max, with

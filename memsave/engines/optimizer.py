@@ -24,6 +24,7 @@ from memsave import dist as mdist
 from memsave.config import OffloadConfig
 from memsave.engines import state as _state
 from memsave.engines.protocol import Engine
+from memsave.offload import OffloadedState
 from memsave.optim import Adafactor
 from memsave.phases import MemoryCategory
 from memsave.precision import LossScaler, MixedPrecisionOptimizer
@@ -32,6 +33,7 @@ from memsave.precision.optimizer import follow
 from memsave.wrapped import WrappedOptimizer, route_zero_grad, weak_method
 from memsave.zero.engine import ZeroEngine
 from memsave.zero.offload import build_offloaded_state
+from memsave.zero.param_offload import ParamOffload
 from memsave.zero.rows import check_shardable
 
 __all__ = ["MemsaveOptimizer"]
@@ -46,7 +48,7 @@ class MemsaveOptimizer(WrappedOptimizer):
         super().__init__(optimizer)
         self.engine = engine
         self.nonfinite = nonfinite if nonfinite is not None else NonfiniteGuard()
-        stepped = dict(engine.stepped())
+        stepped: dict[torch.Tensor, torch.Tensor] = dict(engine.stepped())
         placements = {s: engine.placement_of(s) for s in stepped.values()}
         self.any_sharded = any(pl.sharded_axes() for pl in placements.values())
         if self.any_sharded:
@@ -73,7 +75,7 @@ class MemsaveOptimizer(WrappedOptimizer):
                                            nonfinite=self.nonfinite)
                    if mixed_precision or scaler is not None else None)
         # what the optimizer steps (a stepped tensor, or its master) -> the full parameter
-        self._opt_full = ({m: self._full_of[s] for m, s in self.mp.pairs} if self.mp is not None
+        self._opt_full: dict[torch.Tensor, nn.Parameter] = ({m: self._full_of[s] for m, s in self.mp.pairs} if self.mp is not None
                           else dict(self._full_of))
         self._placement = {t: placements[stepped[p]] for t, p in self._opt_full.items()}
         # norms sum in the model's registration order, as torch's clip_grad_norm_(model.parameters()) does
@@ -82,9 +84,10 @@ class MemsaveOptimizer(WrappedOptimizer):
         if isinstance(optimizer, Adafactor) and self.any_sharded:
             dp = engine.mesh.dp_group
             optimizer.shard(lambda t: mdist.all_reduce(t, dp), {s: p.shape for s, p in self._opt_full.items()})
-        self.offloaded, self.param_offload = None, None
+        self.offloaded: OffloadedState | None = None
+        self.param_offload: ParamOffload | None = None
         self.overlap = False
-        self._settle_hook = None
+        self._settle_hook: Any = None
         if offload is not None and offload.optimizer != "none":
             self._attach_offload(offload)
 
@@ -95,7 +98,8 @@ class MemsaveOptimizer(WrappedOptimizer):
         if not isinstance(self.engine, ZeroEngine):
             raise NotImplementedError("[offload] optimizer needs a ZeRO stage (zero.stage = 1, 2 or 3): the state it "
                                       "streams is the shards' state")
-        masters = {m: s for m, s in self.mp.pairs if m is not s} if self.mp is not None else {}
+        masters: dict[torch.Tensor, torch.Tensor] = (
+            {m: s for m, s in self.mp.pairs if m is not s} if self.mp is not None else {})
         self.offloaded, self.param_offload = build_offloaded_state(self.optimizer, self.engine, offload,
                                                                    masters=masters)
         self.overlap = self.offloaded is not None and offload.overlap

@@ -84,7 +84,7 @@ def build_offloaded_state(optimizer: torch.optim.Optimizer, engine: ZeroEngine, 
                         direct=None if off.direct else False)
     else:
         tier = HostTier(device)
-    units = {s: u.index for u in engine.units for s in u.shards}
+    units: dict[torch.Tensor, int] = {s: u.index for u in engine.units for s in u.shards}
     units |= {m: units[s] for m, s in masters.items()}
     names = dict(engine.name_of) | {m: engine.name_of[s] for m, s in masters.items()}
     state = OffloadedState(optimizer, tier, group_of=lambda s: f"unit{units[s]}", names=names,
