@@ -123,3 +123,20 @@ def test_a_tp_or_pp_axis_is_refused_not_ignored(axis: str) -> None:
     for errors in run_ranks(_refuses_tp_and_pp, 2, axis, timeout=120):
         for text in errors:
             assert f"{axis} = 2" in text and "is not implemented yet" in text and f"set {axis} = 1" in text
+
+
+def _refuses_a_cpu_tensor_over_nccl() -> str:
+    from memsave.dist import collectives
+
+    mesh = memsave.init()
+    collectives._IS_NCCL[id(mesh.dp_group)] = True  # as an NCCL group reports itself (no GPU here)
+    with pytest.raises(ValueError) as info:
+        mdist.all_reduce(torch.ones(3), mesh.dp_group)
+    del collectives._IS_NCCL[id(mesh.dp_group)]
+    mdist.all_reduce(torch.ones(3), mesh.dp_group)  # gloo takes it
+    return str(info.value)
+
+
+def test_dist_refuses_a_tensor_off_the_groups_device() -> None:
+    for text in run_ranks(_refuses_a_cpu_tensor_over_nccl, 2, timeout=120):
+        assert "all_reduce: a (3,) torch.float32 tensor on cpu over an NCCL group" in text

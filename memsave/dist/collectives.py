@@ -107,6 +107,21 @@ class _Named:
             raise _failed(_label(self.kind, self.group, self.where), exc) from exc
 
 
+_IS_NCCL: dict[int, bool] = {}  # by id(group): does the group run on NCCL (CUDA tensors only)?
+
+
+def _check_device(kind: str, group: ProcessGroup | None, *tensors: torch.Tensor) -> None:
+    """A CPU tensor in an NCCL collective fails only at world size >= 2, deep inside NCCL: refuse it here, named."""
+    nccl = _IS_NCCL.get(id(group))
+    if nccl is None:
+        nccl = _IS_NCCL[id(group)] = dist.get_backend(group) == "nccl"
+    if nccl:
+        for t in tensors:
+            if t.device.type != "cuda":
+                raise ValueError(f"memsave.dist {kind}: a {tuple(t.shape)} {t.dtype} tensor on {t.device} over an NCCL "
+                                 "group, which moves CUDA tensors only; put it on the group's device (mesh.device)")
+
+
 def _issue(kind: str, group: ProcessGroup | None, async_op: bool, call: Callable[[], Any]) -> Handle:
     where = _doing[0]  # the text is made only if it fails
     try:
@@ -178,6 +193,7 @@ def all_reduce(
     under (``"control"`` for the few bytes of an agreement, apart from the model's traffic)."""
     if group_size(group) == 1:
         return _DONE
+    _check_device("all_reduce", group, tensor)
     COMM_STATS.add(count_as, 2 * _nbytes(tensor))
     return _issue("all_reduce", group, async_op,
                   lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
@@ -195,6 +211,7 @@ def all_gather_into(
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return _DONE
+    _check_device("all_gather", group, output, input)
     COMM_STATS.add(count_as, _nbytes(output))
     return _issue("all_gather", group, async_op,
                   lambda: _all_gather_single(output, input, group=group, async_op=async_op))
@@ -216,6 +233,7 @@ def reduce_scatter_into(
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return _DONE
+    _check_device("reduce_scatter", group, output, input)
     COMM_STATS.add("reduce_scatter", _nbytes(input))
     return _issue("reduce_scatter", group, async_op,
                   lambda: _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op))
@@ -225,6 +243,7 @@ def broadcast(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup | N
     """Broadcast ``tensor`` in place from the rank whose rank *within group* is ``src_group_rank``."""
     if group_size(group) == 1:
         return
+    _check_device("broadcast", group, tensor)
     COMM_STATS.add("broadcast", _nbytes(tensor))
     src = dist.get_global_rank(group, src_group_rank) if group is not None else src_group_rank
     _issue("broadcast", group, False, lambda: dist.broadcast(tensor, src=src, group=group))
