@@ -27,7 +27,7 @@ rank itself when it raised, else the last the launcher read in ``/proc``.
   that started it ends, and ``spawn_local`` waits for its ranks in that thread), and a thread checks the parent
   every ``PARENT_POLL_S`` as a fallback (other systems; a parent that died before the request);
 - SIGTERM and SIGINT in a rank remove its offload folders and end it, even inside a collective
-  ([Note: cleanup on signals] in ``memsave/offload/tiers.py``);
+  ([Note: cleanup on signals] in ``memsave/offload/folders.py``);
 - a result is handed over within ``HANDOFF_TIMEOUT_S`` or the rank exits (nobody may be reading);
 - the launcher stops ranks with SIGTERM and gives them ``GRACE_S`` before SIGKILL; SIGTERM to the launcher
   stops them the same way (raising :class:`LaunchInterrupted`, a ``KeyboardInterrupt`` like Ctrl-C);
