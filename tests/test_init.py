@@ -229,7 +229,8 @@ LAYERS = {
     "precision": 2, "memory": 2,
     "zero": 3, "recompute": 3,
     "engines": 4,
-    "trainer": 5, "api": 5, "bench": 5, "bench_offload": 5, "bench_memory": 5, "bench_fit": 5, "estimator": 5,
+    "trainer": 5, "trainer_config": 5, "api": 5, "bench": 5, "bench_offload": 5, "bench_memory": 5, "bench_fit": 5,
+    "estimator": 5,
     "cli": 6, "__main__": 6,
 }
 # `from memsave import __version__` (a name of the package root, not a submodule): the root re-exports layers
