@@ -225,11 +225,12 @@ MEMSAVE = Path(__file__).resolve().parents[1] / "memsave"
 # `bench` (the `memsave bench` runner: it calls api.wrap, so it sits with api) and `__main__` (with cli).
 LAYERS = {
     "config": 0, "phases": 0, "_logging": 0, "models": 0, "profile_docs": 0,
-    "dist": 1, "offload": 1, "optim": 1, "wrapped": 1, "_launch": 1,
+    "dist": 1, "offload": 1, "optim": 1, "wrapped": 1, "_launch": 1, "_launch_faults": 1,
     "precision": 2, "memory": 2,
     "zero": 3, "recompute": 3,
     "engines": 4,
-    "trainer": 5, "api": 5, "validate": 5, "bench": 5, "bench_offload": 5, "bench_memory": 5, "bench_fit": 5, "estimator": 5,
+    "trainer": 5, "trainer_config": 5, "api": 5, "validate": 5, "bench": 5, "bench_offload": 5, "bench_memory": 5,
+    "bench_fit": 5, "estimator": 5,
     "cli": 6, "__main__": 6,
 }
 # `from memsave import __version__` (a name of the package root, not a submodule): the root re-exports layers

@@ -8,7 +8,9 @@ optimizer instance is pointed at the chunk's pieces (sub-parameters sharing the 
 sharing the gradient's), its per-element state entries are views of a window buffer the chunk's region was read
 into, and after the step the buffer is written back. ``param_groups`` keep their dicts (hyperparameters, LR
 schedulers), only their ``params`` lists are swapped during the step and restored after it. Step hooks run once
-per step, around all chunks (memsave/offload/stepping.py).
+per step, around all chunks (memsave/offload/stepping.py). The window buffers, a chunk's layout in one and its
+pieces lent to the optimizer are memsave/offload/window.py; the state read back whole for a state dict is
+memsave/offload/consolidated.py.
 
 [Note: chunk pipeline] With ``prefetch = P >= 1`` there are ``P + 2`` window buffers; chunk ``k`` uses buffer
 ``k % (P + 2)``. While chunk ``k`` steps, the reads of chunks ``k+1 .. k+P`` are in flight and the writes of
@@ -51,53 +53,36 @@ on the tier is still the one of the region that stays current.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 from torch import nn
 
 from memsave.offload.chunks import (
-    ENTRY_ALIGN,
     MASTER,
     MASTER_BYTES,
     Chunk,
     Piece,
-    per_element,
     plan,
     row_pieces,
-    view,
     window_bytes,
 )
 from memsave.offload.consolidated import Consolidated
 from memsave.offload.stepping import hooked, post_hooks, pre_hooks, raw_step, shadow
 from memsave.offload.tiers import Handle, Tier, aligned_empty, round_up
+from memsave.offload.window import Run, Window
 from memsave.phases import MemoryCategory
 
 __all__ = ["OffloadedState"]
 
-@dataclasses.dataclass
-class _Run:
-    """One step: the hyperparameters as of ``step()`` (a shadow of the optimizer, see
-    :func:`~memsave.offload.stepping.shadow`), each piece's gradient rows, and in the background which files are
-    done ([Note: overlapped step])."""
 
-    opt: torch.optim.Optimizer
-    grads: dict[int, torch.Tensor]
-    done: dict[str, threading.Event] = dataclasses.field(default_factory=dict)
-    writes_of: dict[str, list[Handle]] = dataclasses.field(default_factory=dict)  # file -> its chunks' writes
-    future: Future[None] | None = None
-    error: BaseException | None = None  # set before the events, so a woken waiter sees it
-    waited: float = 0.0  # seconds this step's loop waited for reads and writes
-
-
-class OffloadedState(Consolidated):
+class OffloadedState(Window, Consolidated):
     """The state of ``optimizer``'s tensors, chunked, a ``fraction`` of it on ``tier``.
 
     Args:
@@ -149,7 +134,7 @@ class OffloadedState(Consolidated):
         self._snapshots: list[torch.Tensor] = []
         self._raw = raw_step(optimizer)
         self.wait_seconds = 0.0  # time the caller waited for reads and writes (the transfer time not hidden)
-        self._run: _Run | None = None  # a step running in the background ([Note: overlapped step])
+        self._run: Run | None = None  # a step running in the background ([Note: overlapped step])
         self._executor: ThreadPoolExecutor | None = None
         if self.masters:
             self._adopt_masters()
@@ -182,100 +167,6 @@ class OffloadedState(Consolidated):
             master.untyped_storage().resize_(0)
 
     # -- stepping ------------------------------------------------------------------------------------------
-    def _call(self, pieces: list[Piece], run: _Run) -> None:
-        """One raw optimizer step over ``pieces`` (their state already in the run's shadow optimizer)."""
-        groups = run.opt.param_groups
-        try:
-            for p in pieces:
-                groups[p.group]["params"].append(p.sub)
-            self._raw(run.opt)
-        finally:
-            for g in groups:
-                g["params"] = []
-
-    def _attach(self, piece: Piece, buf: torch.Tensor | None, run: _Run) -> bool:
-        """Point the piece at its gradient rows and its state (from ``buf`` when offloaded); False: no grad."""
-        grad = run.grads.pop(id(piece), None)  # dropped as the step goes (mixed precision: fp32 copies)
-        if grad is None:
-            return False
-        if grad.dtype != piece.sub.dtype:  # the model's low-precision rows: the same values as a whole .float()
-            grad = grad.to(piece.sub.dtype)
-        if buf is None:
-            state = piece.state
-        elif piece.keys:
-            views = {k: view(buf, piece, dtype, off) for k, dtype, off in piece.entries}
-            if piece.low is not None:
-                piece.sub.data = views[MASTER]  # [Note: offloaded masters]
-            state = {k: views[k] if k in views else piece.scalars[k] for k in piece.keys if k != MASTER}
-        else:
-            state = None
-        piece.sub.grad = grad
-        if state:
-            run.opt.state[piece.sub] = state
-        return True
-
-    @staticmethod
-    def _detach(piece: Piece, run: _Run) -> dict[str, Any]:
-        piece.sub.grad = None
-        return run.opt.state.pop(piece.sub, {})
-
-    @staticmethod
-    def _cast(pieces: list[Piece]) -> None:
-        """Master mode: the stepped fp32 masters into the model's low-precision rows."""
-        for p in pieces:
-            if p.low is not None:
-                p.low.copy_(p.sub)
-
-    def _pack(self, chunk: Chunk, states: list[dict[str, Any] | None], buf: torch.Tensor) -> None:
-        """Record each piece's state layout and put its per-element entries into ``buf`` (regions allocated on
-        first use, or again if the layout grew). ``None``: the piece was not stepped, keep what ``buf`` holds."""
-        full: list[dict[str, Any]] = []
-        for piece, state in zip(chunk.pieces, states):
-            if state is None and piece.keys:
-                views = {k: view(buf, piece, dt, off) for k, dt, off in piece.entries}
-                state = {k: views[k] if k in views else piece.scalars[k] for k in piece.keys}
-            full.append(state or {})
-        layout: list[tuple[list[str], list[tuple[str, torch.dtype, int]], dict[str, Any]]] = []
-        offset = 0
-        for piece, state in zip(chunk.pieces, full):
-            entries, scalars = [], {}
-            for key, value in state.items():
-                if per_element(value, piece):
-                    entries.append((key, value.dtype, offset))
-                    offset += round_up(value.numel() * value.element_size(), ENTRY_ALIGN)
-                else:
-                    scalars[key] = value
-            layout.append((list(state), entries, scalars))
-        if offset > buf.numel():
-            raise NotImplementedError(
-                f"{type(self.optimizer).__name__} keeps {offset} bytes of per-element state for offload chunk "
-                f"{chunk.index}, more than the {buf.numel()} its probe step predicted; offload supports optimizers "
-                "whose per-element state is fixed after their first step (SGD, Adam, AdamW, ...)")
-        if all(entries == piece.entries for piece, (_, entries, _) in zip(chunk.pieces, layout)):
-            sources = full  # the usual case: the optimizer updated the buffer's views in place
-        else:  # a new layout: copy out first, the old entries may overlap the new ones
-            sources = [{k: v.clone() for k, v in s.items() if per_element(v, p)}
-                       for p, s in zip(chunk.pieces, full)]
-        for piece, (keys, entries, scalars), source in zip(chunk.pieces, layout, sources):
-            for key, dtype, off in entries:
-                target = view(buf, piece, dtype, off)
-                if source[key].data_ptr() != target.data_ptr():
-                    target.copy_(source[key])
-            piece.keys, piece.entries, piece.scalars = keys, entries, scalars
-        if offset > chunk.region_bytes or not chunk.regions:
-            chunk.regions = [self.tier.allocate(chunk.group_file, max(offset, 1)) for _ in range(self._slots)]
-            chunk.region_bytes = offset
-            chunk.slot = -1
-
-    def _ensure_buffers(self) -> None:
-        if not self._buffers and self.window_bytes:
-            n = self.prefetch + 2 if self.prefetch else 1
-            self._buffers = [aligned_empty(self.window_bytes, self.device) for _ in range(n)]
-            if self.tier.kind == "disk":
-                most = max(sum(p.numel * p.visible.element_size() for p in c.pieces)
-                           for c in self.chunks if c.offloaded)
-                self._snapshots = [torch.empty(most, dtype=torch.uint8) for _ in range(n)]
-
     @torch.no_grad()
     def step(self, *, overlap: bool = False) -> None:
         """One optimizer step over every chunk ([Note: chunk pipeline]); hooks once around it. ``overlap``: the
@@ -288,7 +179,7 @@ class OffloadedState(Consolidated):
                 grad = self._low_grad(shard)  # [Note: offloaded masters]: cast to fp32 chunk by chunk
             if grad is not None:
                 grads.update((id(p), grad[p.start : p.stop]) for p in pieces)
-        run = _Run(shadow(self.optimizer), grads)
+        run = Run(shadow(self.optimizer), grads)
         if not overlap:
             hooked(self.optimizer, lambda: self._step_chunks(run))
             self.wait_seconds += run.waited
@@ -300,7 +191,7 @@ class OffloadedState(Consolidated):
         self._run = run
         run.future = self._executor.submit(self._background, run)
 
-    def _background(self, run: _Run) -> None:
+    def _background(self, run: Run) -> None:
         try:
             with torch.no_grad():
                 self._step_chunks(run)
@@ -345,7 +236,7 @@ class OffloadedState(Consolidated):
             self.wait_seconds += time.perf_counter() - start
         post_hooks(self.optimizer)
 
-    def _step_chunks(self, run: _Run) -> None:
+    def _step_chunks(self, run: Run) -> None:
         self._ensure_buffers()
         active = [c for c in self.chunks if any(id(p) in run.grads for p in c.pieces)]
         memory = [c for c in active if not c.offloaded]
@@ -413,7 +304,7 @@ class OffloadedState(Consolidated):
             raise error
 
     def _step_one(self, chunk: Chunk, buf: torch.Tensor, index: int,
-                  run: _Run) -> tuple[Handle, Chunk, list[Any]]:
+                  run: Run) -> tuple[Handle, Chunk, list[Any]]:
         if chunk.slot < 0:  # no read refilled the buffer: the compute side writes it ([Note: host tier ordering])
             self.tier.claim(buf)
         stepped = [p for p in chunk.pieces if self._attach(p, buf if chunk.slot >= 0 else None, run)]
@@ -438,7 +329,7 @@ class OffloadedState(Consolidated):
         target = (chunk.slot + 1) % self._slots if chunk.slot >= 0 else 0
         return self.tier.write_async(chunk.regions[target], buf), chunk, [target, undo, index]
 
-    def _finish_write(self, writes: dict[int, tuple[Handle, Chunk, list[Any]]], k: int, run: _Run) -> None:
+    def _finish_write(self, writes: dict[int, tuple[Handle, Chunk, list[Any]]], k: int, run: Run) -> None:
         if k not in writes:
             return
         handle, chunk, (target, undo, index) = writes.pop(k)
