@@ -72,7 +72,7 @@ class DemoOptions:
 
 def _demo_worker(opts: DemoOptions) -> dict[str, Any]:
     """One rank of ``memsave demo``: build, wrap, train, evaluate, report."""
-    mesh = mdist.init()
+    mesh = mdist.init(profile=opts.profile)  # its [parallel] degrees (--parallel.tp=2) shape the mesh
     cfg = opts.train
     torch.manual_seed(cfg.seed)  # the same initial model on every rank (wrap broadcasts rank 0's anyway)
     gpt_cfg = gpt_config(opts.size)
@@ -135,7 +135,8 @@ def _add_demo(sub: Any) -> None:
         "demo", help="train the reference GPT on the embedded corpus and print the memory report",
         description="Train the reference GPT on the embedded corpus (Python's docs, byte tokens) on local "
         "processes with a profile, show the loss falling, and print the memory report. Any profile key can be "
-        "overridden as --section.key=value (e.g. --zero.stage=3 --optimizer.lr=1e-3).",
+        "overridden as --section.key=value (e.g. --zero.stage=3 --optimizer.lr=1e-3; --parallel.tp=2 sets the "
+        "mesh's tp degree).",
     )
     p.add_argument("--profile", default="ddp", help="preset name or path to a TOML file (default: ddp)")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps (default: 100)")
@@ -171,6 +172,7 @@ def _demo_options(args: argparse.Namespace, extra: Sequence[str]) -> tuple[DemoO
     nproc = args.nproc if args.nproc is not None else _default_nproc()
     if nproc < 1:
         raise UsageError(f"--nproc {nproc} is not allowed; expected a positive number of processes")
+    mdist.validate_degrees(nproc, dp=None, tp=profile.parallel.tp, pp=profile.parallel.pp)  # before any launch
     seq_len = args.seq_len if args.seq_len is not None else min(GPT_SIZES[args.size].block_size, 128)
     train = TrainConfig(
         steps=args.steps, micro_batches=args.micro_batches, batch_size=args.batch_size, seq_len=seq_len,

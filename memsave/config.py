@@ -36,6 +36,7 @@ from typing import Any
 from memsave.config_sections import (
     OffloadConfig,
     OptimizerConfig,
+    ParallelConfig,
     PrecisionConfig,
     RecomputeConfig,
     ZeroConfig,
@@ -48,6 +49,7 @@ __all__ = [
     "PRESET_DIR",
     "OffloadConfig",
     "OptimizerConfig",
+    "ParallelConfig",
     "PrecisionConfig",
     "Profile",
     "RecomputeConfig",
@@ -77,6 +79,7 @@ PRESET_DIR = preset_dir()
 
 
 _SECTIONS: dict[str, type] = {
+    "parallel": ParallelConfig,
     "zero": ZeroConfig,
     "precision": PrecisionConfig,
     "offload": OffloadConfig,
@@ -92,6 +95,7 @@ class Profile:
     name: str = field(default="custom", metadata=_doc(
         "The profile's name (by default a preset's name or the TOML file's stem)."))
     description: str = field(default="", metadata=_doc("One line on what the profile trades (memsave profiles lists it)."))
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)

@@ -19,6 +19,7 @@ from typing import Any, Literal
 __all__ = [
     "OffloadConfig",
     "OptimizerConfig",
+    "ParallelConfig",
     "PrecisionConfig",
     "RecomputeConfig",
     "ZeroConfig",
@@ -311,6 +312,33 @@ class OptimizerConfig(_Checked):
                     raise _bad(f"optimizer.{key}", getattr(self, key),
                                f'the default {default!r}: it applies to name = "adafactor" only, not {self.name!r}')
 
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig(_Checked):
+    """``[parallel]``: the mesh degrees besides data parallelism; dp is what is left, world size / (tp * pp).
+
+    Each field's ``help`` metadata says what it does (rendered in docs/profiles.md).
+    """
+
+    tp: int = field(default=1, metadata=_doc(
+        "Tensor-parallel degree: the size of the mesh's tp axis, whose ranks split each layer's weights "
+        "(Megatron-LM, Shoeybi et al., 2019). memsave.init(profile=...), memsave demo and --parallel.tp=N "
+        "build the mesh with it; memsave.wrap refuses tp > 1 (NotImplementedError) until the TP transform is "
+        "built.",
+        "a positive integer; tp * pp divides the world size"))
+    pp: int = field(default=1, metadata=_doc(
+        "Pipeline-parallel degree: the size of the mesh's pp axis, whose ranks each hold a stage of the "
+        "model's units (GPipe, Huang et al., 2019). Read like tp; memsave.wrap refuses pp > 1 "
+        "(NotImplementedError) until the pipeline schedules are built.",
+        "a positive integer; tp * pp divides the world size"))
+
+    _section = "parallel"
+
+    def __post_init__(self) -> None:
+        self._check_fields()
+        for key in ("tp", "pp"):
+            if getattr(self, key) < 1:
+                raise _bad(f"parallel.{key}", getattr(self, key), "a positive integer")
 
 
 def _check_type(key: str, value: Any, annotation: Any) -> Any:
