@@ -1,7 +1,8 @@
 """The ``memsave`` command.
 
-``memsave demo`` trains the reference GPT on the embedded corpus with a profile, on local processes, and
-prints the memory report; ``memsave profiles`` lists the presets. Each subcommand is a pair of functions, one
+``memsave demo`` trains the reference GPT on the embedded corpus with a profile, on local processes (or, started
+by ``torchrun`` / ``accelerate launch``, as one rank of theirs, on any number of nodes), and prints the memory
+report; ``memsave profiles`` lists the presets. Each subcommand is a pair of functions, one
 that adds its parser and one that runs it (``_COMMANDS``), so more subcommands slot in beside these.
 
 Errors in what the user asked for (a bad profile key or value, an unsupported combination) are printed as
@@ -12,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -71,8 +74,24 @@ class DemoOptions:
 
 
 def _demo_worker(opts: DemoOptions) -> dict[str, Any]:
+    """One rank of ``memsave demo`` started by :func:`spawn_local`."""
+    return _demo_rank(opts, mdist.init(profile=opts.profile))  # [parallel] (--parallel.tp=2) shapes the mesh
+
+
+def _demo_launched(opts: DemoOptions) -> dict[str, Any] | None:
+    """``memsave demo`` started by torchrun / accelerate: this process is one rank of theirs. Says which (global
+    rank, and the launcher's rank on this node), trains, and returns the results on rank 0, None on the others."""
+    mesh = mdist.init(profile=opts.profile)
+    print(f"memsave demo: rank {mesh.rank} of {mesh.world_size}, local rank {mesh.local_rank} on "
+          f"{socket.gethostname()} ({mesh.device})", flush=True)
+    main_rank = mesh.is_main  # asked before shutdown() ends the process group
+    result = _demo_rank(opts, mesh)
+    mdist.shutdown()  # the ranks meet, then leave the process group ([Note: gloo at exit])
+    return result if main_rank else None
+
+
+def _demo_rank(opts: DemoOptions, mesh: mdist.Mesh) -> dict[str, Any]:
     """One rank of ``memsave demo``: build, wrap, train, evaluate, report."""
-    mesh = mdist.init()
     cfg = opts.train
     torch.manual_seed(cfg.seed)  # the same initial model on every rank (wrap broadcasts rank 0's anyway)
     gpt_cfg = gpt_config(opts.size)
@@ -135,20 +154,23 @@ def _add_demo(sub: Any) -> None:
         "demo", help="train the reference GPT on the embedded corpus and print the memory report",
         description="Train the reference GPT on the embedded corpus (Python's docs, byte tokens) on local "
         "processes with a profile, show the loss falling, and print the memory report. Any profile key can be "
-        "overridden as --section.key=value (e.g. --zero.stage=3 --optimizer.lr=1e-3).",
+        "overridden as --section.key=value (e.g. --zero.stage=3 --optimizer.lr=1e-3; --parallel.tp=2 sets the "
+        "mesh's tp degree).",
     )
     p.add_argument("--profile", default="ddp", help="preset name or path to a TOML file (default: ddp)")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps (default: 100)")
     p.add_argument("--size", choices=sorted(GPT_SIZES), default="small", help="GPT size (default: small)")
     p.add_argument("--nproc", type=int, default=None,
-                   help="local processes (default: the number of GPUs, else 2)")
+                   help="local processes (default: the number of GPUs, else 2); under torchrun or accelerate "
+                        "launch, each process is one rank of theirs and this is left out")
     p.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps (default: 1)")
     p.add_argument("--batch-size", type=int, default=8, help="rows per process per micro-batch (default: 8)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per row (default: min(block size, 128))")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the profile's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model and the data (default: 0)")
     p.add_argument("--log-every", type=int, default=None, help="log every N steps (default: steps / 10)")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the run is stopped")
+    p.add_argument("--timeout", type=float, default=1800.0,
+                   help="seconds before the local processes are stopped (not under torchrun or accelerate)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar (where stderr is not a terminal, no progress lines)")
     p.add_argument("--progress-every", type=float, default=30.0, metavar="SECONDS",
@@ -163,14 +185,23 @@ def _add_demo(sub: Any) -> None:
                    help="no memory tracking (the report then has the final bytes only, no peaks or timeline)")
 
 
-def _demo_options(args: argparse.Namespace, extra: Sequence[str]) -> tuple[DemoOptions, int]:
+def _demo_options(args: argparse.Namespace, extra: Sequence[str],
+                  launched: dict[str, str] | None = None) -> tuple[DemoOptions, int]:
+    """What every rank runs, and how many ranks; ``launched``: the environment of a launcher that started this
+    process (then its WORLD_SIZE is the number of ranks)."""
     overrides = _split_overrides(extra)
     if args.lr is not None:
         overrides.append(f"optimizer.lr={args.lr!r}")
     profile = load_profile(args.profile, overrides)  # ValueError names the key, the value and what is allowed
     nproc = args.nproc if args.nproc is not None else _default_nproc()
+    if launched is not None:
+        if args.nproc is not None and args.nproc != int(launched["WORLD_SIZE"]):
+            raise UsageError(f"--nproc {args.nproc} is not allowed under a launcher that started "
+                             f"WORLD_SIZE={launched['WORLD_SIZE']} processes; leave --nproc out")
+        nproc = int(launched["WORLD_SIZE"])
     if nproc < 1:
         raise UsageError(f"--nproc {nproc} is not allowed; expected a positive number of processes")
+    mdist.validate_degrees(nproc, dp=None, tp=profile.parallel.tp, pp=profile.parallel.pp)  # before any launch
     seq_len = args.seq_len if args.seq_len is not None else min(GPT_SIZES[args.size].block_size, 128)
     train = TrainConfig(
         steps=args.steps, micro_batches=args.micro_batches, batch_size=args.batch_size, seq_len=seq_len,
@@ -220,13 +251,22 @@ def _demo_memory_note(extra: Sequence[str], opts: DemoOptions, nproc: int) -> st
 
 
 def _run_demo(args: argparse.Namespace, extra: Sequence[str]) -> int:
-    opts, nproc = _demo_options(args, extra)
-    run_dir = new_run_dir(Path(args.report_dir), opts.profile.name) if args.report_dir else None
+    # torchrun / accelerate started this process as one rank (a MASTER_ADDR left in a shell's environment is not
+    # a launch: the local launcher sets its own)
+    launched = mdist.launch_env() if {"RANK", "WORLD_SIZE"} <= os.environ.keys() else None
+    opts, nproc = _demo_options(args, extra, launched)
+    # the report folder is made by the process that writes it: the local launcher, or the launcher's global rank 0
+    # (not every node's local rank 0)
+    writes = launched is None or launched["RANK"] == "0"
+    run_dir = new_run_dir(Path(args.report_dir), opts.profile.name) if args.report_dir and writes else None
     if run_dir is not None:
         opts = dataclasses.replace(opts, train=dataclasses.replace(opts.train, report_dir=str(run_dir)))
     start = time.perf_counter()
     try:
-        ranks = spawn_local(_demo_worker, nproc, (opts,), timeout_s=args.timeout)
+        if launched is None:
+            r0 = spawn_local(_demo_worker, nproc, (opts,), timeout_s=args.timeout)[0]
+        else:
+            r0 = _demo_launched(opts)
     except BaseException as exc:
         if run_dir is not None and not any(run_dir.iterdir()):
             run_dir.rmdir()  # a failed run leaves no empty folder behind
@@ -234,7 +274,8 @@ def _run_demo(args: argparse.Namespace, extra: Sequence[str]) -> int:
             raise exc.with_note(_demo_memory_note(extra, opts, nproc)) from None
         raise
     wall = time.perf_counter() - start
-    r0 = ranks[0]
+    if r0 is None:  # a launcher's rank other than 0: rank 0 prints
+        return 0
     rep = r0["report"]
     print()
     print(rep.to_text())

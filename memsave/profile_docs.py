@@ -1,10 +1,11 @@
-"""docs/profiles.md, generated from the profile dataclasses in memsave/config.py so the reference cannot drift.
+"""docs/profiles.md, generated from the profile dataclasses (memsave/config.py, config_sections.py) so the
+reference cannot drift.
 
     python -m memsave.profile_docs > docs/profiles.md        # regenerate after changing a profile key
     python -m memsave.profile_docs --check docs/profiles.md  # exit 1 when the file is stale
 
 Every key of :class:`memsave.Profile` is listed with its TOML type, default, allowed values and what it does (the
-field's ``help`` and ``allowed`` metadata), then every preset in ``memsave/profiles/`` with the keys it sets, then
+field's ``help`` and ``allowed`` metadata), then every preset in ``profiles/`` with the keys it sets, then
 DeepSpeed's and FSDP's options mapped onto memsave keys. A key without ``help``, or a mapping row naming a key or
 value that does not exist, raises ``ValueError`` here, and tests/test_docs.py compares the committed file with
 :func:`render`: a new key without documentation fails CI.
@@ -239,7 +240,7 @@ def _help(owner: str, f: dataclasses.Field[Any]) -> tuple[str, str]:
     if not what:
         raise ValueError(
             f"profile key '{owner}{f.name}' has no help: give the field metadata=_doc(\"what it does\", \"allowed\") "
-            f"in memsave/config.py, then run `{COMMAND}`"
+            f"in memsave/config_sections.py, then run `{COMMAND}`"
         )
     return what, f.metadata.get("allowed", "")
 
@@ -310,13 +311,14 @@ def _preset_rows() -> list[str]:
 def render() -> str:
     """The whole of docs/profiles.md."""
     out = [
-        f"<!-- Generated from memsave/config.py by `{COMMAND}`; do not edit by hand.",
+        f"<!-- Generated from memsave/config.py and config_sections.py by `{COMMAND}`; do not edit by hand.",
         "     tests/test_docs.py fails when this file and the code differ. -->",
         "",
         "# Profile reference",
         "",
         "A profile (`memsave.Profile`) says what memsave does to a model. It is a TOML file whose sections mirror "
-        "the dataclasses in `memsave/config.py`, a preset name (the files in `memsave/profiles/`), or a "
+        "the dataclasses in `memsave/config_sections.py`, a preset name (the files in the repository's top-level "
+        "`profiles/` folder, installed as the package `memsave.profiles`), or a "
         "`memsave.Profile` built in code. `section.key=value` overrides apply on top (`--zero.stage=2` on the "
         "command line, `memsave.load_profile(\"zero3\", [\"zero.prefetch=2\"])` in code). Unknown sections or "
         "keys, wrong types and bad values raise `ValueError` naming the key, the value and what is allowed; "
@@ -352,7 +354,7 @@ def render() -> str:
         "## Presets",
         "",
         "Load one by name (`memsave.wrap(model, optimizer, \"zero3\")`, `memsave demo --profile zero3`); "
-        "`memsave profiles` lists them, and each file in `memsave/profiles/` explains in comments what it trades.",
+        "`memsave profiles` lists them, and each file in `profiles/` explains in comments what it trades.",
         "",
         *_preset_rows(),
         "",

@@ -106,6 +106,12 @@ BAD_OVERRIDES = [
     (["zero.stage"], ["'zero.stage'", "section.key=value"]),  # no "="
     (["stage=1"], ["'stage=1'", "section.key=value"]),  # no section
     (['zero.stage=2', 'offload.params="cpu"'], ["offload.params", "'cpu'", "zero.stage = 3", "got 2"]),
+    (["parallel.tp=0"], ["'parallel.tp'", "0", "positive integer"]),
+    (["parallel.pp=-1"], ["'parallel.pp'", "-1", "positive integer"]),
+    (["parallel.tp=true"], ["'parallel.tp'", "True", "integer"]),
+    (["parallel.tp=2.0"], ["'parallel.tp'", "2.0", "integer"]),
+    (['parallel.pp="2"'], ["'parallel.pp'", "'2'", "integer"]),
+    (["parallel.dp=2"], ["'parallel.dp'", "tp", "pp"]),
 ]
 
 

@@ -20,7 +20,7 @@ REGENERATE = "python -m memsave.profile_docs > docs/profiles.md"
 
 def test_profiles_md_is_generated_from_config() -> None:
     assert PROFILES_MD.read_text() == profile_docs.render(), (
-        f"docs/profiles.md differs from what memsave/config.py generates; run `{REGENERATE}` and commit it"
+        f"docs/profiles.md differs from what the profile dataclasses generate; run `{REGENERATE}` and commit it"
     )
     assert profile_docs.main(["--check", str(PROFILES_MD)]) == 0
 
@@ -31,7 +31,7 @@ def test_every_profile_key_is_documented() -> None:
     for name, cls in profile_docs.sections():
         section = text.split(f"## `[{name}]`\n", 1)[1].split("\n## ", 1)[0]
         for f in dataclasses.fields(cls):
-            assert f.metadata.get("help"), f"{name}.{f.name} has no help metadata in memsave/config.py"
+            assert f.metadata.get("help"), f"{name}.{f.name} has no help metadata in memsave/config_sections.py"
             assert f"\n| `{f.name}` |" in section, f"docs/profiles.md has no row for {name}.{f.name}"
 
 
@@ -49,7 +49,7 @@ def test_a_key_without_help_fails(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_every_preset_is_listed() -> None:
     text = PROFILES_MD.read_text()
-    presets = sorted(p.stem for p in (ROOT / "memsave" / "profiles").glob("*.toml"))
+    presets = sorted(p.stem for p in (ROOT / "profiles").glob("*.toml"))
     assert presets and presets == memsave.list_presets()
     for name in presets:
         assert f"\n| `{name}` |" in text, f"preset {name} is not listed in docs/profiles.md"

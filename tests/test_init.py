@@ -224,7 +224,7 @@ MEMSAVE = Path(__file__).resolve().parents[1] / "memsave"
 # re-export list and exempt. Not in DESIGN.md's table: `_launch` (local process spawning, beside dist/),
 # `bench` (the `memsave bench` runner: it calls api.wrap, so it sits with api) and `__main__` (with cli).
 LAYERS = {
-    "config": 0, "phases": 0, "_logging": 0, "models": 0, "profile_docs": 0,
+    "config": 0, "config_sections": 0, "phases": 0, "_logging": 0, "models": 0, "profile_docs": 0,
     "dist": 1, "offload": 1, "optim": 1, "wrapped": 1, "_launch": 1, "_launch_faults": 1,
     "precision": 2, "memory": 2,
     "zero": 3, "recompute": 3,

@@ -6,6 +6,9 @@ set we start a world of one on an in-memory store (no port, no rendezvous), so t
 as ``python train.py``. If the default process group already exists (the user or accelerate created it), it is
 used as it is.
 
+The mesh degrees come from the arguments or from a profile's ``[parallel]`` section (``init(profile="zero3")``,
+``--parallel.tp=2`` on the command line); an argument that contradicts the profile is an error, not a choice.
+
 [Note: elastic restarts] ``torchrun --max-restarts N`` restarts every rank after one dies, on the same store (the
 agent's). The restarted ranks would read the keys the first attempt left there, gloo's among them, and connect to
 the dead rank's old address ("Gloo connectFullMesh failed ... Connection refused"; a plain torch script fails
@@ -17,11 +20,13 @@ from __future__ import annotations
 
 import datetime
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from memsave._logging import get_logger
+from memsave.config import Profile, load_profile
 from memsave.dist.host_memory import configure_host_memory
 from memsave.dist.mesh import Mesh, validate_degrees
 
@@ -57,11 +62,27 @@ def default_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def _degrees(tp: int | None, pp: int | None, profile: str | Path | Profile | None) -> tuple[int, int]:
+    """``(tp, pp)`` from the arguments and the profile's ``[parallel]`` section, which must agree."""
+    if profile is None:
+        return (1 if tp is None else tp), (1 if pp is None else pp)
+    prof = load_profile(profile)  # ValueError names a bad key or value
+    wanted = {"tp": prof.parallel.tp, "pp": prof.parallel.pp}
+    for axis, given in (("tp", tp), ("pp", pp)):
+        if given is not None and given != wanted[axis]:
+            raise ValueError(
+                f"memsave.init({axis}={given!r}) conflicts with profile {prof.name!r}'s [parallel] {axis} = "
+                f"{wanted[axis]}; leave {axis}= unset to take the profile's, or set parallel.{axis}={given!r} in it"
+            )
+    return wanted["tp"], wanted["pp"]
+
+
 def init(
     *,
     dp: int | None = None,
-    tp: int = 1,
-    pp: int = 1,
+    tp: int | None = None,
+    pp: int | None = None,
+    profile: str | Path | Profile | None = None,
     backend: str | None = None,
     device: str | torch.device | None = None,
     timeout_s: float | None = None,
@@ -71,8 +92,11 @@ def init(
     """Initialize ``torch.distributed`` (if needed) and return the ``pp x dp x tp`` :class:`Mesh`.
 
     Args:
-        dp, tp, pp: mesh degrees. ``dp`` defaults to ``world_size / (tp * pp)``; degrees that do not multiply to
-            the world size raise ``ValueError``.
+        dp, tp, pp: mesh degrees. ``tp`` and ``pp`` default to the profile's ``[parallel]`` degrees, else 1;
+            ``dp`` defaults to ``world_size / (tp * pp)``. Degrees that do not multiply to the world size, or a
+            ``tp``/``pp`` that differs from the profile's, raise ``ValueError``.
+        profile: a preset name, a TOML path or a :class:`~memsave.config.Profile` whose ``[parallel]`` section
+            gives ``tp`` and ``pp``.
         backend: ``"nccl"`` or ``"gloo"``; by default nccl for CUDA devices, gloo otherwise.
         device: the compute device; by default ``cuda:LOCAL_RANK`` when CUDA is there, else CPU.
         timeout_s: collective timeout (default: ``MEMSAVE_TIMEOUT_S`` or 600 s).
@@ -80,6 +104,7 @@ def init(
             ``memsave/dist/host_memory.py``): give the forward's freed heap back to the OS at the end of each
             forward (default on), and optionally pin glibc's mmap threshold (bytes; 0 = off). Ignored on GPU.
     """
+    tp, pp = _degrees(tp, pp, profile)
     env = launch_env()
     local_rank = int(env["LOCAL_RANK"]) if env else int(os.environ.get("LOCAL_RANK", 0))
     dev = torch.device(device) if device is not None else default_device(local_rank)
