@@ -2,8 +2,10 @@
 
 ``memsave demo`` trains the reference GPT on the embedded corpus with a profile, on local processes (or, started
 by ``torchrun`` / ``accelerate launch``, as one rank of theirs, on any number of nodes), and prints the memory
-report; ``memsave profiles`` lists the presets. Each subcommand is a pair of functions, one
-that adds its parser and one that runs it (``_COMMANDS``), so more subcommands slot in beside these.
+report; ``memsave profiles`` lists the presets. Each subcommand is a pair of functions, one that adds its parser
+and one that runs it (``_COMMANDS``), so more subcommands slot in beside these: ``bench``'s are in
+``memsave/bench/``, ``estimate``'s in ``memsave/cli_estimate.py``, and the command-line errors and profile
+overrides they share in ``memsave/cli_args.py``.
 
 Errors in what the user asked for (a bad profile key or value, an unsupported combination) are printed as
 one line and exit with code 2, without a traceback; other failures exit with code 1.
@@ -25,12 +27,13 @@ from typing import Any
 
 import torch
 
-from memsave import bench
+from memsave import bench, cli_estimate
 from memsave import dist as mdist
 from memsave._launch import LaunchError, spawn_local
 from memsave.api import wrap
+from memsave.cli_args import ArgumentError, Parser, UsageError, split_overrides
 from memsave.config import Profile, list_presets, load_profile
-from memsave.estimator import Estimate, estimate, format_estimates
+from memsave.estimator import Estimate, estimate
 from memsave.models import GPT, TokenBatches, gpt_config
 from memsave.models.gpt import GPT_SIZES
 from memsave.optim import build_optimizer
@@ -40,26 +43,6 @@ from memsave.trainer import TrainConfig, Trainer, cosine_schedule
 __all__ = ["DemoOptions", "main"]
 
 _USER_ERRORS = ("ValueError", "NotImplementedError")
-
-
-class UsageError(Exception):
-    """A mistake in the command line, reported in one line with exit code 2."""
-
-
-class _ArgumentError(UsageError):
-    """What argparse found wrong (a bad number, a missing value), raised instead of printing usage and exiting."""
-
-    def __init__(self, prog: str, message: str) -> None:
-        super().__init__(message)
-        self.prog = prog
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, with its errors raised as :class:`_ArgumentError` so that ``main`` prints them in one line (and
-    returns 2 rather than exiting). The subcommands' parsers are of this class too (``add_subparsers``)."""
-
-    def error(self, message: str) -> Any:  # argparse's signature says NoReturn
-        raise _ArgumentError(self.prog, message)
 
 
 # -- memsave demo --------------------------------------------------------------------------------------------
@@ -127,24 +110,6 @@ def _demo_rank(opts: DemoOptions, mesh: mdist.Mesh) -> dict[str, Any]:
             "train_s": train_s, "report": result.report, "num_params": num_params}
 
 
-def _split_overrides(extra: Sequence[str], *, hint: str = "") -> list[str]:
-    """``--section.key=value`` (or ``--section.key value``) arguments argparse did not know; ``hint`` is added to
-    the error for any other argument."""
-    out: list[str] = []
-    i = 0
-    while i < len(extra):
-        item = extra[i]
-        name = item[2:].partition("=")[0]
-        if not item.startswith("--") or "." not in name:
-            raise UsageError(f"unrecognized argument {item!r}; profile overrides look like --zero.stage=2{hint}")
-        if "=" not in item and i + 1 < len(extra) and not extra[i + 1].startswith("--"):
-            item = f"{item}={extra[i + 1]}"
-            i += 1
-        out.append(item[2:])
-        i += 1
-    return out
-
-
 def _default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
@@ -189,7 +154,7 @@ def _demo_options(args: argparse.Namespace, extra: Sequence[str],
                   launched: dict[str, str] | None = None) -> tuple[DemoOptions, int]:
     """What every rank runs, and how many ranks; ``launched``: the environment of a launcher that started this
     process (then its WORLD_SIZE is the number of ranks)."""
-    overrides = _split_overrides(extra)
+    overrides = split_overrides(extra)
     if args.lr is not None:
         overrides.append(f"optimizer.lr={args.lr!r}")
     profile = load_profile(args.profile, overrides)  # ValueError names the key, the value and what is allowed
@@ -348,120 +313,20 @@ def _run_report(args: argparse.Namespace, extra: Sequence[str]) -> int:
     return 0
 
 
-# -- memsave estimate ----------------------------------------------------------------------------------------
-def _add_estimate(sub: Any) -> None:
-    p = sub.add_parser(
-        "estimate", help="per-rank memory of a model under profiles, before anything is allocated",
-        description="Predict per-rank bytes by category (parameters, gradients, masters, optimizer state, "
-        "activations, gathered parameters, offloaded tiers) for one profile or all presets. The model is built on "
-        "the meta device, so models far bigger than this machine are estimated in seconds. Profile keys can be "
-        "overridden as --section.key=value.",
-    )
-    p.add_argument("--model", default="gpt:bench", metavar="gpt:SIZE | MODULE:FUNCTION",
-                   help="the reference GPT at a size (gpt:tiny ... gpt:bench; fields override, e.g. "
-                        "gpt:bench,tie_weights=false or gpt:bench,n_layer=48,d_model=4096), or MODULE:FUNCTION returning a model or (model, example batch); it is "
-                        "called under torch.device('meta') (default: gpt:bench)")
-    p.add_argument("--profile", default=None, help="a preset or TOML path (default: every preset)")
-    p.add_argument("--world-size", type=int, default=2, help="data-parallel ranks (default: 2)")
-    p.add_argument("--batch-size", type=int, default=4, help="rows per rank per micro-batch (GPT; default: 4)")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per row (GPT; default: 256)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="device kind trained on (default: "
-                   "cuda when available)")
-    p.add_argument("--json", type=Path, default=None, help="also write the estimates here")
-
-
-def _gpt_field(spec: str, item: str) -> tuple[str, Any]:
-    """One ``key=value`` of ``--model gpt:SIZE,key=value,...``, parsed by the type of that GPTConfig field."""
-    from memsave.models.gpt import GPTConfig
-
-    # "int", "float" or "bool": the annotation as written (a string under postponed annotations) or its class
-    types = {f.name: f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-             for f in dataclasses.fields(GPTConfig)}
-    key, eq, value = (part.strip() for part in item.partition("="))
-    allowed = ", ".join(types)
-    if not eq or not key:
-        raise UsageError(f"--model {spec!r}: {item!r} is not key=value (e.g. n_layer=48); the fields are {allowed}")
-    if key not in types:
-        raise UsageError(f"--model {spec!r}: {key!r} is not a field of the GPT; the fields are {allowed}")
-    kind = types[key]
-    if kind == "bool":
-        if value.lower() not in ("true", "false"):
-            raise UsageError(f"--model {spec!r}: {key}={value!r} is not allowed; expected true or false")
-        return key, value.lower() == "true"
-    try:
-        return key, float(value) if kind == "float" else int(value)
-    except ValueError:
-        what = "a number" if kind == "float" else "an integer"
-        raise UsageError(f"--model {spec!r}: {key}={value!r} is not allowed; expected {what}") from None
-
-
-def _estimate_model(spec: str, batch_size: int, seq_len: int) -> tuple[torch.nn.Module, Any]:
-    import importlib
-
-    kind, sep, rest = spec.partition(":")
-    if not sep or not rest:
-        raise UsageError(f"--model {spec!r} is not gpt:SIZE or MODULE:FUNCTION")
-    for flag, value in (("--batch-size", batch_size), ("--seq-len", seq_len)):
-        if value < 1:
-            raise UsageError(f"{flag} {value} is not allowed; expected a positive integer")
-    if kind == "gpt":
-        size, *fields = rest.split(",")
-        overrides = dict(_gpt_field(spec, f) for f in fields)
-        try:
-            cfg = gpt_config(size.strip(), **overrides)
-        except ValueError as exc:  # GPTConfig's checks: n_layer=-1, d_model not a multiple of n_head, ...
-            raise UsageError(f"--model {spec!r}: {exc}") from None
-        if seq_len > cfg.block_size:
-            cfg = dataclasses.replace(cfg, block_size=seq_len)
-        with torch.device("meta"):
-            model = GPT(cfg)
-        ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
-        return model, {"input_ids": ids, "labels": ids}
-    try:
-        fn = getattr(importlib.import_module(kind), rest)
-    except (ImportError, AttributeError) as exc:
-        raise UsageError(f"--model {spec!r}: cannot load {rest!r} from module {kind!r} ({exc})") from None
-    with torch.device("meta"):
-        built = fn()
-    model, batch = built if isinstance(built, tuple) else (built, None)
-    if not isinstance(model, torch.nn.Module):
-        raise UsageError(f"--model {spec!r} returned a {type(model).__name__}, not an nn.Module (or (model, batch))")
-    return model, batch
-
-
-def _run_estimate(args: argparse.Namespace, extra: Sequence[str]) -> int:
-    import json
-
-    overrides = _split_overrides(extra, hint=" and the GPT's fields go in --model, e.g. --model gpt:bench,n_layer=48")
-    model, batch = _estimate_model(args.model, args.batch_size, args.seq_len)
-    names = [args.profile] if args.profile else list_presets()
-    ests = [estimate(model, load_profile(n, overrides), world_size=args.world_size, batch=batch, device=args.device)
-            for n in names]
-    print(format_estimates(ests))
-    if batch is None:
-        print("no example batch: activations are not estimated (return (model, batch) from the function)")
-    if args.json is not None:
-        args.json.write_text(json.dumps({"schema": "memsave.estimate/1", "model": args.model, "estimates": [
-            {"profile": e.profile, **e.to_report_dict(), "model_state": e.model_state, "activations": e.activations}
-            for e in ests]}, indent=1) + "\n")
-        print(f"estimates written to {args.json}")
-    return 0
-
-
 Command = tuple[str, Callable[[Any], None], Callable[[argparse.Namespace, Sequence[str]], int]]
 _COMMANDS: list[Command] = [
     ("demo", _add_demo, _run_demo),
     ("bench", bench.add_parser, bench.run_command),
     ("profiles", _add_profiles, _run_profiles),
     ("report", _add_report, _run_report),
-    ("estimate", _add_estimate, _run_estimate),
+    ("estimate", cli_estimate.add_parser, cli_estimate.run_command),
 ]
 
 
 def build_parser() -> argparse.ArgumentParser:
     from memsave import __version__
 
-    parser = _Parser(prog="memsave", description="Train PyTorch models that do not fit.")
+    parser = Parser(prog="memsave", description="Train PyTorch models that do not fit.")
     parser.add_argument("--version", action="version", version=f"memsave {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for _name, add, _run in _COMMANDS:
@@ -474,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
-    except _ArgumentError as exc:
+    except ArgumentError as exc:
         print(f"{exc.prog}: error: {exc} (see {exc.prog} --help)", file=sys.stderr)
         return 2
     if args.command is None:

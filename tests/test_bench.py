@@ -141,7 +141,7 @@ def test_recompute_bench_tiny(tmp_path: Path) -> None:
 def test_offload_bench_tiny(tmp_path: Path) -> None:
     """`memsave bench --offload` on the tiny GPT, repeated round-robin: every configuration ends at the in-memory
     loss, the state moves to disk (and with fraction 0.5 half of it), and the rows carry every run."""
-    from memsave.bench_offload import format_offload_table, run_offload_bench
+    from memsave.bench.offload import format_offload_table, run_offload_bench
 
     opts = BenchOptions(size="tiny", seq_len=32, batch_size=2, steps=3, warmup=1, nproc=1)
     names = ["zero3", "zero3-offload-disk", "zero3-offload-disk-noprefetch", "zero3-offload-disk-half"]

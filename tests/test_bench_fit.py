@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memsave.bench_fit import FitOptions, largest_fitting, run_fit_bench
+from memsave.bench.fit import FitOptions, largest_fitting, run_fit_bench
 
 
 @pytest.mark.parametrize("limit", [1, 2, 3, 7, 8, 9, 31, 100, 250])

@@ -221,17 +221,16 @@ def test_init_under_accelerate_env() -> None:
 MEMSAVE = Path(__file__).resolve().parents[1] / "memsave"
 
 # DESIGN.md's layer table, by the first name under memsave/ (a module or a package). memsave/__init__.py is a
-# re-export list and exempt. Not in DESIGN.md's table: `_launch` (local process spawning, beside dist/),
-# `bench` (the `memsave bench` runner: it calls api.wrap, so it sits with api) and `__main__` (with cli).
+# re-export list and exempt. Not in DESIGN.md's table: `_launch` (local process spawning, beside dist/), and
+# with cli: `cli_args`, `cli_estimate` (parts of the `memsave` command) and `__main__`.
 LAYERS = {
     "config": 0, "config_sections": 0, "phases": 0, "_logging": 0, "models": 0, "profile_docs": 0,
     "dist": 1, "offload": 1, "optim": 1, "wrapped": 1, "_launch": 1, "_launch_faults": 1,
     "precision": 2, "memory": 2,
     "zero": 3, "recompute": 3,
     "engines": 4,
-    "trainer": 5, "trainer_config": 5, "api": 5, "validate": 5, "bench": 5, "bench_offload": 5, "bench_memory": 5,
-    "bench_fit": 5, "estimator": 5,
-    "cli": 6, "__main__": 6,
+    "trainer": 5, "trainer_config": 5, "api": 5, "validate": 5, "estimator": 5,
+    "cli": 6, "cli_args": 6, "cli_estimate": 6, "bench": 6, "__main__": 6,
 }
 # `from memsave import __version__` (a name of the package root, not a submodule): the root re-exports layers
 # 0-5, so only the top layer may import from it.

@@ -11,12 +11,17 @@ baseline keeps (local shards for FSDP2), so its bytes are counted like memsave's
 reduce-scattered in ``reduce_dtype`` and the sharded ``.grad`` is cast back to the parameter's dtype (fp32). So
 its model state per rank is 4/N params + 4/N grads + 8/N Adam = 16 bytes/param / N whatever ``reduce_dtype``
 is, the fp32 stage-3 figure, while memsave's zero3-bf16 keeps bf16 shards beside fp32 masters (also 16/N).
+
+[Note: baselines import cost] Importing this module loads FSDP2, DDP, ZeroRedundancyOptimizer and DTensor:
+about a second on a CPU machine. ``memsave/cli.py`` imports the bench, so the bench imports this module inside
+the workers that run a torch baseline, not at its top, and every other ``memsave`` command is spared it.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -27,7 +32,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from memsave.phases import MemoryCategory
 
-__all__ = ["BASELINES", "build_baseline"]
+if TYPE_CHECKING:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+__all__ = ["BASELINES", "build_baseline", "mem_tracker"]
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -103,3 +111,13 @@ def build_baseline(name: str, model: nn.Module, make_opt: OptimizerFactory, bloc
     if name not in BASELINES:
         raise ValueError(f"baseline {name!r} is not known; expected one of {', '.join(BASELINES)}")
     return BASELINES[name](model, make_opt, blocks)
+
+
+def mem_tracker() -> type[MemTracker]:
+    """torch's ``MemTracker`` class (``torch.distributed._tools.mem_tracker``): the peak memory of one process by
+    category, from a dispatch mode and module hooks. It calls no collective, but it lives under
+    ``torch.distributed``, so the bench reaches it here. Imported when asked for: it costs most of a second more
+    (see [Note: baselines import cost])."""
+    from torch.distributed._tools.mem_tracker import MemTracker as tracker
+
+    return tracker

@@ -13,7 +13,6 @@ end of each forward), category by category.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import statistics
 import time
 from pathlib import Path
@@ -24,14 +23,14 @@ import torch
 from memsave import dist as mdist
 from memsave._launch import spawn_local
 from memsave.api import wrap
-from memsave.bench import BenchOptions, run_each, show_results
+from memsave.bench.common import BenchOptions, columns, run_each, show_results, split_names
 from memsave.config import load_profile
 from memsave.estimator import estimate
 from memsave.memory import MemoryTracker, peak_rss_bytes
-from memsave.models import GPT, TokenBatches, gpt_config
+from memsave.models import GPT, TokenBatches
 from memsave.optim import build_optimizer
 
-__all__ = ["format_memory_table", "run_memory_bench"]
+__all__ = ["MEMTRACKER", "format_memory_table", "run_command", "run_memory_bench"]
 
 _STATE = ("params", "grads", "master", "optimizer_state")
 MEMTRACKER = "memtracker"  # the name of the comparison row
@@ -39,9 +38,8 @@ MEMTRACKER = "memtracker"  # the name of the comparison row
 
 def _gpt(opts: BenchOptions, device: str = "cpu") -> GPT:
     torch.manual_seed(opts.seed)
-    cfg = gpt_config(opts.size, tie_weights=opts.tie_weights, block_size=max(opts.seq_len, 8))
     with torch.device(device):
-        return GPT(cfg)
+        return GPT(opts.model_config())
 
 
 def _worker(name: str, opts: BenchOptions) -> dict[str, Any]:
@@ -96,7 +94,9 @@ def _worker(name: str, opts: BenchOptions) -> dict[str, Any]:
 
 def _memtracker_worker(opts: BenchOptions) -> dict[str, Any]:
     """One process, the plain (unwrapped) bench GPT and AdamW: MemTracker and ours, read at the same instants."""
-    mem_tracker = importlib.import_module("torch.distributed._tools.mem_tracker").MemTracker
+    from memsave.dist.baselines import mem_tracker  # here: [Note: baselines import cost]
+
+    tracker = mem_tracker()
     torch.set_num_threads(1)
     model = _gpt(opts)
     opt = torch.optim.AdamW(model.parameters(), lr=opts.lr)
@@ -109,7 +109,7 @@ def _memtracker_worker(opts: BenchOptions) -> dict[str, Any]:
 
     step(0)
     theirs: list[dict[str, int]] = []
-    with MemoryTracker(model, opt) as ours, mem_tracker() as mt:
+    with MemoryTracker(model, opt) as ours, tracker() as mt:
         mt.track_external(model, opt)
         hook = model.register_forward_hook(lambda *_: theirs.append(
             {str(getattr(k, "value", k)): int(v) for k, v in next(iter(mt.get_tracker_snapshot("current").values())).items()}))
@@ -123,7 +123,7 @@ def _memtracker_worker(opts: BenchOptions) -> dict[str, Any]:
 
 
 def run_memory_bench(names: list[str], opts: BenchOptions, *, timeout_s: float = 1800) -> list[dict[str, Any]]:
-    """Each profile (and ``memtracker``) in fresh processes; raises :class:`memsave.bench.ConfigFailed` with the
+    """Each profile (and ``memtracker``) in fresh processes; raises :class:`memsave.bench.common.ConfigFailed` with the
     rows finished so far if one fails."""
 
     def run_one(name: str) -> dict[str, Any]:
@@ -163,9 +163,7 @@ def format_memory_table(rows: list[dict[str, Any]]) -> str:
             ])
     out = []
     if lines:
-        widths = [max(len(h), *(len(x[i]) for x in lines)) for i, h in enumerate(head)]
-        out = ["  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip()]
-        out += ["  ".join(c.ljust(w) for c, w in zip(x, widths)).rstrip() for x in lines]
+        out = columns(head, lines)
         out.append("x: measured / estimated. state: parameters, gradients, masters and optimizer state after the "
                    "last step; activations: saved for backward at the end of the last forward; peak: the largest "
                    "accounted sample. tracker ms/step: time inside its samples; step off/on: median step "
@@ -185,7 +183,7 @@ def format_memory_table(rows: list[dict[str, Any]]) -> str:
 
 
 def run_command(names_text: str, opts: BenchOptions, json_path: Path | None) -> int:
-    names = [n.strip() for n in names_text.split(",") if n.strip()]
+    names = split_names(names_text)
     for name in names:
         if name != MEMTRACKER:
             load_profile(name)  # a bad name fails now

@@ -13,7 +13,6 @@ off, and a step time between the two ends in proportion to those bytes.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 import tempfile
@@ -26,12 +25,13 @@ import torch
 from memsave import dist as mdist
 from memsave._launch import LaunchError, spawn_local
 from memsave.api import wrap
-from memsave.bench import BenchOptions, ConfigFailed
+from memsave.bench.common import BenchOptions, ConfigFailed, columns, mib, split_names, to_json
 from memsave.config import load_profile
+from memsave.estimator import estimate
 from memsave.memory import account, peak_rss_bytes
-from memsave.models import GPT, TokenBatches, gpt_config
+from memsave.models import GPT, TokenBatches
 
-__all__ = ["DEFAULT_OFFLOAD", "VARIANTS", "format_offload_table", "run_offload_bench", "variant"]
+__all__ = ["DEFAULT_OFFLOAD", "VARIANTS", "format_offload_table", "run_command", "run_offload_bench", "variant"]
 
 _DISK = ("offload.optimizer=disk",)
 VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -66,8 +66,7 @@ def variant(name: str, path: str) -> tuple[str, tuple[str, ...]]:
 def _worker(name: str, path: str, opts: BenchOptions) -> dict[str, Any]:
     mesh = mdist.init()
     torch.manual_seed(opts.seed)
-    cfg = gpt_config(opts.size, tie_weights=opts.tie_weights, block_size=max(opts.seq_len, 8))
-    model = GPT(cfg).to(mesh.device)
+    model = GPT(opts.model_config()).to(mesh.device)
     psi = sum(p.numel() for p in model.parameters())
     profile_name, overrides = variant(name, path)
     profile = load_profile(profile_name, overrides)
@@ -184,11 +183,8 @@ def run_offload_bench(names: list[str], opts: BenchOptions, *, path: str | None 
 
 def _estimates(rows: list[dict[str, Any]], opts: BenchOptions) -> None:
     """``memsave.estimate`` of each row's profile on the bench GPT: the optimizer-state bytes it moves off."""
-    from memsave.estimator import estimate
-
-    cfg = gpt_config(opts.size, tie_weights=opts.tie_weights, block_size=max(opts.seq_len, 8))
     with torch.device("meta"):
-        model = GPT(cfg)
+        model = GPT(opts.model_config())
     batch = TokenBatches(seq_len=opts.seq_len, batch_size=opts.batch_size, seed=opts.seed).batch(0)
     for r in rows:
         est = estimate(model, load_profile(r["profile"], r["overrides"]), world_size=opts.nproc, batch=batch,
@@ -197,26 +193,20 @@ def _estimates(rows: list[dict[str, Any]], opts: BenchOptions) -> None:
         r["estimated_peak"] = est.peak_total
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:,.1f}"
-
-
 def format_offload_table(rows: list[dict[str, Any]]) -> str:
     head = ["config", "step s", "x ref", "opt step s", "I/O s", "waited s", "peak RSS MiB/rank", "state MiB mem/disk",
             "RSS cut % of state", "loss diff", "predicted (RSS MiB, step s)"]
     lines = []
     for r in rows:
-        pred = (f"{_mib(r['predicted_peak_rss'])}, {r['predicted_step_s']:.3f}" if "predicted_step_s" in r else "-")
+        pred = (f"{mib(r['predicted_peak_rss'])}, {r['predicted_step_s']:.3f}" if "predicted_step_s" in r else "-")
         lines.append([
             r["name"], f"{r['median_step_s']:.3f}", f"{r['vs_ref_step_time']:.2f}",
             f"{r['median_optimizer_step_s']:.3f}", f"{r['io_s']:.3f}", f"{r['wait_s']:.3f}",
-            "/".join(_mib(x) for x in r["peak_rss"]),
-            f"{_mib(max(r['state_in_memory']))}/{_mib(max(r['state_on_disk']))}",
+            "/".join(mib(x) for x in r["peak_rss"]),
+            f"{mib(max(r['state_in_memory']))}/{mib(max(r['state_on_disk']))}",
             f"{100 * r['rss_reduction_vs_state']:.0f}%", f"{r['final_loss_diff']:+.1e}", pred,
         ])
-    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
-    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip()]
-    out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
+    out = columns(head, lines)
     ratios = []
     on = {r["name"]: r for r in rows}
     r0 = rows[0]
@@ -238,25 +228,20 @@ def format_offload_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         if len(r.get("runs_step_s", ())) > 1:
             ratios.append(f"{r['name']}: runs: step s " + ", ".join(f"{x:.3f}" for x in r["runs_step_s"])
-                          + "; peak RSS MiB " + ", ".join(_mib(x) for x in r["runs_peak_rss"]))
+                          + "; peak RSS MiB " + ", ".join(mib(x) for x in r["runs_peak_rss"]))
     out.append(f"model: {r0['params']:,} parameters, {r0['nproc']} processes, fp32 AdamW; 'x ref' and 'RSS cut' "
-               f"against {r0['reference']} (its optimizer state: {_mib(max(r0['state_in_memory']))} MiB/rank); "
+               f"against {r0['reference']} (its optimizer state: {mib(max(r0['state_in_memory']))} MiB/rank); "
                "I/O s: time the tier's threads spent per step, waited s: the part the training loop waited for "
                "(in the step, or with overlap in the next forward); medians over runs where repeated")
     return "\n".join(out + ratios)
 
 
-def to_json(rows: list[dict[str, Any]], opts: BenchOptions) -> str:
-    return json.dumps({"schema": "memsave.bench-offload/1", "options": dataclasses.asdict(opts), "rows": rows},
-                      indent=2)
-
-
 def run_command(spec: str, opts: BenchOptions, json_path: Path | None, path: str | None, *, repeat: int = 1) -> int:
     """``memsave bench --offload NAMES``: run, print the table, write the JSON."""
-    names = [n.strip() for n in spec.split(",") if n.strip()] or list(DEFAULT_OFFLOAD)
+    names = split_names(spec) or list(DEFAULT_OFFLOAD)
     rows = run_offload_bench(names, opts, path=path, repeat=repeat)
     print(format_offload_table(rows))
     if json_path is not None:
-        json_path.write_text(to_json(rows, opts))
+        json_path.write_text(to_json(rows, opts, schema="memsave.bench-offload/1"))
         print(f"results written to {json_path}")
     return 0

@@ -15,15 +15,22 @@ reference's largest model (the overhead of offloading a model that would fit any
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["FIT_VARIANTS", "FitOptions", "format_fit_table", "largest_fitting", "run_fit_bench"]
+from memsave import dist as mdist
+from memsave._launch import LaunchError, spawn_local
+from memsave.api import wrap
+from memsave.bench.common import ConfigFailed, split_names, to_json
+from memsave.config import load_profile
+from memsave.models import GPT, GPTConfig, TokenBatches
+
+__all__ = ["FIT_VARIANTS", "FitOptions", "format_fit_table", "largest_fitting", "run_command", "run_fit_bench"]
 
 _OFFLOAD = ("offload.optimizer=cpu", "offload.params=cpu", "offload.chunk_mb=16")
 FIT_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -83,11 +90,6 @@ def largest_fitting(fits: Callable[[int], dict[str, Any] | None], start: int, mo
 
 # -- one trial, in its own process ------------------------------------------------------------------------------
 def _trial(spec: dict[str, Any]) -> dict[str, Any]:
-    from memsave import dist as mdist
-    from memsave.api import wrap
-    from memsave.config import load_profile
-    from memsave.models import GPT, GPTConfig, TokenBatches
-
     opts = FitOptions(**spec["opts"])
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, opts.device_gib * 2**30 / total))
@@ -136,9 +138,6 @@ def _trial(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run_trial(name: str, n_layer: int, opts: FitOptions, timeout: float) -> dict[str, Any]:
-    from memsave._launch import LaunchError, spawn_local
-    from memsave.bench import ConfigFailed
-
     profile, overrides = FIT_VARIANTS.get(name, (name, ()))
     spec = {"profile": profile, "overrides": list(overrides), "n_layer": n_layer, "opts": dataclasses.asdict(opts)}
     try:
@@ -152,8 +151,6 @@ def run_fit_bench(names: list[str], opts: FitOptions, *, timeout: float = 600.0,
     if not torch.cuda.is_available():
         raise NotImplementedError("memsave bench --fit caps the memory of a CUDA device: it needs one (on a CPU "
                                   "machine the offload bench is `memsave bench --offload`)")
-    from memsave.config import load_profile
-
     for name in names:
         profile, overrides = FIT_VARIANTS.get(name, (name, ()))
         load_profile(profile, overrides)  # a bad name fails before any trial
@@ -199,12 +196,10 @@ def format_fit_table(rows: list[dict[str, Any]], opts: FitOptions) -> str:
     return "\n".join(lines)
 
 
-def run_command(names: str, opts: FitOptions, json_path: Any) -> int:
-    configs = [n.strip() for n in names.split(",") if n.strip()]
+def run_command(names: str, opts: FitOptions, json_path: Path | None) -> int:
+    configs = split_names(names)
     rows = run_fit_bench(configs, opts)
     print(format_fit_table(rows, opts))
     if json_path is not None:
-        json_path.write_text(json.dumps({"schema": "memsave.bench-fit/1", "options": dataclasses.asdict(opts),
-                                         "rows": rows}, indent=2))
+        json_path.write_text(to_json(rows, opts, schema="memsave.bench-fit/1"))
     return 0
-

@@ -1,0 +1,123 @@
+"""``memsave bench``: memsave against torch's own implementations, each configuration in fresh processes.
+
+One mode a run, chosen by the command line (this module is the only one that imports the modes):
+- ``steptime`` (the default, ``--configs``): profiles and torch baselines (DDP, ZeroRedundancyOptimizer,
+  FSDP2) side by side: step time, peak RSS, model-state bytes against the ZeRO formula, communication, loss;
+- ``optimizers`` (``--optimizers``): optimizers alone on one process, state bytes and step time;
+- ``recompute`` (``--recompute``): recomputation policies against torch's checkpointing, on one process;
+- ``offload`` (``--offload``): optimizer-state offload against the same run in memory;
+- ``fit`` (``--fit``, CUDA only): the largest model each configuration trains within a device-memory cap;
+- ``memory`` (``--memory``): the memory tracker and the estimator per profile, and torch's ``MemTracker``.
+``common`` holds what they share: :class:`BenchOptions`, :func:`run_each`, :class:`ConfigFailed` and the
+results' table and JSON file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from memsave.bench import fit, memory, offload, optimizers, recompute, steptime
+from memsave.bench.common import BenchOptions, ConfigFailed, run_each, show_results
+from memsave.bench.fit import FitOptions
+from memsave.bench.optimizers import OPTIMIZERS, format_optim_table, run_optim_bench
+from memsave.bench.recompute import (
+    DEFAULT_RECOMPUTE,
+    RECOMPUTE_BASELINES,
+    format_recompute_table,
+    run_recompute_bench,
+)
+from memsave.bench.steptime import (
+    BASELINE_NAMES,
+    DEFAULT_CONFIGS,
+    comm_elements,
+    format_table,
+    formula_bytes,
+    precision_label,
+    run_bench,
+)
+
+__all__ = [
+    "BenchOptions",
+    "ConfigFailed",
+    "add_parser",
+    "comm_elements",
+    "format_optim_table",
+    "format_recompute_table",
+    "format_table",
+    "formula_bytes",
+    "precision_label",
+    "run_bench",
+    "run_command",
+    "run_each",
+    "run_optim_bench",
+    "run_recompute_bench",
+    "show_results",
+]
+
+
+def add_parser(sub: Any) -> None:
+    """The ``bench`` subcommand's parser, added to ``memsave``'s subparsers."""
+    p = sub.add_parser(
+        "bench", help="profiles and torch baselines side by side",
+        description="Run memsave profiles and torch baselines (DDP, ZeroRedundancyOptimizer, FSDP2) on the same "
+                    "model and data, each in fresh local processes, and print one table row per configuration.",
+    )
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help="comma-separated profiles (names or .toml paths, e.g. zero3-bf16) and baselines "
+                        f"({', '.join(BASELINE_NAMES)}; '+malloc' adds memsave's host-memory policy)")
+    p.add_argument("--size", default="bench", help="reference GPT size (default: bench, 27.4M parameters untied)")
+    p.add_argument("--tied", action="store_true", help="tie the embedding and the head")
+    p.add_argument("--batch-size", type=int, default=4, help="micro-batch per rank")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2, help="untimed first steps")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--optimizers", default=None,
+                   help=f"instead: time optimizers alone on one process ({', '.join(OPTIMIZERS)}, "
+                        "torch-adafactor-foreach); the first is the reference")
+    p.add_argument("--recompute", default=None,
+                   help="instead: recompute policies on one process (memsave: none, full, every:K, selective, "
+                        f"budget:<size>; torch: {', '.join(RECOMPUTE_BASELINES)}); the first is the reference, e.g. "
+                        f"{','.join(DEFAULT_RECOMPUTE)}")
+    p.add_argument("--offload", default=None,
+                   help="instead: optimizer-state offload against the same run in memory (memsave/bench/offload.py), "
+                        "e.g. zero3,zero3-offload-disk,zero3-offload-disk-noprefetch,zero3-offload-disk-half")
+    p.add_argument("--offload-path", default=None, help="--offload: folder for the disk tier (default: the temp dir)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="--offload: run the configurations this many times, round-robin, and report medians (the "
+                        "disk and the heap's peak vary from run to run)")
+    p.add_argument("--fit", default=None,
+                   help="instead, on a CUDA device: the largest reference GPT each configuration trains within "
+                        "--device-gib of device memory, and the step-time overhead of offload (memsave/bench/fit.py), "
+                        "e.g. zero3-bf16,zero3-bf16-offload,zero3-bf16-offload-params")
+    p.add_argument("--device-gib", type=float, default=4.0, help="--fit: the device-memory cap in GiB (default: 4)")
+    p.add_argument("--d-model", type=int, default=1024, help="--fit: the GPT's width (default: 1024)")
+    p.add_argument("--fit-steps", type=int, default=3, help="--fit: steps per trial (default: 3)")
+    p.add_argument("--memory", default=None,
+                   help="instead: the memory tracker and estimator per profile (memsave/bench/memory.py): estimated "
+                        "vs measured state, activations and peak, tracking overhead; 'memtracker' adds torch's "
+                        "MemTracker beside ours, e.g. ddp,zero1,zero2,zero3,memtracker")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+
+
+def run_command(args: Any, extra: Any) -> int:
+    """``memsave bench``: the one mode the arguments ask for (``--fit``, ``--memory``, ``--offload``,
+    ``--recompute``, ``--optimizers``, in that order; else ``--configs``)."""
+    if extra:
+        raise ValueError(f"memsave bench: unrecognized arguments: {' '.join(extra)}")
+    opts = BenchOptions(size=args.size, tie_weights=args.tied, batch_size=args.batch_size, seq_len=args.seq_len,
+                        steps=args.steps, warmup=args.warmup, nproc=args.nproc)
+    if args.fit:
+        return fit.run_command(args.fit, FitOptions(device_gib=args.device_gib, d_model=args.d_model,
+                                                    n_head=max(1, args.d_model // 64), batch_size=args.batch_size,
+                                                    seq_len=args.seq_len, steps=args.fit_steps), args.json)
+    if args.memory:
+        return memory.run_command(args.memory, opts, args.json)
+    if args.offload:
+        return offload.run_command(args.offload, opts, args.json, args.offload_path, repeat=args.repeat)
+    if args.recompute:
+        return recompute.run_command(args.recompute, opts, args.json)
+    if args.optimizers:
+        return optimizers.run_command(args.optimizers, opts, args.json)
+    return steptime.run_command(args.configs, opts, args.json)
