@@ -35,7 +35,7 @@ from memsave._logging import set_rank_source
 from memsave.dist import Mesh
 from memsave.memory import MemoryReport, MemoryTracker, account, peak_rss_bytes, report
 from memsave.trainer_config import Batch, BatchSource, TrainConfig, cosine_schedule
-from memsave.wrapped import MemsaveOptimizer
+from memsave.wrapped import WrappedOptimizer
 
 __all__ = ["BatchSource", "LogRecord", "TrainConfig", "TrainResult", "Trainer", "cosine_schedule"]
 
@@ -141,7 +141,7 @@ class Trainer:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: MemsaveOptimizer,
+        optimizer: WrappedOptimizer,
         *,
         mesh: Mesh,
         config: TrainConfig,
@@ -153,7 +153,7 @@ class Trainer:
         profile: str = "",
         estimate: dict[str, Any] | None = None,
     ) -> None:
-        if not isinstance(optimizer, MemsaveOptimizer):
+        if not isinstance(optimizer, WrappedOptimizer):
             raise ValueError(
                 f"optimizer is a {type(optimizer).__name__}; pass the optimizer that memsave.wrap returned"
             )

@@ -99,19 +99,16 @@ def validate(profile: Profile, mesh: Mesh, model: nn.Module, *, units: Sequence[
 
 
 def check_parallel(profile: Profile, mesh: Mesh) -> None:
-    """The mesh is the one ``[parallel]`` asks for, and no axis this release cannot train is silently ignored."""
-    par = getattr(profile, "parallel", None)
+    """No mesh axis this release cannot train is silently ignored: ``tp`` or ``pp`` above 1, in the mesh or in
+    the profile's ``[parallel]``, is refused (a mesh passed in decides the degrees; ``[parallel]`` asks for them
+    through ``memsave.init(profile=...)``, and a profile asking for more than the mesh has is a contradiction)."""
     for axis in ("tp", "pp"):
-        want = getattr(par, axis, 1) if par is not None else 1
-        have = mesh.degree(axis)
-        if par is not None and want != have:
-            raise ValueError(
-                f"profile {profile.name!r}: [parallel] {axis} = {want} but the mesh has {axis} = {have}; build the "
-                f"mesh from the profile (memsave.init(profile=...)) or set parallel.{axis}={have}")
-        if have > 1:
+        want, have = getattr(profile.parallel, axis), mesh.degree(axis)
+        if want > 1 or have > 1:
             what = "tensor" if axis == "tp" else "pipeline"
+            where = f"the mesh has {axis} = {have}" if have > 1 else f"[parallel] {axis} = {want}"
             raise NotImplementedError(
-                f"profile {profile.name!r}: {axis} = {have} ({what} parallelism) is not implemented yet: memsave "
+                f"profile {profile.name!r}: {where} ({what} parallelism), which is not implemented yet: memsave "
                 f"trains data-parallel meshes only (dp = world size); set {axis} = 1 rather than have the axis "
                 "ignored")
 

@@ -369,5 +369,3 @@ class WrappedOptimizer(torch.optim.Optimizer, abc.ABC):
                 if isinstance(v, torch.Tensor):
                     yield MemoryCategory.OPTIMIZER_STATE, v
 
-
-MemsaveOptimizer = WrappedOptimizer  # the name trainer.py imports until it moves to memsave.engines

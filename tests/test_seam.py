@@ -122,7 +122,7 @@ def _refuses_tp_and_pp(axis: str) -> list[str]:
 def test_a_tp_or_pp_axis_is_refused_not_ignored(axis: str) -> None:
     for errors in run_ranks(_refuses_tp_and_pp, 2, axis, timeout=120):
         for text in errors:
-            assert f"{axis} = 2" in text and "is not implemented yet" in text and f"set {axis} = 1" in text
+            assert f"the mesh has {axis} = 2" in text and "is not implemented yet" in text and f"set {axis} = 1" in text
 
 
 def _refuses_a_cpu_tensor_over_nccl() -> str:
@@ -140,3 +140,13 @@ def _refuses_a_cpu_tensor_over_nccl() -> str:
 def test_dist_refuses_a_tensor_off_the_groups_device() -> None:
     for text in run_ranks(_refuses_a_cpu_tensor_over_nccl, 2, timeout=120):
         assert "all_reduce: a (3,) torch.float32 tensor on cpu over an NCCL group" in text
+
+
+def test_a_profile_asking_for_tp_or_pp_is_refused() -> None:
+    model = ToyLM(n_blocks=2)
+    for override in ("parallel.tp=2", "parallel.pp=4"):
+        profile = memsave.load_profile("zero3", [override])
+        with pytest.raises(NotImplementedError, match=rf"\[parallel\] {override[9:11]} = \d \(\w+ parallelism\), which is "
+                                                      "not implemented yet"):
+            memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), profile)
+        assert type(model) is ToyLM

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 import memsave
+from memsave import MemsaveOptimizer
 from memsave.models import GPT, TokenBatches, gpt_config
 from memsave.trainer import LogRecord, TrainConfig, Trainer, TrainResult, cosine_schedule
-from memsave.wrapped import MemsaveOptimizer
 from tests.harness import run_ranks
 
 SEQ = 32

@@ -1,0 +1,107 @@
+"""The activation half of ``memsave.estimate``: one forward of a *meta-device* copy of the model under the
+profile's recompute policy, with the saved-tensor counting of ``memsave.recompute.measure`` (shapes and dtypes
+only, so a model far bigger than this machine is measured in seconds)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memsave.config import Profile
+from memsave.models.units import output_tensors
+
+__all__ = ["activations"]
+
+
+def _run_forward(model: nn.Module, batch: Any) -> Callable[[], Any]:
+    def run() -> Any:
+        if callable(batch):
+            return batch(model)
+        if isinstance(batch, Mapping):
+            return model(**batch)
+        if isinstance(batch, tuple | list):
+            return model(*batch)
+        return model(batch)
+    return run
+
+
+def _to_meta(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return torch.empty_like(batch, device="meta")
+    if isinstance(batch, Mapping):
+        return {k: _to_meta(v) for k, v in batch.items()}
+    if isinstance(batch, tuple | list):
+        return type(batch)(_to_meta(v) for v in batch)
+    return batch
+
+
+@contextlib.contextmanager
+def _fused_attention_on_meta(device_type: str) -> Iterator[None]:
+    """Make ``F.scaled_dot_product_attention`` on meta tensors run the fused (flash) kernel the target device
+    would pick, instead of the math fallback the meta device decomposes into, which saves the whole attention
+    matrix for backward: an estimate several times too big at long sequences. Masks and grouped-query calls
+    keep the original function."""
+    original = F.scaled_dot_product_attention
+
+    def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+             dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, **kwargs: Any) -> Any:
+        if query.device.type != "meta" or attn_mask is not None or kwargs.get("enable_gqa"):
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, **kwargs)
+        if device_type == "cuda":
+            return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
+                                                                      scale=scale)[0]
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal,
+                                                                          scale=scale)[0]
+
+    F.scaled_dot_product_attention = sdpa  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original  # type: ignore[assignment]
+
+
+def activations(meta: nn.Module, modules: list[nn.Module], prof: Profile, batch: Any,
+                 device_type: str) -> tuple[int, list[int], int, str]:
+    """Saved bytes of one forward of the meta model under the recompute policy: total, per unit, the bytes of the
+    forward's outputs that backward does not keep (the logits beside the log-softmax cross-entropy saves), and a
+    note."""
+    from memsave import recompute
+    from memsave.recompute.measure import measure_saved_bytes
+
+    forward = _run_forward(meta, _to_meta(batch))
+    outputs: dict[int, int] = {}
+
+    def run() -> Any:
+        out = forward()
+        outputs.clear()
+        outputs.update((t.untyped_storage()._cdata, t.untyped_storage().nbytes()) for t in output_tensors(out))
+        return out
+
+    plan = None
+    if prof.recompute.policy != "none":
+        with _fused_attention_on_meta(device_type):  # a budget measures a forward too
+            plan = recompute.apply(modules, prof.recompute, model=meta,
+                                   example_inputs=run if prof.recompute.policy.startswith("budget:") else None)
+    try:
+        with _fused_attention_on_meta(device_type):
+            saved = measure_saved_bytes(run, modules, model=meta)
+    finally:
+        if plan is not None:
+            recompute.remove(plan, model=meta)
+    total = saved.total
+    kept = {k for keys in (*saved._unit_keys, saved._outside_keys or {}) for k in keys}
+    output_bytes = sum(n for k, n in outputs.items() if k not in kept)
+    note = f"activations: one forward on the meta device, recompute policy {prof.recompute.policy}"
+    if prof.recompute.compress != "none":  # Gist-like compression stores fp32 activations at 2 (bf16) or 1 byte
+        keep = 2 if prof.recompute.compress == "bf16" else 1
+        total = int(total * keep / 4) if prof.precision.compute == "fp32" else total
+        note += f", compressed to {prof.recompute.compress} (estimated as {keep}/4 of the fp32 bytes)"
+    return total, list(saved.units), output_bytes, note
+
+
