@@ -9,7 +9,7 @@ tensor is
 A stage of a pipeline owns its own parameters: along ``pp`` a parameter is a :class:`Shard` of the model (no
 dim; each rank holds other tensors), so global sums over parameters add the stages' parts.
 
-What derives from a placement, so that no layer guesses which group to reduce over:
+[Note: placements] What derives from a placement, so that no layer guesses which group to reduce over:
 - the gradient sync axes (:data:`DATA_AXES` the parameter is not already reduced over);
 - the global norm and any sum over parameters: a tensor sharded along an axis adds its part on every rank of
   that axis; a tensor replicated along it counts once (:func:`sum_over_shards`);

@@ -62,7 +62,8 @@ class MemsaveOptimizer(WrappedOptimizer):
             full = group["params"]
             group["params"] = [stepped[p] for p in full]
             self._full_of.update(zip(group["params"], full))
-        # Decisions from local gradients are agreed over the axes along which they differ ([Note: placements]).
+        # Decisions from local gradients are agreed over the axes along which they differ ([Note: placements] in
+        # memsave/dist/placement.py).
         axes = sorted({a for pl in placements.values() for a in pl.differs_along()})
         self.agree_over = engine.mesh.groups_for(axes)
         self._norm_groups = {a: engine.mesh.group(a) if engine.mesh.degree(a) > 1 else None for a in axes}
