@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from memsave.config import Profile, load_profile
+from memsave.dist.placement import Placement, Shard
 from memsave.estimate_activations import activations
 from memsave.memory.schema import CATEGORIES, OFF_DEVICE, format_bytes
 from memsave.models.units import REDUCES_IN_FLIGHT, choose_units, unit_parameters
@@ -91,9 +92,11 @@ def _rows(shape: torch.Size) -> tuple[int, int]:
     return (shape[0], math.prod(shape[1:])) if len(shape) else (1, 1)
 
 
-def _local_rows(rows: int, n: int) -> int:
-    """Rows rank 0 owns under dim-0 sharding (the most any rank owns)."""
-    return min(rows, -(-rows // n))
+def _local_rows(shape: torch.Size, placement: Placement, n: int) -> int:
+    """Rows of a parameter rank 0 holds under ``placement`` over ``n`` dp ranks (the most any rank holds)."""
+    if isinstance(placement.dp, Shard) and len(shape):
+        return -(-shape[0] // n)
+    return _rows(shape)[0]
 
 
 def _state_per_shard(shape: torch.Size, local: int, prof: Profile) -> int:
@@ -135,6 +138,8 @@ def _model_states(groups: list[list[nn.Parameter]], order: list[nn.Parameter], p
     reduce = reduce_dtype_for(prof.precision)
     r = _BYTES[reduce] if reduce is not None else c
     out: dict[str, int] = dict.fromkeys(("params", "grads", "master", "optimizer_state"), 0)
+    # what the optimizer steps is placed as the engines place it (memsave/dist/placement.py): rows over dp
+    stepped = Placement(dp=Shard(0)) if stage else Placement()
     unit_full, unit_padded, unit_grad_full, unit_reduce, unit_state, unit_elems = [], [], [], [], [], []
     unit_grad_shard: list[int] = []  # the averaged rows a unit's reduce-scatter allocates (flat_grad)
     for params in groups:
@@ -152,7 +157,6 @@ def _model_states(groups: list[list[nn.Parameter]], order: list[nn.Parameter], p
             unit_reduce.append(grad_chunk * n * r + (grad_chunk * r if stage == 1 else 0))
         else:
             unit_reduce.append(0)
-        shard = 1 if stage == 0 else n
         out["params"] += chunk * c if stage == 3 else full * c
         if stage == 0:
             out["grads"] += sum(p.numel() for p in trainable) * r
@@ -162,18 +166,16 @@ def _model_states(groups: list[list[nn.Parameter]], order: list[nn.Parameter], p
             out["grads"] += grad_chunk * r
         state_before, elems = out["optimizer_state"], 0
         for p in trainable:
-            local = _local_rows(_rows(p.shape)[0], shard) if len(p.shape) else 1
-            elems += local * _rows(p.shape)[1]
+            mine = stepped.local_numel(p.shape, degrees={"dp": n})  # what this rank's optimizer steps
+            elems += mine
             if mixed:
-                out["master"] += 4 * local * _rows(p.shape)[1]
-            out["optimizer_state"] += _state_per_shard(p.shape, local, prof)
+                out["master"] += 4 * mine
+            out["optimizer_state"] += _state_per_shard(p.shape, _local_rows(p.shape, stepped, n), prof)
         unit_state.append(out["optimizer_state"] - state_before)
         unit_elems.append(elems)
     unit_of = {p: u for u, params in enumerate(groups) for p in params}
-    shard = 1 if stage == 0 else n
     # in the model's parameter order: the optimizer's, when it is built over model.parameters()
-    pieces = [(unit_of[p], (_local_rows(_rows(p.shape)[0], shard) if len(p.shape) else 1), _rows(p.shape)[1])
-              for p in order if p.requires_grad]
+    pieces = [(unit_of[p], _local_rows(p.shape, stepped, n), _rows(p.shape)[1]) for p in order if p.requires_grad]
     return {"bytes": out, "pieces": pieces, "param_bytes": c, "unit_full": unit_full, "unit_padded": unit_padded, "unit_grad_full": unit_grad_full,
             "unit_grad_shard": unit_grad_shard,
             "unit_reduce": unit_reduce, "unit_state": unit_state, "unit_elems": unit_elems}
