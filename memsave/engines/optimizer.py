@@ -121,6 +121,10 @@ class MemsaveOptimizer(WrappedOptimizer):
         """The model parameter of a tensor the user's optimizer steps (a stepped tensor or its fp32 master)."""
         return self._opt_full[t]
 
+    def placement_of(self, t: torch.Tensor) -> mdist.Placement:
+        """The placement of a tensor the user's optimizer steps (a stepped tensor, or its fp32 master: the same)."""
+        return self._placement[t]
+
     # -- the step ------------------------------------------------------------------------------------------
     def settle(self) -> None:
         """Wait for an optimizer step still running in the background (``[offload] overlap``); raise its error."""

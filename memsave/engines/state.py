@@ -22,8 +22,9 @@ if TYPE_CHECKING:
 __all__ = ["full_grads", "load_state_dict", "state_dict"]
 
 
-def _sharded(opt: MemsaveOptimizer, stepped: torch.Tensor) -> bool:
-    return isinstance(opt.engine.placement_of(stepped).dp, mdist.Shard)
+def _sharded(opt: MemsaveOptimizer, t: torch.Tensor) -> bool:
+    """Whether a tensor the user's optimizer steps (a stepped tensor or its fp32 master) holds rows over dp."""
+    return isinstance(opt.placement_of(t).dp, mdist.Shard)
 
 
 def state_dict(opt: MemsaveOptimizer) -> dict[str, Any]:
@@ -124,5 +125,6 @@ def full_grads(opt: MemsaveOptimizer) -> dict[str, torch.Tensor | None]:
         if not has:
             out[names[p]] = None
         else:
-            out[names[p]] = rows.gather(grad, p) if _sharded(opt, s) else grad.clone()
+            sharded = isinstance(engine.placement_of(s).dp, mdist.Shard)
+            out[names[p]] = rows.gather(grad, p) if sharded else grad.clone()
     return out

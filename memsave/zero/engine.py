@@ -210,9 +210,9 @@ class ZeroEngine:
     # -- gradients -----------------------------------------------------------------------------------------
     def queue_sync(self) -> None:
         """The first gradient hook of a backward: settle its gradients when autograd finishes."""
-        if self.schedule is not None:
-            self.schedule.begin_backward()
-        if not self._callback_queued:
+        if not self._callback_queued:  # (the per-parameter gradient hooks after the first do nothing here)
+            if self.schedule is not None:
+                self.schedule.begin_backward()
             mdist.doing(self.agreement.step, "backward (gradient reduce-scatters)")
             if self.require_grad_sync:
                 self.agreement.check("backward")  # before its first reduce-scatter

@@ -35,7 +35,6 @@ from memsave.zero.param_offload import ParamOffload, StepHooks
 __all__ = ["build_offloaded_state", "estimate_state_bytes"]
 
 
-
 def cpu_noop(device: torch.device) -> str:
     """What ``optimizer = "cpu"`` on a non-CUDA device says, once per process."""
     return (f'[offload] optimizer = "cpu" on a {device.type} device: the optimizer state already lives in host '
