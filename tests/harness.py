@@ -10,6 +10,7 @@ sub-cases inside one ``fn`` to pay the spawn cost once.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -20,6 +21,17 @@ from typing import Any
 import torch.multiprocessing as mp
 
 __all__ = ["free_port", "run_ranks"]
+
+
+class LogRecords(logging.Handler):
+    """The messages memsave's logger emits while attached (``_logging.get_logger().addHandler(...)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def free_port() -> int:

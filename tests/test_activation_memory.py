@@ -14,7 +14,6 @@ and by the device memory it frees.
 from __future__ import annotations
 
 import copy
-import logging
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ from memsave import _logging, recompute
 from memsave.models import GPT, gpt_config
 from memsave.offload import forward_under, module_storages, offload_saved
 from memsave.recompute import SavedTensorCompressor, compress_saved
-from tests.harness import run_ranks
+from tests.harness import LogRecords, run_ranks
 
 B, T, STEPS = 2, 64, 6
 LOSS_RTOL = {"bf16": 0.02, "fp8": 0.05}
@@ -150,19 +149,10 @@ def test_compress_checks_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # -- offload: CPU no-op ---------------------------------------------------------------------------------------
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU no-op")
 def test_offload_context_on_cpu_warns_once_and_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_logging, "_warned", set())
-    records = _Records()
+    records = LogRecords()
     _logging.get_logger().addHandler(records)
     try:
         ref = _train(_gpt())
@@ -210,7 +200,7 @@ WRAP_CASES = {
 
 def _wrap_cases(world: int) -> dict:
     rank = memsave.init().dp_rank
-    records = _Records()
+    records = LogRecords()
     _logging.get_logger().addHandler(records)
     gpt = _gpt()
     out: dict = {case: _wrapped_run(case[0], overrides, rank, world, copy.deepcopy(gpt))

@@ -20,7 +20,7 @@ import pytest
 import memsave
 from memsave import _launch, _logging
 from memsave.cli import main, new_run_dir
-from tests.harness import run_ranks
+from tests.harness import LogRecords, run_ranks
 
 BENCH = ["bench", "--size", "tiny", "--seq-len", "32", "--batch-size", "2", "--steps", "2", "--warmup", "1",
          "--nproc", "1"]  # one process per launch keeps the four launches cheap; two ranks: the next test
@@ -35,15 +35,6 @@ def taken_port() -> Iterator[int]:
         yield int(s.getsockname()[1])
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def test_bench_survives_a_taken_port_and_keeps_finished_rows(
         taken_port: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """ddp's first launch finds its port taken and runs again on a free one; every launch of zero2 finds it
@@ -52,7 +43,7 @@ def test_bench_survives_a_taken_port_and_keeps_finished_rows(
     ports = iter([taken_port, None, taken_port, taken_port])  # None: a really free port
     monkeypatch.setattr(_launch, "free_port", lambda: next(ports) or real())
     monkeypatch.setattr(_launch, "PORT_ATTEMPTS", 2)
-    said = _Records()
+    said = LogRecords()
     _logging.get_logger().addHandler(said)
     out_json = tmp_path / "bench.json"
     try:
@@ -199,7 +190,7 @@ def test_warn_once_still_reaches_added_handlers_on_every_rank(monkeypatch: pytes
     """A handler a caller adds sees the record on any rank (the rank filter is on memsave's printing handler)."""
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setattr(_logging, "_warned", set())
-    said = _Records()
+    said = LogRecords()
     _logging.get_logger().addHandler(said)
     try:
         _logging.warn_once("once")
