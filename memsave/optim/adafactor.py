@@ -29,7 +29,7 @@ of R and D = sum_rows(G^2 / R) (length m each), and per tensor sum(X^2) (and sum
 RMS(U) needs no second round because U^2 = G^2 mean(R) / (R C), so sum(U^2) = mean(R) * sum_cols(D / C).
 Without sharding the same formulas run with the reduction skipped, so a sharded run equals an unsharded one
 up to the order of floating-point sums. Tensors with > 2 dims are sharded along a dim the factors do not
-span, so only their RMS sums travel. :class:`memsave.zero.ZeroOptimizer` calls :meth:`Adafactor.shard`.
+span, so only their RMS sums travel. :class:`memsave.engines.MemsaveOptimizer` calls :meth:`Adafactor.shard`.
 
 Where this differs from ``torch.optim.Adafactor`` (which follows the paper except as its docs say): torch adds
 eps1 as a floor on mean(R) and on V instead of adding it to G^2, and its ``lr`` caps the relative step
