@@ -85,7 +85,7 @@ class Unit:
         self._gather: tuple[mdist.Handle, torch.Tensor] | None = None
         self._reduce: tuple[mdist.Handle, torch.Tensor, torch.Tensor] | None = None
         self.pending = len(self.trainable)  # gradients still to arrive in this backward
-        # stage 3 ([Note: post-backward] in engine.py): forward calls whose backward has not reached their inputs
+        # stage 3 ([Note: post-backward] in schedule.py): forward calls whose backward has not reached their inputs
         # yet, and calls whose inputs needed no gradient (so nothing says when their backward ends)
         self.open_calls = 0
         self.blind_calls = 0
