@@ -2,14 +2,13 @@
 
 ``parallelize`` validates the whole profile once (memsave/validate.py), then applies the transforms in one
 fixed order (torchtitan's): tensor parallel, then recompute, then ZeRO / data parallel, then the pipeline
-schedule. Tensor and pipeline parallelism are refused with ``NotImplementedError`` until their engines land,
-never ignored. ``wrap`` also validates the optimizer and composes it over the engine
+schedule. Pipeline parallelism is refused with ``NotImplementedError`` until its engine lands, never ignored. ``wrap`` also validates the optimizer and composes it over the engine
 (:class:`~memsave.engines.MemsaveOptimizer`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +59,8 @@ def _prepare_model(model: nn.Module, mesh: Mesh, dtype: torch.dtype | None) -> N
 
 
 def parallelize(model: nn.Module, mesh: Mesh | None = None, profile: str | Path | Profile = "ddp", *,
-                units: Sequence[nn.Module] | None = None, example_inputs: Any = None) -> Engine:
+                units: Sequence[nn.Module] | None = None, example_inputs: Any = None,
+                tp_plan: Mapping[str, str] | None = None) -> Engine:
     """Apply ``profile`` to ``model`` over ``mesh``, in place, and return its :class:`~memsave.engines.Engine`.
 
     The profile is validated against the mesh, the model and this device first (memsave/validate.py); a refusal
@@ -76,13 +76,20 @@ def parallelize(model: nn.Module, mesh: Mesh | None = None, profile: str | Path 
         raise ValueError(f"model of class {type(model).__name__} is already wrapped by memsave; wrap it once")
     mesh = mesh if mesh is not None else default_mesh()
     plan = validate(load_profile(profile), mesh, model, units=units, example_inputs=example_inputs)
-    return _apply(model, plan, units, example_inputs)
+    return _apply(model, plan, units, example_inputs, tp_plan)
 
 
-def _apply(model: nn.Module, plan: Plan, units: Sequence[nn.Module] | None, example_inputs: Any) -> Engine:
+def _apply(model: nn.Module, plan: Plan, units: Sequence[nn.Module] | None, example_inputs: Any,
+           tp_plan: Mapping[str, str] | None = None) -> Engine:
     """The transforms of a validated plan, in the documented order."""
     profile, mesh = plan.profile, plan.mesh
-    # 1. tensor parallel: [parallel] tp > 1 is refused by validate() until the TP engine lands
+    if mesh.degree("tp") > 1:  # 1. tensor parallel: cut by the plan, checked whole before anything changes
+        from memsave.tp import apply_tp  # layer 3; imported here so other users never load it
+
+        apply_tp(model, mesh, tp_plan, sequence=profile.parallel.sequence, units=units)
+    elif tp_plan is not None:
+        raise ValueError("tp_plan= was given but the mesh has tp = 1; build the mesh with tp > 1 "
+                         "(memsave.init(profile=...) with [parallel] tp, or --parallel.tp=N)")
     _prepare_model(model, mesh, plan.compute_dtype)
     if profile.precision.compute == "fp16" and mesh.device.type == "cpu":
         warn_once('[precision] compute = "fp16" on CPU: torch runs fp16 matmuls on most CPUs through a slow '
@@ -135,6 +142,7 @@ def wrap(
     mesh: Mesh | None = None,
     units: Sequence[nn.Module] | None = None,
     example_inputs: Any = None,
+    tp_plan: Mapping[str, str] | None = None,
 ) -> tuple[nn.Module, MemsaveOptimizer]:
     """Wrap ``model`` and its ``optimizer`` for training under ``profile``: :func:`parallelize`, then the one
     :class:`~memsave.engines.MemsaveOptimizer` over its engine.
@@ -174,7 +182,7 @@ def wrap(
     profile = load_profile(profile)
     mesh = mesh if mesh is not None else default_mesh()
     plan = validate(profile, mesh, model, units=units, optimizer=optimizer, example_inputs=example_inputs)
-    engine = _apply(model, plan, units, example_inputs)
+    engine = _apply(model, plan, units, example_inputs, tp_plan)
     nonfinite = NonfiniteGuard(profile.precision.nonfinite, profile.precision.max_skipped)
     return model, MemsaveOptimizer(optimizer, engine, mixed_precision=plan.mixed, scaler=plan.scaler,
                                    offload=plan.offload, nonfinite=nonfinite)

@@ -323,14 +323,20 @@ class ParallelConfig(_Checked):
     tp: int = field(default=1, metadata=_doc(
         "Tensor-parallel degree: the size of the mesh's tp axis, whose ranks split each layer's weights "
         "(Megatron-LM, Shoeybi et al., 2019). memsave.init(profile=...), memsave demo and --parallel.tp=N "
-        "build the mesh with it; memsave.wrap refuses tp > 1 (NotImplementedError) until the TP transform is "
-        "built.",
+        "build the mesh with it; memsave.wrap cuts the model's layers by a plan (memsave.tp).",
         "a positive integer; tp * pp divides the world size"))
     pp: int = field(default=1, metadata=_doc(
         "Pipeline-parallel degree: the size of the mesh's pp axis, whose ranks each hold a stage of the "
         "model's units (GPipe, Huang et al., 2019). Read like tp; memsave.wrap refuses pp > 1 "
         "(NotImplementedError) until the pipeline schedules are built.",
         "a positive integer; tp * pp divides the world size"))
+
+    sequence: bool = field(default=False, metadata=_doc(
+        "Sequence parallelism (Korthikanti et al., 2022) with tp > 1: norms, dropout and the residual stream "
+        "between blocks run on each tp rank's slice of the sequence (an all-gather before each column-parallel "
+        "region, a reduce-scatter after each row-parallel one), so their activations take 1/tp of the memory. "
+        "The sequence length must divide by tp. Ignored (said once in the log) with tp = 1.",
+        "true or false"))
 
     _section = "parallel"
 

@@ -54,7 +54,7 @@ def validate(profile: Profile, mesh: Mesh, model: nn.Module, *, units: Sequence[
              optimizer: torch.optim.Optimizer | None = None, example_inputs: Any = None) -> Plan:
     """Check ``profile`` against ``mesh``, ``model``, this device and (from ``wrap``) ``optimizer``; return the
     :class:`Plan` the transforms follow. Raises before anything is changed."""
-    check_parallel(profile, mesh)
+    check_parallel(profile, mesh, optimizer)
     check_profile(profile)
     check_model(model, profile)
     if profile.recompute.policy.startswith("budget:") and example_inputs is None:
@@ -98,19 +98,28 @@ def validate(profile: Profile, mesh: Mesh, model: nn.Module, *, units: Sequence[
                 reduce_dtype=reduce_dtype_for(prec), scaler=scaler, offload=offload, recompute=recompute)
 
 
-def check_parallel(profile: Profile, mesh: Mesh) -> None:
-    """No mesh axis this release cannot train is silently ignored: ``tp`` or ``pp`` above 1, in the mesh or in
-    the profile's ``[parallel]``, is refused (a mesh passed in decides the degrees; ``[parallel]`` asks for them
-    through ``memsave.init(profile=...)``, and a profile asking for more than the mesh has is a contradiction)."""
-    for axis in ("tp", "pp"):
-        want, have = getattr(profile.parallel, axis), mesh.degree(axis)
-        if want > 1 or have > 1:
-            what = "tensor" if axis == "tp" else "pipeline"
-            where = f"the mesh has {axis} = {have}" if have > 1 else f"[parallel] {axis} = {want}"
-            raise NotImplementedError(
-                f"profile {profile.name!r}: {where} ({what} parallelism), which is not implemented yet: memsave "
-                f"trains data-parallel meshes only (dp = world size); set {axis} = 1 rather than have the axis "
-                "ignored")
+def check_parallel(profile: Profile, mesh: Mesh, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """No mesh axis is silently ignored. ``tp``: the mesh decides the degree (``[parallel] tp`` asks for it through
+    ``memsave.init(profile=...)``; a profile asking for another degree than the mesh has is a contradiction).
+    ``pp`` above 1 is refused until the pipeline engine lands."""
+    want, have = profile.parallel.tp, mesh.degree("tp")
+    if want > 1 and want != have:
+        raise ValueError(
+            f"profile {profile.name!r}: [parallel] tp = {want} but the mesh has tp = {have}; build the mesh with "
+            "memsave.init(profile=...) (or Mesh.build(tp=...)) so the two agree")
+    if profile.parallel.sequence and have == 1:
+        warn_once(f"profile {profile.name!r}: [parallel] sequence = true with tp = 1: there is no tp axis to cut "
+                  "the sequence over, so sequence parallelism does nothing here")
+    if have > 1 and isinstance(optimizer, Adafactor):
+        raise NotImplementedError(
+            f"profile {profile.name!r}: memsave.optim.Adafactor with tp = {have} is not implemented yet: its row and "
+            "column statistics of a tensor-parallel slice would need reducing over tp; use AdamW or SGD with tp > 1")
+    want, have = profile.parallel.pp, mesh.degree("pp")
+    if want > 1 or have > 1:
+        where = f"the mesh has pp = {have}" if have > 1 else f"[parallel] pp = {want}"
+        raise NotImplementedError(
+            f"profile {profile.name!r}: {where} (pipeline parallelism), which is not implemented yet: set pp = 1 "
+            "rather than have the axis ignored")
 
 
 def check_profile(profile: Profile) -> None:

@@ -36,6 +36,7 @@ from memsave.dist.placement import (
     Replicate,
     Shard,
     all_reduce_over,
+    param_placement,
     sum_over_shards,
 )
 
@@ -72,6 +73,7 @@ __all__ = [
     "host_memory_policy",
     "init",
     "launch_env",
+    "param_placement",
     "reduce_scatter_into",
     "shutdown",
     "sum_over_shards",

@@ -224,6 +224,7 @@ def reduce_scatter_into(
     *,
     op: Any = ReduceOp.SUM,
     async_op: bool = False,
+    count_as: str = "reduce_scatter",
 ) -> Handle:
     """Reduce the flat ``input`` over ``group`` and keep this rank's slice in ``output``."""
     size = group_size(group)
@@ -234,7 +235,7 @@ def reduce_scatter_into(
             output.copy_(input)
         return _DONE
     _check_device("reduce_scatter", group, output, input)
-    COMM_STATS.add("reduce_scatter", _nbytes(input))
+    COMM_STATS.add(count_as, _nbytes(input))
     return _issue("reduce_scatter", group, async_op,
                   lambda: _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op))
 

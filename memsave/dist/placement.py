@@ -32,7 +32,7 @@ from memsave.dist.collectives import ProcessGroup, ReduceOp, all_reduce
 if TYPE_CHECKING:
     from memsave.dist.mesh import Mesh
 
-__all__ = ["DATA_AXES", "AgreeOver", "Partial", "Placement", "Replicate", "Shard", "all_reduce_over", "sum_over_shards"]
+__all__ = ["DATA_AXES", "AgreeOver", "Partial", "Placement", "Replicate", "Shard", "all_reduce_over", "param_placement", "sum_over_shards"]
 
 # The axes along which ranks see different data: a replicated parameter's gradient is averaged over them.
 DATA_AXES = ("dp",)
@@ -79,6 +79,9 @@ class Placement:
     pp: AxisPlacement = _REPLICATE
     dp: AxisPlacement = _REPLICATE
     tp: AxisPlacement = _REPLICATE
+    # axes over which the *gradient* of a parameter so placed is a partial sum to be added up (a norm weight
+    # replicated over tp but used on sequence shards: sequence parallelism)
+    partial_grad: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for axis in _AXES:
@@ -86,6 +89,9 @@ class Placement:
             if not isinstance(value, Replicate | Shard | Partial):
                 raise ValueError(f"placement for axis {axis!r} is {value!r}; expected Replicate(), Shard(dim) or "
                                  "Partial()")
+        for axis in self.partial_grad:
+            if axis not in _AXES:
+                raise ValueError(f"partial_grad axis {axis!r} is not allowed; expected some of {', '.join(_AXES)}")
 
     def along(self, axis: str) -> AxisPlacement:
         if axis not in _AXES:
@@ -126,7 +132,13 @@ class Placement:
         return math.prod(dims)
 
     def __str__(self) -> str:
-        return "(" + ", ".join(f"{a}={self.along(a)!r}" for a in _AXES) + ")"
+        grad = f", partial_grad={self.partial_grad}" if self.partial_grad else ""
+        return "(" + ", ".join(f"{a}={self.along(a)!r}" for a in _AXES) + grad + ")"
+
+
+def param_placement(p: torch.Tensor) -> Placement:
+    """The placement a transform gave a parameter (tensor parallelism cuts it over ``tp``); replicated if none."""
+    return getattr(p, "_memsave_placement", _REPLICATED_ALL)
 
 
 def all_reduce_over(tensor: torch.Tensor, groups: AgreeOver | Iterable[ProcessGroup | None], *,
@@ -153,3 +165,6 @@ def sum_over_shards(parts: dict[tuple[str, ...], torch.Tensor], group_of: dict[s
         total = all_reduce_over(part.reshape(1).clone(), (group_of[a] for a in axes), op=op)[0]
         out = total if out is None else (out + total if op == ReduceOp.SUM else torch.maximum(out, total))
     return out if out is not None else torch.zeros(())
+
+
+_REPLICATED_ALL = Placement()

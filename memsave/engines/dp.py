@@ -37,8 +37,6 @@ from memsave.wrapped import check_still_frozen, sync_suspended, unscaled_backwar
 
 __all__ = ["DataParallelEngine", "trainable_parameters"]
 
-_REPLICATED = mdist.Placement()
-
 
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """Named parameters that require grad, each shared (tied) parameter once, in registration order."""
@@ -225,8 +223,8 @@ class DataParallelEngine:
         return [(p, p) for p in self.model.parameters()]
 
     def placement_of(self, stepped: torch.Tensor) -> mdist.Placement:
-        """Replicated on every rank, and so is its gradient once averaged."""
-        return _REPLICATED
+        """Replicated over dp, and so is its gradient once averaged; over tp as the TP transform cut it."""
+        return mdist.param_placement(stepped)
 
     def before_step(self) -> None:
         pass

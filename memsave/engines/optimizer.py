@@ -67,6 +67,10 @@ class MemsaveOptimizer(WrappedOptimizer):
         axes = sorted({a for pl in placements.values() for a in pl.differs_along()})
         self.agree_over = engine.mesh.groups_for(axes)
         self._norm_groups = {a: engine.mesh.group(a) if engine.mesh.degree(a) > 1 else None for a in axes}
+        # [Note: partial gradients] stepped tensors whose gradient is a partial sum over a non-data axis
+        self._partial = [s for s in stepped.values() if placements[s].partial_grad]
+        self._partial_axes = sorted({a for s in self._partial for a in placements[s].partial_grad})
+        self._partial_at: int | None = None  # engine.num_syncs when they were last completed (None: since zero_grad)
         # Mixed precision: the optimizer steps fp32 masters (of the shards: 4/N bytes per parameter), cast into the
         # compute-dtype tensors after the step. With offload on CUDA the masters are made on the host and go to
         # the tier from there: the device never holds 4 bytes per parameter of them ([Note: offloaded masters]).
@@ -144,6 +148,29 @@ class MemsaveOptimizer(WrappedOptimizer):
             self.engine.agreement.check("backward")  # as the peers' first gradient hook does
             self.engine.sync_gradients()
 
+    @torch.no_grad()
+    def complete_partial_grads(self) -> None:
+        """[Note: partial gradients] A parameter replicated over ``tp`` but used on sequence shards (a norm under
+        sequence parallelism) has on each ``tp`` rank the gradient of its own tokens: they are summed over ``tp``
+        once, the first time anything reads the gradients after backward (clipping, the step, ``full_grads``), in
+        one flat all-reduce. The sum is linear, so gradient accumulation over several backwards is summed once."""
+        if not self._partial:
+            return
+        syncs = self.engine.num_syncs
+        if self._partial_at is not None:
+            if self._partial_at != syncs:
+                raise NotImplementedError(
+                    "gradients accumulated over an optimizer step without zero_grad() under sequence parallelism: "
+                    "the summed norm gradients would be summed again; call optimizer.zero_grad() after each step")
+            return
+        grads = [g for g in (self.engine.grad_of(s) for s in self._partial) if g is not None]
+        if grads:
+            flat = torch.cat([g.reshape(-1).float() for g in grads])
+            mdist.all_reduce_over(flat, self.engine.mesh.groups_for(self._partial_axes), count_as="tp_grad")
+            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(part.view_as(g))
+        self._partial_at = syncs
+
     def _grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(what the optimizer steps, its gradient)`` for those with one (the masters' under mixed precision), in
         the model's parameter order."""
@@ -154,6 +181,7 @@ class MemsaveOptimizer(WrappedOptimizer):
         """Clip by the global norm of the full gradient (under mixed precision: of the unscaled fp32 master
         gradients; inf, on every rank, when any overflowed). Each parameter counts once: a sharded gradient adds
         its part on every rank of the sharded axis, a replicated one is not reduced at all."""
+        self.complete_partial_grads()
         if self.mp is not None and self.mp.unscale():
             return torch.tensor(math.inf)
         pairs = self._grads()
@@ -206,6 +234,7 @@ class MemsaveOptimizer(WrappedOptimizer):
         agreement.check("optimizer")  # [Note: control-flow agreement] in memsave/dist/agreement.py
         agreement.step += 1
         self.engine.before_step()
+        self.complete_partial_grads()
         offloaded = self.offloaded
         if self.mp is not None:
             self.mp.step_masters((lambda: offloaded.step(overlap=self.overlap)) if offloaded is not None else None)
@@ -226,6 +255,7 @@ class MemsaveOptimizer(WrappedOptimizer):
         self.engine.after_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._partial_at = None
         self.engine.zero_grad(set_to_none)  # (in place, it first waits for a background step that reads them)
         if self.mp is not None:
             self.mp.zero_grad(set_to_none)
@@ -243,6 +273,7 @@ class MemsaveOptimizer(WrappedOptimizer):
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """The averaged full gradient of every trainable parameter, by name (collective; for checks/debugging)."""
+        self.complete_partial_grads()
         return _state.full_grads(self)
 
     # -- memory ----------------------------------------------------------------------------------------------

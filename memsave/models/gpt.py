@@ -98,13 +98,16 @@ class Block(nn.Module):
         self.resid_drop = nn.Dropout(config.dropout)
 
     def attention(self, x: Tensor) -> Tensor:
-        B, T, C = x.shape  # (B, T, C)
-        q, k, v = self.qkv(x).split(C, dim=2)  # each (B, T, C)
-        # (B, T, C) -> (B, n_head, T, head_dim)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # sizes from the projection's output, not the input: under tensor parallelism a rank holds n_head / tp
+        # heads (its qkv rows of each of q, k and v), and under sequence parallelism x is its slice of the
+        # sequence while qkv's output covers all of it (memsave/tp)
+        q, k, v = self.qkv(x).chunk(3, dim=2)  # each (B, T, n_head * head_dim)
+        B, T, _ = q.shape
+        # (B, T, n_head * head_dim) -> (B, n_head, T, head_dim)
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, n_head, T, head_dim)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, n_head * head_dim)
         return self.resid_drop(self.attn_proj(y))
 
     def mlp(self, x: Tensor) -> Tensor:

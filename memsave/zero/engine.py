@@ -63,6 +63,7 @@ class ZeroEngine:
         for u in self.units:
             for n, p, s in zip(u.names, u.params, u.shards):
                 self.shard_of[p], self.name_of[s] = s, n
+        self._param_of = {s: p for p, s in self.shard_of.items()}
         self._unit_of = {p: u for u in self.units for p in u.params}
         self._slot_of: dict[torch.Tensor, tuple[Unit, int]] = {s: (u, i) for u in self.units
                                                                for i, s in enumerate(u.shards)}
@@ -195,8 +196,9 @@ class ZeroEngine:
         return list(self.shard_of.items())
 
     def placement_of(self, stepped: torch.Tensor) -> mdist.Placement:
-        """A shard holds this rank's dim-0 rows (its gradient the averaged rows): Shard(0) along dp."""
-        return _ROWS
+        """A shard holds this rank's dim-0 rows (its gradient the averaged rows): Shard(0) along dp, of the tensor the
+        TP transform left on this rank (tp is applied first: a dim-0 shard of a TP shard)."""
+        return mdist.param_placement(self._param_of[stepped]).with_axis("dp", _ROWS.dp)
 
     def before_step(self) -> None:
         """Stage 3: free every gathered unit (gathered on access) before the optimizer changes the shards."""

@@ -1,0 +1,33 @@
+"""Layer 3: tensor parallelism (Megatron-style column/row/vocab-parallel layers, sequence parallelism, the
+vocab-parallel loss) applied to an unchanged model by a plan. ``memsave.wrap`` / ``memsave.parallelize`` apply it
+when the mesh has a ``tp`` axis; the pieces are public for users who compose by hand."""
+
+from memsave.tp.apply import TPParam, apply_tp, tp_param
+from memsave.tp.layers import ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding, gather_tp
+from memsave.tp.loss import ShardedLogits, VocabShard, vocab_parallel_cross_entropy
+from memsave.tp.mappings import CopyToTP, GatherLast, GatherSeq, ReduceFromTP, ReduceScatterSeq, ScatterSeq
+from memsave.tp.plan import STYLES, default_plan, gpt_plan, match_plan
+
+__all__ = [
+    "STYLES",
+    "ColumnParallelLinear",
+    "CopyToTP",
+    "GatherLast",
+    "GatherSeq",
+    "ReduceFromTP",
+    "ReduceScatterSeq",
+    "RowParallelLinear",
+    "ScatterSeq",
+    "ShardedLogits",
+    "TPContext",
+    "TPParam",
+    "VocabParallelEmbedding",
+    "VocabShard",
+    "apply_tp",
+    "default_plan",
+    "gather_tp",
+    "gpt_plan",
+    "match_plan",
+    "tp_param",
+    "vocab_parallel_cross_entropy",
+]

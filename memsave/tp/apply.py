@@ -1,0 +1,273 @@
+"""Apply a tensor-parallel plan to an unchanged model, in place (the first transform of ``memsave.parallelize``).
+
+Validation first, mutation after: every style is checked against its module (type, sizes divisible by ``tp``,
+heads) before any weight is cut, so a refused plan changes nothing. Then, per matched module:
+- its weight (and bias) are cut to this rank's slice *in place* (``p.data``): the ``nn.Parameter`` objects stay,
+  so the user's optimizer, tied weights and ``state_dict`` keys keep working;
+- its class is swapped for the TP layer (memsave/tp/layers.py), so the model's own forward runs as it is;
+- each parameter gets its :class:`~memsave.dist.Placement` (``tp=Shard(dim)``, or replicated with a gradient summed
+  over ``tp`` for sequence-parallel norms), which the engines, the optimizer, clipping and the report read.
+
+[Note: replicated over tp means identical] Parameters replicated over ``tp`` must hold the same values on every
+``tp`` rank, and the slices must be cut from one tensor: every parameter and buffer is broadcast from ``tp`` rank 0
+before it is cut (as DDP broadcasts over ``dp``), and the default random generator is made equal over ``tp``
+([Note: TP random streams] in memsave/tp/random.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from memsave import dist as mdist
+from memsave.dist import Mesh, Placement, Shard
+from memsave.tp.layers import ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding
+from memsave.tp.loss import VocabShard
+from memsave.tp.mappings import ScatterSeq
+from memsave.tp.plan import default_plan, match_plan
+from memsave.tp.random import RegionRandom, sync_default_rng
+
+__all__ = ["TPParam", "apply_tp", "tp_param"]
+
+_HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
+_WIDTH_ATTRS = ("hidden_size", "embed_dim", "all_head_size")
+_COLUMN = ("colwise", "packed_colwise", "colwise_gather_output", "loss_parallel")
+
+
+@dataclasses.dataclass(frozen=True)
+class TPParam:
+    """How a parameter is laid out over ``tp``: ``dim`` split (None: whole), of ``blocks`` packed blocks, from a
+    tensor of ``full_shape`` (a padded vocabulary's rows past the real ones are zeros)."""
+
+    placement: Placement
+    dim: int | None
+    blocks: int
+    full_shape: tuple[int, ...]
+
+
+def tp_param(p: torch.Tensor) -> TPParam | None:
+    """The tensor-parallel layout of a parameter (None: not touched by TP)."""
+    return getattr(p, "_memsave_tp", None)
+
+
+@dataclasses.dataclass
+class _Cut:
+    module: nn.Module
+    name: str
+    style: str
+    blocks: int
+    select: tuple[int, int] | None = None  # GQA: replicated K/V, the output columns this rank reads
+
+
+def apply_tp(model: nn.Module, mesh: Mesh, plan: Mapping[str, str] | None = None, *, sequence: bool = False,
+             units: Sequence[nn.Module] | None = None, seq_dim: int = 1) -> TPContext:
+    """Cut ``model`` over the mesh's ``tp`` axis by ``plan`` (default: :func:`~memsave.tp.plan.default_plan`)."""
+    group, t, r = mesh.group("tp"), mesh.degree("tp"), mesh.axis_rank("tp")
+    matched = match_plan(model, plan if plan is not None else default_plan(model))
+    modules = dict(model.named_modules())
+    cuts = [_Cut(modules[n], n, style, blocks) for n, (style, blocks) in matched.items()]
+    heads = _check(model, cuts, t, r, sequence)  # raises before anything changes
+    _broadcast_whole(model, group)
+    ctx = TPContext(group=group, rank=r, size=t, sequence=sequence, seq_dim=seq_dim,
+                    random=RegionRandom(r, mesh.device))
+    done: dict[int, TPParam] = {}
+    for cut in cuts:
+        _cut(cut, ctx, done)
+    for module, updates in heads:
+        for attr, value in updates.items():
+            setattr(module, attr, value)
+    _install_hooks(model, ctx, cuts, units)
+    sync_default_rng(group, mesh.device)
+    model.memsave_tp = ctx  # type: ignore[assignment]
+    return ctx
+
+
+def _check(model: nn.Module, cuts: list[_Cut], t: int, r: int, sequence: bool) -> list[tuple[nn.Module, dict[str, Any]]]:
+    """Every refusal, before any change: module types, sizes divisible by tp, heads. Returns the head-count
+    attributes to update."""
+    for cut in cuts:
+        m, style = cut.module, cut.style
+        if style in (*_COLUMN, "rowwise") and not isinstance(m, nn.Linear):
+            raise ValueError(f"tp plan: module {cut.name!r} ({type(m).__name__}) has style {style!r}, which needs an "
+                             "nn.Linear")
+        if style == "vocab_embedding" and not isinstance(m, nn.Embedding):
+            raise ValueError(f"tp plan: module {cut.name!r} ({type(m).__name__}) has style 'vocab_embedding', which "
+                             "needs an nn.Embedding")
+        if style in ("colwise", "packed_colwise", "colwise_gather_output"):
+            assert isinstance(m, nn.Linear)
+            if m.out_features % (cut.blocks * t):
+                what = f"{cut.blocks} packed blocks of " if cut.blocks > 1 else ""
+                raise ValueError(f"tensor parallelism: module {cut.name!r} has {what}out_features={m.out_features}, "
+                                 f"not divisible by {cut.blocks} x tp={t}")
+        if style == "rowwise":
+            assert isinstance(m, nn.Linear)
+            if m.in_features % t:
+                raise ValueError(f"tensor parallelism: module {cut.name!r} has in_features={m.in_features}, not "
+                                 f"divisible by tp={t}")
+    column = {c.module for c in cuts if c.style in _COLUMN}
+    updates = []
+    for name, parent in model.named_modules():
+        children = {n: c for n, c in parent.named_children() if c in column}
+        if not children:
+            continue
+        counts = {a: getattr(parent, a) for a in _HEAD_ATTRS if isinstance(getattr(parent, a, None), int)}
+        head_dim = getattr(parent, "head_dim", None)
+        if not counts and not isinstance(head_dim, int):
+            continue  # an MLP: nothing counts heads
+        new: dict[str, Any] = {}
+        for attr, n in counts.items():
+            if n % t:
+                raise ValueError(f"tensor parallelism: module {name!r} has {attr}={n}, not divisible by tp={t}; "
+                                 f"choose tp dividing {n}")
+            new[attr] = n // t
+        for attr in _WIDTH_ATTRS:
+            width = getattr(parent, attr, None)
+            if isinstance(width, int) and (counts or head_dim):
+                new[attr] = width // t
+        if isinstance(head_dim, int):
+            new.update(_gqa(name, parent, children, cuts, head_dim, t, r))
+        updates.append((parent, new))
+    return updates
+
+
+def _gqa(name: str, parent: nn.Module, children: dict[str, nn.Module], cuts: list[_Cut], head_dim: int, t: int,
+         r: int) -> dict[str, Any]:
+    """Query heads split; K/V heads split when they divide by tp, else kept whole with each rank reading one."""
+    by_module = {c.module: c for c in cuts}
+    q = children.get("q_proj") or children.get("query")
+    k, v = children.get("k_proj") or children.get("key"), children.get("v_proj") or children.get("value")
+    if not isinstance(q, nn.Linear) or not isinstance(k, nn.Linear):
+        return {}
+    nh, nkv = q.out_features // head_dim, k.out_features // head_dim
+    if nh % t:
+        raise ValueError(f"tensor parallelism: module {name!r} has {nh} attention heads, not divisible by tp={t}")
+    if nkv % t == 0:
+        return {}
+    per_rank, group_size = nh // t, nh // nkv
+    if group_size % per_rank:
+        raise ValueError(f"tensor parallelism: module {name!r} has {nkv} key/value heads for {nh} query heads: with "
+                         f"tp={t} the {per_rank} query heads of a rank span several KV heads unevenly; choose tp "
+                         f"dividing {nkv}, or a multiple of {nkv} dividing {nh}")
+    kv = r * per_rank // group_size
+    for proj in (k, v):
+        if proj is not None:
+            by_module[proj].select = (kv * head_dim, (kv + 1) * head_dim)
+    return {"num_key_value_groups": per_rank} if hasattr(parent, "num_key_value_groups") else {}
+
+
+@torch.no_grad()
+def _broadcast_whole(model: nn.Module, group: mdist.ProcessGroup) -> None:
+    seen: set[int] = set()
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in seen and t.device.type != "meta":
+            seen.add(id(t))
+            mdist.broadcast(t.data, 0, group)
+
+
+def _slice(full: torch.Tensor, dim: int, t: int, r: int, blocks: int, pad_to: int | None = None) -> torch.Tensor:
+    if pad_to is not None and pad_to != full.shape[dim]:
+        pad = list(full.shape)
+        pad[dim] = pad_to - full.shape[dim]
+        full = torch.cat([full, full.new_zeros(pad)], dim)
+    parts = [b.chunk(t, dim)[r] for b in full.chunk(blocks, dim)]
+    return torch.cat(parts, dim).clone() if blocks > 1 else parts[0].clone()
+
+
+def _set(p: nn.Parameter, local: torch.Tensor, layout: TPParam, done: dict[int, TPParam], name: str) -> None:
+    if id(p) in done:  # a tied parameter, cut already: the same layout or a refusal
+        if done[id(p)] != layout:
+            raise ValueError(f"tensor parallelism: {name} is tied to a parameter cut another way ({done[id(p)]} vs "
+                             f"{layout}); give tied modules styles that split it alike")
+        return
+    full_shape = tuple(p.shape)
+    p.data = local
+    p._memsave_tp = dataclasses.replace(layout, full_shape=full_shape)  # type: ignore[attr-defined]
+    p._memsave_placement = layout.placement  # type: ignore[attr-defined]
+    done[id(p)] = dataclasses.replace(layout, full_shape=())
+
+
+def _cut(cut: _Cut, ctx: TPContext, done: dict[int, TPParam]) -> None:
+    m, style, t, r = cut.module, cut.style, ctx.size, ctx.rank
+    partial = Placement(partial_grad=("tp",))
+    if style in _COLUMN:
+        assert isinstance(m, nn.Linear)
+        vocab = None
+        if cut.select is not None:  # GQA: whole, the gradient summed over tp
+            layout = TPParam(partial, None, 1, ())
+            for p in (m.weight, m.bias):
+                if p is not None:
+                    _set(p, p.data, layout, done, f"{cut.name} parameter")
+        else:
+            pad_to = -(-m.out_features // t) * t if style == "loss_parallel" else None
+            layout = TPParam(Placement(tp=Shard(0)), 0, cut.blocks, ())
+            if pad_to is not None:
+                vocab = VocabShard(ctx.group, r * (pad_to // t), pad_to // t, m.out_features)
+            _set(m.weight, _slice(m.weight.data, 0, t, r, cut.blocks, pad_to), layout, done, f"{cut.name}.weight")
+            if m.bias is not None:
+                _set(m.bias, _slice(m.bias.data, 0, t, r, cut.blocks, pad_to), layout, done, f"{cut.name}.bias")
+            m.out_features = m.weight.shape[0]
+        m.__class__ = ColumnParallelLinear
+        m.tp, m.gather_output, m.vocab, m.select = ctx, style == "colwise_gather_output", vocab, cut.select
+    elif style == "rowwise":
+        assert isinstance(m, nn.Linear)
+        _set(m.weight, _slice(m.weight.data, 1, t, r, 1), TPParam(Placement(tp=Shard(1)), 1, 1, ()), done,
+             f"{cut.name}.weight")
+        if m.bias is not None:  # added once, after the reduction; under SP on sequence shards: partial gradient
+            _set(m.bias, m.bias.data, TPParam(partial if ctx.sequence else Placement(), None, 1, ()), done,
+                 f"{cut.name}.bias")
+        m.in_features = m.weight.shape[1]
+        m.__class__ = RowParallelLinear
+        m.tp = ctx
+    elif style == "vocab_embedding":
+        assert isinstance(m, nn.Embedding)
+        pad_to = -(-m.num_embeddings // t) * t
+        m.vocab = VocabShard(ctx.group, r * (pad_to // t), pad_to // t, m.num_embeddings)
+        _set(m.weight, _slice(m.weight.data, 0, t, r, 1, pad_to), TPParam(Placement(tp=Shard(0)), 0, 1, ()), done,
+             f"{cut.name}.weight")
+        m.__class__ = VocabParallelEmbedding
+        m.tp = ctx
+    elif style == "replicated_with_grad_allreduce" or (style == "sequence_parallel" and ctx.sequence):
+        for pn, p in m.named_parameters(recurse=False):
+            _set(p, p.data, TPParam(partial, None, 1, ()), done, f"{cut.name}.{pn}")
+
+
+def _install_hooks(model: nn.Module, ctx: TPContext, cuts: list[_Cut], units: Sequence[nn.Module] | None) -> None:
+    def reset(*_: Any) -> None:
+        ctx.clear()
+        ctx.random.leave()
+
+    model.register_forward_pre_hook(reset)
+    model.register_forward_hook(reset)
+    if ctx.sequence:
+        for cut in cuts:
+            if cut.style in ("sequence_input", "sequence_gather"):
+                cut.module.register_forward_pre_hook(_map_input(ctx, cut.style), with_kwargs=True)
+    from memsave.models.units import default_units  # layer 0
+
+    for unit in units if units is not None else default_units(model):
+        if unit is not model:  # [Note: TP random streams]: each unit starts and ends in the replicated stream
+            unit.forward = ctx.random.scoped(unit.forward)  # type: ignore[method-assign]
+
+
+def _map_input(ctx: TPContext, style: str) -> Any:
+    """The sequence input of a module: cut to this rank's slice (``sequence_input``, the first block) or gathered
+    whole (``sequence_gather``, a module whose column-parallel children read it)."""
+
+    def mapped(x: torch.Tensor) -> torch.Tensor:
+        return ScatterSeq.apply(x, ctx.seq_dim, ctx.group) if style == "sequence_input" else ctx.gather_input(x)
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        if args and isinstance(args[0], torch.Tensor):
+            args = (mapped(args[0]), *args[1:])
+        elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
+            kwargs = {**kwargs, "hidden_states": mapped(kwargs["hidden_states"])}
+        else:
+            raise ValueError(f"sequence parallelism: the sequence input of {type(module).__name__} is neither its "
+                             "first positional tensor nor a hidden_states= keyword")
+        return args, kwargs
+
+    return hook

@@ -1,0 +1,161 @@
+"""Tensor-parallel plans: module-name patterns mapped to styles, in the spirit of torch's ``parallelize_module``.
+
+A plan is a ``dict`` from a pattern to a style. A pattern is a module name whose components may be ``*`` (any one
+component): ``"blocks.*.mlp_fc"``, ``"model.layers.*.self_attn.q_proj"``. Every pattern must match at least one
+module, and no module may be matched twice. The styles:
+
+| style | module | weight on each ``tp`` rank | communication |
+|---|---|---|---|
+| ``colwise`` | ``nn.Linear`` | rows (output features) | input: all-reduce of its gradient (SP: all-gather) |
+| ``packed_colwise[:N]`` | ``nn.Linear`` | rows of each of N packed blocks (``qkv``: 3; default 2) | as ``colwise`` |
+| ``colwise_gather_output`` | ``nn.Linear`` | rows | as ``colwise``, output all-gathered |
+| ``loss_parallel`` | ``nn.Linear`` LM head | rows of the padded vocabulary | as ``colwise``; output :class:`ShardedLogits` |
+| ``rowwise`` | ``nn.Linear`` | columns (input features); the bias whole | output all-reduce (SP: reduce-scatter) |
+| ``vocab_embedding`` | ``nn.Embedding`` | rows of the padded vocabulary | output all-reduce |
+| ``sequence_parallel`` | norms, dropout | whole; under SP the gradient is summed over ``tp`` | none |
+| ``sequence_input`` | the first block | none | under SP: its input cut to this rank's slice of the sequence |
+| ``sequence_gather`` | attention, MLP | none | under SP: its input all-gathered whole (its linears regather it) |
+| ``replicated_with_grad_allreduce`` | any | whole; the gradient summed over ``tp`` | none |
+
+The attention heads split with their projections: a module that owns column-parallel children and counts heads
+(``num_heads``, ``n_head``, ``num_attention_heads``, ``num_key_value_heads``; ``hidden_size`` on it) gets per-rank
+counts. Key/value projections of grouped-query attention split when the KV heads divide by ``tp``; otherwise each
+rank keeps them whole and uses the one KV head its query heads read (``num_key_value_groups`` updated), its
+gradient summed over ``tp``.
+
+:func:`default_plan` gives memsave's plans: its reference GPT, and any Hugging Face model whose config carries
+``base_model_tp_plan`` (Llama, Mistral, Qwen2, ...), completed with the vocab-parallel embedding, the parallel
+loss on the LM head, sequence-parallel norms and the sequence input of the first block.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from torch import nn
+
+__all__ = ["STYLES", "default_plan", "gpt_plan", "match_plan"]
+
+STYLES = ("colwise", "packed_colwise", "colwise_gather_output", "loss_parallel", "rowwise", "vocab_embedding",
+          "sequence_parallel", "sequence_input", "sequence_gather", "replicated_with_grad_allreduce")
+_ALIASES = {"embedding": "vocab_embedding", "embedding_rowwise": "vocab_embedding", "colwise_rep": "colwise_gather_output"}
+
+
+def gpt_plan() -> dict[str, str]:
+    """The plan of memsave's reference GPT (memsave/models/gpt.py)."""
+    return {
+        "wte": "vocab_embedding",
+        "blocks.0": "sequence_input",
+        "blocks.*.ln_1": "sequence_parallel",
+        "blocks.*.qkv": "packed_colwise:3",
+        "blocks.*.attn_proj": "rowwise",
+        "blocks.*.ln_2": "sequence_parallel",
+        "blocks.*.mlp_fc": "colwise",
+        "blocks.*.mlp_proj": "rowwise",
+        "ln_f": "sequence_parallel",
+        "lm_head": "loss_parallel",
+    }
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return type(module).__name__.endswith(("Norm", "LayerNorm", "RMSNorm")) or isinstance(
+        module, nn.LayerNorm | nn.RMSNorm | nn.GroupNorm)
+
+
+def _hf_plan(model: nn.Module, base_plan: Mapping[str, str]) -> dict[str, str]:
+    """A Hugging Face model's ``base_model_tp_plan`` (relative to its base model), completed ([module docstring])."""
+    names = {m: n for n, m in model.named_modules()}
+    base = getattr(model, "base_model", model)
+    prefix = names.get(base, "")
+    prefix = prefix + "." if prefix else ""
+    plan = {prefix + k: v for k, v in base_plan.items()}
+    get_in = getattr(model, "get_input_embeddings", None)
+    embed = get_in() if callable(get_in) else None
+    if isinstance(embed, nn.Embedding) and embed in names:
+        plan[names[embed]] = "vocab_embedding"
+    get_out = getattr(model, "get_output_embeddings", None)
+    head = get_out() if callable(get_out) else None
+    if isinstance(head, nn.Linear) and head in names:
+        plan[names[head]] = "loss_parallel"
+    # under SP an attention / MLP module reads the whole sequence from its input (its own forward takes the
+    # sequence length from it): gathered at its entry, as torch's PrepareModuleInput does
+    modules = dict(model.named_modules())
+    for key, style in list(plan.items()):
+        parent = key.rpartition(".")[0]
+        if style in ("colwise", "packed_colwise", "colwise_gather_output") and parent:
+            plan.setdefault(parent, "sequence_gather")
+    layers = [(n, m) for n, m in modules.items() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if layers:
+        name, blocks = max(layers, key=lambda nm: len(nm[1]))
+        plan[f"{name}.0"] = "sequence_input"
+    for n, m in model.named_modules():
+        if _is_norm(m) and n not in plan and any(True for _ in m.parameters(recurse=False)):
+            plan[n] = "sequence_parallel"
+    return plan
+
+
+def default_plan(model: nn.Module) -> dict[str, str]:
+    """memsave's plan for ``model``: its reference GPT's, or one read from a Hugging Face config's
+    ``base_model_tp_plan``. Raises ``ValueError`` for any other model: pass ``tp_plan=`` then."""
+    from memsave.models.gpt import GPT  # layer 0
+
+    if isinstance(model, GPT):
+        return gpt_plan()
+    config = getattr(model, "config", None)
+    base_plan = getattr(config, "base_model_tp_plan", None)
+    if base_plan:
+        return _hf_plan(model, base_plan)
+    raise ValueError(
+        f"tensor parallelism: memsave has no plan for a {type(model).__name__} (its own GPT and Hugging Face models "
+        "whose config has base_model_tp_plan have one); pass tp_plan={module-name pattern: style} to "
+        f"memsave.wrap / memsave.parallelize, with styles from {', '.join(STYLES)}")
+
+
+def parse_style(pattern: str, style: str) -> tuple[str, int]:
+    """``(style, packed blocks)`` of a plan entry; ``ValueError`` naming the entry if the style is unknown."""
+    if not isinstance(style, str):
+        raise ValueError(f"tp plan entry {pattern!r}: style {style!r} is not a string; allowed are {', '.join(STYLES)}")
+    name, _, blocks = style.partition(":")
+    name = _ALIASES.get(name, name)
+    if name == "packed_colwise":
+        if blocks and not (blocks.isdigit() and int(blocks) >= 1):
+            raise ValueError(f"tp plan entry {pattern!r}: style {style!r}; the packed block count after ':' must be "
+                             "a positive integer (packed_colwise:3 for a fused qkv)")
+        return name, int(blocks) if blocks else 2
+    if name not in STYLES or blocks:
+        raise NotImplementedError(
+            f"tp plan entry {pattern!r}: style {style!r} is not supported by memsave's tensor parallelism; "
+            f"supported are {', '.join(STYLES)} (packed_colwise:N for N packed blocks)")
+    return name, 1
+
+
+def _compile(pattern: str) -> re.Pattern[str]:
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError(f"tp plan pattern {pattern!r}: expected a module name, components may be '*'")
+    parts = [r"[^.]+" if p == "*" else re.escape(p) for p in pattern.split(".")]
+    return re.compile(r"\.".join(parts))
+
+
+def match_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[str, tuple[str, int]]:
+    """Module name -> ``(style, packed blocks)`` for every module the plan names. ``ValueError`` for a pattern
+    that matches nothing or a module matched by two patterns."""
+    if not isinstance(plan, Mapping) or not plan:
+        raise ValueError(f"tp_plan={plan!r}: expected a non-empty dict of module-name pattern -> style")
+    names = [n for n, _ in model.named_modules() if n]
+    out: dict[str, tuple[str, int]] = {}
+    by: dict[str, str] = {}
+    for pattern, style in plan.items():
+        parsed = parse_style(pattern, style)
+        regex = _compile(pattern)
+        hits = [n for n in names if regex.fullmatch(n)]
+        if not hits:
+            sample = ", ".join(names[:8])
+            raise ValueError(f"tp plan pattern {pattern!r} matches no module of the {type(model).__name__}; its "
+                             f"module names look like {sample}, ...")
+        for n in hits:
+            if n in out:
+                raise ValueError(f"tp plan: module {n!r} is matched by both {by[n]!r} and {pattern!r}; give each "
+                                 "module one style")
+            out[n], by[n] = parsed, pattern
+    return out
