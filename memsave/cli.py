@@ -89,8 +89,9 @@ def _demo_rank(opts: DemoOptions, mesh: mdist.Mesh) -> dict[str, Any]:
     # the first micro-batch is what a "budget:<size>" recompute policy measures activations on
     wrapped, mopt = wrap(model, optimizer, opts.profile, mesh=mesh, example_inputs=data["train"].batch(0))
     if mesh.is_main:
+        layout = f" (dp={mesh.dp_size} x tp={mesh.degree('tp')})" if mesh.degree("tp") > 1 else ""
         print(f"memsave demo: GPT {opts.size} ({num_params:,} parameters), profile {opts.profile.name}, "
-              f"{mesh.world_size} processes on {mesh.device.type}; {cfg.steps} steps x {cfg.micro_batches} "
+              f"{mesh.world_size} processes on {mesh.device.type}{layout}; {cfg.steps} steps x {cfg.micro_batches} "
               f"micro-batches x {cfg.batch_size} rows x {cfg.seq_len} tokens per rank; {opt_cfg.name} "
               f"lr {opt_cfg.lr:g}", flush=True)
         # memsave.recompute.apply leaves its plan on the model it was given (memsave/recompute/plan.py: PLAN_ATTR)

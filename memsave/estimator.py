@@ -66,6 +66,7 @@ class Estimate:
     activations: int
     notes: tuple[str, ...] = ()
     units: str = ""
+    tp: int = 1  # tensor-parallel degree: world_size / tp data-parallel ranks
 
     @property
     def peak_total(self) -> int:
@@ -183,8 +184,9 @@ def _model_states(groups: list[list[nn.Parameter]], order: list[nn.Parameter], p
 
 def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_size: int = 1, batch: Any = None,
              units: Sequence[nn.Module] | None = None, device: str | None = None,
-             micro_batches: int = 1) -> Estimate:
-    """Predict per-rank memory of training ``model`` under ``profile`` on ``world_size`` data-parallel ranks.
+             micro_batches: int = 1, tp_plan: Mapping[str, str] | None = None) -> Estimate:
+    """Predict per-rank memory of training ``model`` under ``profile`` on ``world_size`` ranks: ``world_size /
+    tp`` data-parallel ranks of ``[parallel] tp`` tensor-parallel ranks each.
 
     ``model`` may live on the meta device (build it under ``with torch.device("meta"):``); it is not changed.
     ``batch``: one micro-batch as the model takes it (dict of keyword arguments, tuple of positional ones, a
@@ -195,7 +197,10 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
     allocated on a real device. ``device``: "cpu" or "cuda", the kind of device trained on (default: cuda when
     available), for the attention kernel and whether host offload moves anything. ``micro_batches``: backwards
     per optimizer step (gradient accumulation under ``model.no_sync()``): at ZeRO stages 1-3 the full gradients
-    accumulate locally until the last one. See [Note: the estimated peak].
+    accumulate locally until the last one. ``tp_plan``: as for ``memsave.wrap`` under ``[parallel] tp > 1``: the
+    copy is cut to ``tp`` rank 0's shapes (:func:`memsave.tp.cut_shapes`), so every figure is per rank with the TP
+    split; activations are those of the cut forward without sequence parallelism (with it, an upper bound: the
+    norms' and residuals' share is tp times too big). See [Note: the estimated peak].
     """
     prof = load_profile(profile)
     device_type = device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -205,7 +210,14 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
         raise ValueError(f"world_size = {world_size!r} is not allowed; expected a positive integer")
     if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
         raise ValueError(f"micro_batches = {micro_batches!r} is not allowed; expected a positive integer")
+    tp = prof.parallel.tp
+    if world_size % tp:
+        raise ValueError(f"world_size = {world_size} is not divisible by [parallel] tp = {tp}; the ranks are dp x tp")
     meta = meta_copy(model)
+    if tp > 1:
+        from memsave.tp import cut_shapes  # layer 3
+
+        cut_shapes(meta, tp, tp_plan)
     mixed = prof.precision.compute != "fp32"
     if mixed:
         dtype = compute_dtype(prof.precision)
@@ -218,11 +230,14 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
         by_name = dict(meta.named_modules())
         meta_units = [by_name[names[id(u)]] for u in units]
     groups, modules, said = _units(meta, meta_units)
-    n, stage = world_size, prof.zero.stage
+    n, stage = world_size // tp, prof.zero.stage
     states = _model_states(groups, list(meta.parameters()), prof, n)
     held: dict[str, int] = dict(states["bytes"])
     notes = [f"model states: {prof.optimizer.name} state, {prof.precision.compute} parameters"
-             + (", fp32 masters" if mixed else "") + f", zero stage {stage} over {n} rank(s)", said]
+             + (", fp32 masters" if mixed else "") + f", zero stage {stage} over {n} rank(s)"
+             + (f" of dp, each cut over tp = {tp} (per-rank shapes of tp rank 0)" if tp > 1 else ""), said]
+    if tp > 1 and prof.parallel.sequence:
+        notes.append("activations: sequence parallelism not modelled, the figure is an upper bound")
     held["buffers"] = sum(b.numel() * b.element_size() for b in meta.buffers())
     _offload(held, states, prof, device_type, notes)
     model_state = sum(held.get(c, 0) for c in ("params", "grads", "master", "optimizer_state"))
@@ -254,7 +269,7 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
         step = dict(base, activations=0, grads=persistent_grads + states["bytes"]["master"])
         best = step if _total(step) > _total(best) else best
     best = {k: int(v) for k, v in best.items() if v}
-    return Estimate(profile=prof.name, world_size=n, model=user_class(model).__name__,
+    return Estimate(profile=prof.name, world_size=world_size, tp=tp, model=user_class(model).__name__,
                     num_params=sum(p.numel() for p in model.parameters()), bytes=best,
                     model_state=model_state, activations=acts + outputs, notes=tuple(notes), units=said)
 

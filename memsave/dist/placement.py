@@ -100,7 +100,7 @@ class Placement:
 
     def with_axis(self, axis: str, value: AxisPlacement) -> Placement:
         self.along(axis)
-        return dataclasses.replace(self, **{axis: value})
+        return dataclasses.replace(self, **{axis: value})  # type: ignore[arg-type]
 
     def sharded_axes(self) -> tuple[str, ...]:
         """Axes along which each rank holds only a part: a sum over the tensor adds every rank's part."""

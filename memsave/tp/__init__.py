@@ -2,8 +2,14 @@
 vocab-parallel loss) applied to an unchanged model by a plan. ``memsave.wrap`` / ``memsave.parallelize`` apply it
 when the mesh has a ``tp`` axis; the pieces are public for users who compose by hand."""
 
-from memsave.tp.apply import TPParam, apply_tp, tp_param
-from memsave.tp.layers import ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding, gather_tp
+from memsave.tp.apply import TPParam, apply_tp, cut_shapes, tp_param
+from memsave.tp.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPContext,
+    VocabParallelEmbedding,
+    gather_tp,
+)
 from memsave.tp.loss import ShardedLogits, VocabShard, vocab_parallel_cross_entropy
 from memsave.tp.mappings import CopyToTP, GatherLast, GatherSeq, ReduceFromTP, ReduceScatterSeq, ScatterSeq
 from memsave.tp.plan import STYLES, default_plan, gpt_plan, match_plan
@@ -24,6 +30,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "VocabShard",
     "apply_tp",
+    "cut_shapes",
     "default_plan",
     "gather_tp",
     "gpt_plan",

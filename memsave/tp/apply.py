@@ -31,7 +31,7 @@ from memsave.tp.mappings import ScatterSeq
 from memsave.tp.plan import default_plan, match_plan
 from memsave.tp.random import RegionRandom, sync_default_rng
 
-__all__ = ["TPParam", "apply_tp", "tp_param"]
+__all__ = ["TPParam", "apply_tp", "cut_shapes", "tp_param"]
 
 _HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
 _WIDTH_ATTRS = ("hidden_size", "embed_dim", "all_head_size")
@@ -160,6 +160,33 @@ def _gqa(name: str, parent: nn.Module, children: dict[str, nn.Module], cuts: lis
 
 
 @torch.no_grad()
+def cut_shapes(model: nn.Module, tp: int, plan: Mapping[str, str] | None = None) -> None:
+    """Give a *meta-device* ``model`` the parameter shapes and head counts ``tp`` rank 0 holds under ``plan``, with
+    no process group and no class swapped (the estimator's model: its forward on the meta device then saves what a
+    tensor-parallel rank saves without sequence parallelism)."""
+    matched = match_plan(model, plan if plan is not None else default_plan(model))
+    modules = dict(model.named_modules())
+    cuts = [_Cut(modules[n], n, style, blocks) for n, (style, blocks) in matched.items()]
+    for module, updates in _check(model, cuts, tp, 0, False):
+        for attr, value in updates.items():
+            setattr(module, attr, value)
+    seen: set[int] = set()
+    for cut in cuts:
+        m = cut.module
+        dims = {"rowwise": {"weight": 1}, "vocab_embedding": {"weight": 0}}.get(cut.style, {})
+        if cut.style in _COLUMN and cut.select is None:
+            dims = {"weight": 0, "bias": 0}
+        for pn, dim in dims.items():
+            p = getattr(m, pn, None)
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            shape = list(p.shape)
+            shape[dim] = -(-shape[dim] // tp)
+            p.data = torch.empty(shape, dtype=p.dtype, device="meta")
+
+
+@torch.no_grad()
 def _broadcast_whole(model: nn.Module, group: mdist.ProcessGroup) -> None:
     seen: set[int] = set()
     for t in [*model.parameters(), *model.buffers()]:
@@ -177,7 +204,7 @@ def _slice(full: torch.Tensor, dim: int, t: int, r: int, blocks: int, pad_to: in
     return torch.cat(parts, dim).clone() if blocks > 1 else parts[0].clone()
 
 
-def _set(p: nn.Parameter, local: torch.Tensor, layout: TPParam, done: dict[int, TPParam], name: str) -> None:
+def _set(p: torch.Tensor, local: torch.Tensor, layout: TPParam, done: dict[int, TPParam], name: str) -> None:
     if id(p) in done:  # a tied parameter, cut already: the same layout or a refusal
         if done[id(p)] != layout:
             raise ValueError(f"tensor parallelism: {name} is tied to a parameter cut another way ({done[id(p)]} vs "
@@ -211,7 +238,7 @@ def _cut(cut: _Cut, ctx: TPContext, done: dict[int, TPParam]) -> None:
                 _set(m.bias, _slice(m.bias.data, 0, t, r, cut.blocks, pad_to), layout, done, f"{cut.name}.bias")
             m.out_features = m.weight.shape[0]
         m.__class__ = ColumnParallelLinear
-        m.tp, m.gather_output, m.vocab, m.select = ctx, style == "colwise_gather_output", vocab, cut.select
+        vars(m).update(tp=ctx, gather_output=style == "colwise_gather_output", vocab=vocab, select=cut.select)
     elif style == "rowwise":
         assert isinstance(m, nn.Linear)
         _set(m.weight, _slice(m.weight.data, 1, t, r, 1), TPParam(Placement(tp=Shard(1)), 1, 1, ()), done,
@@ -221,15 +248,15 @@ def _cut(cut: _Cut, ctx: TPContext, done: dict[int, TPParam]) -> None:
                  f"{cut.name}.bias")
         m.in_features = m.weight.shape[1]
         m.__class__ = RowParallelLinear
-        m.tp = ctx
+        vars(m)["tp"] = ctx
     elif style == "vocab_embedding":
         assert isinstance(m, nn.Embedding)
         pad_to = -(-m.num_embeddings // t) * t
-        m.vocab = VocabShard(ctx.group, r * (pad_to // t), pad_to // t, m.num_embeddings)
+        vars(m)["vocab"] = VocabShard(ctx.group, r * (pad_to // t), pad_to // t, m.num_embeddings)
         _set(m.weight, _slice(m.weight.data, 0, t, r, 1, pad_to), TPParam(Placement(tp=Shard(0)), 0, 1, ()), done,
              f"{cut.name}.weight")
         m.__class__ = VocabParallelEmbedding
-        m.tp = ctx
+        vars(m)["tp"] = ctx
     elif style == "replicated_with_grad_allreduce" or (style == "sequence_parallel" and ctx.sequence):
         for pn, p in m.named_parameters(recurse=False):
             _set(p, p.data, TPParam(partial, None, 1, ()), done, f"{cut.name}.{pn}")

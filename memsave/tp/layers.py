@@ -35,7 +35,14 @@ from torch import nn
 from memsave import dist as mdist
 from memsave.dist import ProcessGroup
 from memsave.tp.loss import ShardedLogits, VocabShard
-from memsave.tp.mappings import CopyToTP, GatherLast, GatherSeq, ReduceFromTP, ReduceScatterSeq, all_gather_dim
+from memsave.tp.mappings import (
+    CopyToTP,
+    GatherLast,
+    GatherSeq,
+    ReduceFromTP,
+    ReduceScatterSeq,
+    all_gather_dim,
+)
 from memsave.tp.random import RegionRandom
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "TPContext", "VocabParallelEmbedding"]

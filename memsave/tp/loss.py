@@ -142,7 +142,7 @@ class ShardedLogits(torch.Tensor):
         """The whole logits (an all-gather over ``tp``, differentiable; padding columns dropped)."""
         return _gather_full(self)
 
-    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # no collective in a print
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # no collective in a print
         with torch._C.DisableTorchFunctionSubclass():
             return (f"ShardedLogits(columns {self._shard.start}..{self._shard.start + self._shard.local} of "
                     f"{self._shard.vocab}, local={torch.Tensor.__repr__(self)})")

@@ -87,7 +87,7 @@ def _hf_plan(model: nn.Module, base_plan: Mapping[str, str]) -> dict[str, str]:
             plan.setdefault(parent, "sequence_gather")
     layers = [(n, m) for n, m in modules.items() if isinstance(m, nn.ModuleList) and len(m) > 0]
     if layers:
-        name, blocks = max(layers, key=lambda nm: len(nm[1]))
+        name = max(layers, key=lambda nm: len(nm[1]))[0]
         plan[f"{name}.0"] = "sequence_input"
     for n, m in model.named_modules():
         if _is_norm(m) and n not in plan and any(True for _ in m.parameters(recurse=False)):

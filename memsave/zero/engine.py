@@ -63,7 +63,7 @@ class ZeroEngine:
         for u in self.units:
             for n, p, s in zip(u.names, u.params, u.shards):
                 self.shard_of[p], self.name_of[s] = s, n
-        self._param_of = {s: p for p, s in self.shard_of.items()}
+        self._param_of: dict[torch.Tensor, nn.Parameter] = {s: p for p, s in self.shard_of.items()}
         self._unit_of = {p: u for u in self.units for p in u.params}
         self._slot_of: dict[torch.Tensor, tuple[Unit, int]] = {s: (u, i) for u in self.units
                                                                for i, s in enumerate(u.shards)}
