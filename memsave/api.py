@@ -83,10 +83,11 @@ def _apply(model: nn.Module, plan: Plan, units: Sequence[nn.Module] | None, exam
            tp_plan: Mapping[str, str] | None = None) -> Engine:
     """The transforms of a validated plan, in the documented order."""
     profile, mesh = plan.profile, plan.mesh
+    tp_ctx = None
     if mesh.degree("tp") > 1:  # 1. tensor parallel: cut by the plan, checked whole before anything changes
         from memsave.tp import apply_tp  # layer 3; imported here so other users never load it
 
-        apply_tp(model, mesh, tp_plan, sequence=profile.parallel.sequence, units=units)
+        tp_ctx = apply_tp(model, mesh, tp_plan, sequence=profile.parallel.sequence, units=units)
     elif tp_plan is not None:
         raise ValueError("tp_plan= was given but the mesh has tp = 1; build the mesh with tp > 1 "
                          "(memsave.init(profile=...) with [parallel] tp, or --parallel.tp=N)")
@@ -112,6 +113,10 @@ def _apply(model: nn.Module, plan: Plan, units: Sequence[nn.Module] | None, exam
     # 4. pipeline parallel: [parallel] pp > 1 is refused by validate() until the PP engine lands
     if plan.compute_dtype is not None:  # an fp32 batch (images, features) meets the compute-dtype weights: cast,
         cast_forward_inputs(model, plan.compute_dtype)  # as FSDP2 does
+    if tp_ctx is not None:
+        from memsave.tp import full_state_dicts
+
+        full_state_dicts(model, tp_ctx)  # after ZeRO's hooks: whole tensors in and out of state dicts
     if plan.recompute:
         _no_cache_in_training(model)
     _wrap_saved_tensors(model, profile, mesh)  # last: its hooks are the outermost around the root's forward

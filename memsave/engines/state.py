@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memsave import dist as mdist
+from memsave.tp import gather_tp, tp_param
 from memsave.zero.rows import RowSharding
 
 if TYPE_CHECKING:
@@ -126,5 +127,10 @@ def full_grads(opt: MemsaveOptimizer) -> dict[str, torch.Tensor | None]:
             out[names[p]] = None
         else:
             sharded = isinstance(engine.placement_of(s).dp, mdist.Shard)
-            out[names[p]] = rows.gather(grad, p) if sharded else grad.clone()
+            full = rows.gather(grad, p) if sharded else grad.clone()
+            lay = tp_param(p)
+            if lay is not None and lay.dim is not None:  # whole over tp too (a collective over tp)
+                full = gather_tp(full, lay.dim, engine.mesh.group("tp"), blocks=lay.blocks,
+                                 full=lay.full_shape[lay.dim])
+            out[names[p]] = full
     return out

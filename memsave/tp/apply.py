@@ -25,13 +25,13 @@ from torch import nn
 
 from memsave import dist as mdist
 from memsave.dist import Mesh, Placement, Shard
-from memsave.tp.layers import ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding
+from memsave.tp.layers import ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding, gather_tp
 from memsave.tp.loss import VocabShard
 from memsave.tp.mappings import ScatterSeq
 from memsave.tp.plan import default_plan, match_plan
 from memsave.tp.random import RegionRandom, sync_default_rng
 
-__all__ = ["TPParam", "apply_tp", "cut_shapes", "tp_param"]
+__all__ = ["TPParam", "apply_tp", "cut_shapes", "full_state_dicts", "tp_param"]
 
 _HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
 _WIDTH_ATTRS = ("hidden_size", "embed_dim", "all_head_size")
@@ -298,3 +298,29 @@ def _map_input(ctx: TPContext, style: str) -> Any:
         return args, kwargs
 
     return hook
+
+
+def full_state_dicts(model: nn.Module, ctx: TPContext) -> None:
+    """``model.state_dict()`` holds the whole tensors (gathered over ``tp``, padding dropped: a collective over
+    ``tp``), and ``model.load_state_dict`` takes whole tensors (each rank cuts its slice) or this rank's slices, so
+    a state dict moves between a tensor-parallel run, a plain model and ``save_pretrained`` as it is. Installed
+    after the other transforms, so their own state-dict hooks (ZeRO-3's gather over ``dp``) run first."""
+    layouts = {k: lay for k, p in model.named_parameters(remove_duplicate=False)
+               if (lay := tp_param(p)) is not None and lay.dim is not None}
+
+    def gather(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        for key, lay in layouts.items():
+            value = state_dict.get(prefix + key)
+            if isinstance(value, torch.Tensor) and lay.dim is not None:
+                state_dict[prefix + key] = gather_tp(value, lay.dim, ctx.group, blocks=lay.blocks,
+                                                     full=lay.full_shape[lay.dim])
+
+    def cut(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        for key, lay in layouts.items():
+            value = state_dict.get(prefix + key)
+            if isinstance(value, torch.Tensor) and lay.dim is not None and tuple(value.shape) == lay.full_shape:
+                pad_to = -(-lay.full_shape[lay.dim] // ctx.size) * ctx.size
+                state_dict[prefix + key] = _slice(value, lay.dim, ctx.size, ctx.rank, lay.blocks, pad_to)
+
+    model.register_state_dict_post_hook(gather)
+    model.register_load_state_dict_pre_hook(cut)
