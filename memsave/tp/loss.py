@@ -66,7 +66,8 @@ class _VocabParallelCE(torch.autograd.Function):
         exp = shifted.exp()
         local_t = target - shard.start
         mine = (local_t >= 0) & (local_t < real) & (target != ignore_index)
-        picked = shifted.gather(-1, torch.where(mine, local_t, 0).unsqueeze(-1)).squeeze(-1) * mine
+        picked = shifted.gather(-1, torch.where(mine, local_t, 0).unsqueeze(-1)).squeeze(-1)
+        picked = torch.where(mine, picked, 0.0)  # (not * mine: a rank holding only padding gathers -inf)
         sums = [exp.sum(-1), picked]
         if smoothing:
             sums.append(shifted[:, :real].sum(-1))
