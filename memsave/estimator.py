@@ -214,10 +214,15 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
     if world_size % tp:
         raise ValueError(f"world_size = {world_size} is not divisible by [parallel] tp = {tp}; the ranks are dp x tp")
     meta = meta_copy(model)
+    tp_note = ""
     if tp > 1:
         from memsave.tp import cut_shapes  # layer 3
 
-        cut_shapes(meta, tp, tp_plan)
+        cut = cut_shapes(meta, tp, tp_plan)
+        split = sum(p.numel() for p in meta.parameters() if id(p) in cut)
+        whole = sum(p.numel() for p in meta.parameters() if id(p) not in cut)
+        tp_note = (f"tensor parallel: {split:,} parameters per rank are 1/{tp} slices (padded), {whole:,} are "
+                   f"replicated over tp")
     mixed = prof.precision.compute != "fp32"
     if mixed:
         dtype = compute_dtype(prof.precision)
@@ -236,6 +241,8 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
     notes = [f"model states: {prof.optimizer.name} state, {prof.precision.compute} parameters"
              + (", fp32 masters" if mixed else "") + f", zero stage {stage} over {n} rank(s)"
              + (f" of dp, each cut over tp = {tp} (per-rank shapes of tp rank 0)" if tp > 1 else ""), said]
+    if tp_note:
+        notes.append(tp_note)
     if tp > 1 and prof.parallel.sequence:
         notes.append("activations: sequence parallelism not modelled, the figure is an upper bound")
     held["buffers"] = sum(b.numel() * b.element_size() for b in meta.buffers())

@@ -160,10 +160,10 @@ def _gqa(name: str, parent: nn.Module, children: dict[str, nn.Module], cuts: lis
 
 
 @torch.no_grad()
-def cut_shapes(model: nn.Module, tp: int, plan: Mapping[str, str] | None = None) -> None:
+def cut_shapes(model: nn.Module, tp: int, plan: Mapping[str, str] | None = None) -> set[int]:
     """Give a *meta-device* ``model`` the parameter shapes and head counts ``tp`` rank 0 holds under ``plan``, with
     no process group and no class swapped (the estimator's model: its forward on the meta device then saves what a
-    tensor-parallel rank saves without sequence parallelism)."""
+    tensor-parallel rank saves without sequence parallelism). Returns the ids of the parameters cut."""
     matched = match_plan(model, plan if plan is not None else default_plan(model))
     modules = dict(model.named_modules())
     cuts = [_Cut(modules[n], n, style, blocks) for n, (style, blocks) in matched.items()]
@@ -184,6 +184,7 @@ def cut_shapes(model: nn.Module, tp: int, plan: Mapping[str, str] | None = None)
             shape = list(p.shape)
             shape[dim] = -(-shape[dim] // tp)
             p.data = torch.empty(shape, dtype=p.dtype, device="meta")
+    return seen
 
 
 @torch.no_grad()
