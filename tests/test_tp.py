@@ -3,7 +3,7 @@ counts and bytes follow the Megatron formulas, the vocab-parallel loss equals ``
 refused before anything changes, and dropout draws per-region random streams.
 
 Spawning ranks is the slow part (each imports torch, memsave and transformers), so one 2-rank group (``tp=2``) and
-one 4-rank group (``dp=2 x tp=2``, plus a ``tp=4`` mesh for the loss) each run all their cases in a loop; every
+one 4-rank group (``dp=2 x tp=2``, then a ``tp=4`` mesh) each run all their cases in a loop; every
 case's outcome (its metrics, or its traceback) comes back to one pytest test per case. A case that raises on one
 rank only can leave the others in a collective: the group then fails as a whole, by the harness's timeout.
 
@@ -13,7 +13,6 @@ single-process training; BF16_TOL for bf16 mixed precision against memsave's own
 
 from __future__ import annotations
 
-import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -75,6 +74,13 @@ DP2TP2_TRAIN = {
     "llama-untied-kv2-zero2-sp": ("llama-untied-kv2", "zero2", True),
     "llama-tied-kv1-ddp-sp": ("llama-tied-kv1", "ddp", True),
     "llama-untied-kv1-zero3-recompute": ("llama-untied-kv1", "zero3-recompute", False),
+}
+# tp=4 (the 4-rank group): 4 query heads, one per rank; with nkv=2 the KV heads do not split over 4, so each rank keeps
+# both and reads the one its query head uses (ranks 0, 1: head 0; ranks 2, 3: head 1); a vocabulary of 250 padded to 252
+TP4_TRAIN = {
+    "llama-untied-kv2-ddp-sp": ("llama-untied-kv2", "ddp", True),
+    "llama-tied-kv2-zero1": ("llama-tied-kv2", "zero1", False),
+    "llama-tied-kv1-zero3-sp": ("llama-tied-kv1", "zero3", True),
 }
 TP2_COMM = [("gpt", False), ("gpt", True), ("llama-untied-kv1", False), ("llama-tied-kv2", True)]
 DP2TP2_COMM = [("gpt", True), ("llama-untied-kv2", False)]
@@ -145,8 +151,8 @@ def _train_case(mesh: memsave.Mesh, key: str, prof_name: str, sequence: bool,
         run = tc.train(model, mopt, mesh, tc.batches(vocab), loss_fn, after_clip=partial_grads_equal if partial else None)
     assert comm.calls["tp_logits_gather"] == 0, comm.snapshot()
     assert widths == [(ShardedLogits.__name__, -(-vocab // tp))] * tc.STEPS, widths
-    # under SP the norms' gradients are partial (each rank its tokens'); so are replicated KV heads (nkv=1)
-    assert bool(partial) == (sequence or key.endswith("kv1")), partial
+    # under SP the norms' gradients are partial (each rank its tokens'); so are KV heads kept whole (nkv % tp != 0)
+    assert bool(partial) == (sequence or (key.startswith("llama") and int(key[-1]) % tp != 0)), partial
     assert checked[0] == len(partial) * tc.STEPS
     if prof_name == "ddp" and not sequence:  # the state dict: whole tensors, and whole tensors load back
         sd = model.state_dict()
@@ -498,12 +504,10 @@ def _run_cases(cases: dict[str, Case], mesh: memsave.Mesh) -> dict[str, tuple[bo
     results: dict[str, tuple[bool, Any]] = {}
     for name, case in cases.items():
         torch.manual_seed(0)
-        start = time.perf_counter()
         try:
             results[name] = (True, case(mesh))
         except (Exception, pytest.fail.Exception):  # reported by the case's own test (pytest's Failed too)
             results[name] = (False, traceback.format_exc())
-        print(f"[tp case] {name}: {time.perf_counter() - start:.2f}s", flush=True)
     return results
 
 
@@ -530,7 +534,10 @@ def _dp2tp2_worker(bf16_refs: dict[str, tc.Run]) -> dict[str, tuple[bool, Any]]:
     for key, seq in DP2TP2_COMM:
         cases[f"comm:{key}:sp={seq}"] = lambda m, k=key, s=seq: _comm_case(m, k, s)
     results = _run_cases(cases, mesh)
-    results.update(_run_cases({"ce:tp4": _ce_case}, memsave.init(tp=4)))
+    cases = {"ce:tp4": _ce_case}
+    for name, (key, prof, seq) in TP4_TRAIN.items():
+        cases[f"train-tp4:{name}"] = lambda m, k=key, p=prof, s=seq: _train_case(m, k, p, s, bf16_refs)
+    results.update(_run_cases(cases, memsave.init(tp=4)))
     return results
 
 
@@ -583,6 +590,11 @@ def test_dp2_tp2_trains_as_one_process(dp2tp2: dict, name: str) -> None:
     _assert_matches(name, DP2TP2_TRAIN[name][1], _outcome(dp2tp2, f"train:{name}"))
 
 
+@pytest.mark.parametrize("name", list(TP4_TRAIN))
+def test_tp4_trains_as_one_process(dp2tp2: dict, name: str) -> None:
+    _assert_matches(name, TP4_TRAIN[name][1], _outcome(dp2tp2, f"train-tp4:{name}"))
+
+
 @pytest.mark.parametrize(("model", "sequence"), TP2_COMM)
 def test_tp2_collective_counts_and_bytes_follow_the_formulas(tp2: dict, model: str, sequence: bool) -> None:
     _outcome(tp2, f"comm:{model}:sp={sequence}")
@@ -614,4 +626,4 @@ def test_every_case_ran(tp2: dict, dp2tp2: dict) -> None:
     assert {f"train:{n}" for n in TP2_TRAIN} | {f"comm:{m}:sp={q}" for m, q in TP2_COMM} | {
         "ce:tp2", "plans", "dropout", "recompute-dropout"} == tp2.keys()
     assert {f"train:{n}" for n in DP2TP2_TRAIN} | {f"comm:{m}:sp={q}" for m, q in DP2TP2_COMM} | {
-        "ce:tp4"} == dp2tp2.keys()
+        "ce:tp4"} | {f"train-tp4:{n}" for n in TP4_TRAIN} == dp2tp2.keys()
