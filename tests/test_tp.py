@@ -377,6 +377,16 @@ def _plans_case(mesh: memsave.Mesh) -> dict[str, Any]:
     refuse(_sequential(width=33), {"0": "colwise", "2": "rowwise"}, ValueError,
            rf"module '0' has out_features=33, not divisible by .*tp={tp}")
 
+    # under SP, a sequence that does not divide by tp: refused at the forward, on every rank alike
+    model = tc.gpt()
+    model, _ = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), tc.profile("ddp", tp, True), mesh=mesh)
+    x = torch.randint(0, 250, (2, 15))
+    with pytest.raises(ValueError, match=rf"sequence parallelism: dim 1 has size 15, which is not divisible by "
+                                         rf"tp={tp}; use a sequence length that is a multiple of {tp}, or set "
+                                         r"\[parallel\] sequence = false"):
+        model(x, labels=x)
+    model(x[:, :14], labels=x[:, :14])  # (and the next forward runs)
+
     # the user's plan for an nn.Sequential(Linear, GELU, Linear): trains as one process does
     g = torch.Generator().manual_seed(3)
     data = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(tc.STEPS)]
@@ -422,6 +432,36 @@ def _llama_heads3() -> nn.Module:
 def _sequential(width: int = 32) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, width), nn.GELU(), nn.Linear(width, 4))
+
+
+def _embedding_case(mesh: memsave.Mesh) -> dict[str, Any]:
+    """A user's nn.Embedding with every option (padding_idx, max_norm, scale_grad_by_freq; 11 rows: padded to 12),
+    vocab-parallel, then a column-parallel linear gathering its output: trains as one process does. Each rank
+    looks up only its own ids (a stand-in row for the others' ids must not be renormed nor counted)."""
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(11, 8, padding_idx=7, max_norm=1.5, scale_grad_by_freq=True),
+                              nn.Linear(8, 4))
+        with torch.no_grad():
+            model[0].weight.mul_(3.0)  # most rows longer than max_norm: renormed when (and only when) looked up
+        return model
+
+    g = torch.Generator().manual_seed(4)
+    ids = [torch.randint(0, 6, (4, 6), generator=g) for _ in range(tc.STEPS)]  # rank 0's rows 0-5 only ...
+    ids[1][:, ::2] = torch.randint(6, 11, (4, 3), generator=g)  # ... then both ranks' (7: padding_idx)
+    data = [(x, torch.randn(4, 6, 4, generator=g)) for x in ids]
+
+    def mse(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(x), y)
+
+    ref = tc.reference(build, data, mse)
+    model = build()
+    model, opt = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=tc.LR, momentum=tc.MOMENTUM),
+                              tc.profile("ddp", mesh.degree("tp"), False), mesh=mesh,
+                              tp_plan={"0": "vocab_embedding", "1": "colwise_gather_output"})
+    out = tc.compare(tc.train(model, opt, mesh, data, mse), ref)
+    assert all(err <= tc.FP32_TOL for err, _ in out.values()), out
+    return out
 
 
 # -- dropout ----------------------------------------------------------------------------------------------------------
@@ -520,6 +560,7 @@ def _tp2_worker(bf16_refs: dict[str, tc.Run]) -> dict[str, tuple[bool, Any]]:
         cases[f"comm:{key}:sp={seq}"] = lambda m, k=key, s=seq: _comm_case(m, k, s)
     cases["ce:tp2"] = _ce_case
     cases["plans"] = _plans_case
+    cases["embedding"] = _embedding_case
     cases["dropout"] = _dropout_case
     cases["recompute-dropout"] = _recompute_dropout_case
     return _run_cases(cases, mesh)
@@ -614,6 +655,10 @@ def test_bad_plans_are_refused_before_anything_changes_and_a_user_plan_trains(tp
     assert _outcome(tp2, "plans")["refused"] == 8
 
 
+def test_a_vocab_parallel_embedding_with_every_option_trains_as_one_process(tp2: dict) -> None:
+    _outcome(tp2, "embedding")
+
+
 def test_dropout_masks_differ_in_tp_regions_and_agree_in_replicated_ones(tp2: dict) -> None:
     _outcome(tp2, "dropout")
 
@@ -624,6 +669,6 @@ def test_recompute_replays_the_dropout_masks(tp2: dict) -> None:
 
 def test_every_case_ran(tp2: dict, dp2tp2: dict) -> None:
     assert {f"train:{n}" for n in TP2_TRAIN} | {f"comm:{m}:sp={q}" for m, q in TP2_COMM} | {
-        "ce:tp2", "plans", "dropout", "recompute-dropout"} == tp2.keys()
+        "ce:tp2", "plans", "embedding", "dropout", "recompute-dropout"} == tp2.keys()
     assert {f"train:{n}" for n in DP2TP2_TRAIN} | {f"comm:{m}:sp={q}" for m, q in DP2TP2_COMM} | {
         "ce:tp4"} | {f"train-tp4:{n}" for n in TP4_TRAIN} == dp2tp2.keys()
