@@ -73,6 +73,7 @@ class Run:
     losses: list[float]
     norms: list[float]
     params: dict[str, np.ndarray]  # whole tensors, float32
+    evaluated: float  # the trained model's loss on the first batch, in eval mode under no_grad
 
 
 def reference(build: Callable[[], nn.Module], data: list[Batch], loss_fn: LossFn) -> Run:
@@ -87,7 +88,11 @@ def reference(build: Callable[[], nn.Module], data: list[Batch], loss_fn: LossFn
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return Run(losses, norms, {n: p.detach().float().clone().numpy() for n, p in model.named_parameters()})
+    model.eval()
+    with torch.no_grad():
+        evaluated = loss_fn(model, *data[0]).item()
+    return Run(losses, norms, {n: p.detach().float().clone().numpy() for n, p in model.named_parameters()},
+               evaluated)
 
 
 def gathered_params(model: nn.Module, mesh: memsave.Mesh) -> dict[str, np.ndarray]:
@@ -119,10 +124,19 @@ def train(model: nn.Module, opt: Any, mesh: memsave.Mesh, data: list[Batch], los
             after_clip()
         opt.step()
         opt.zero_grad()
-        mean = loss.detach().float().reshape(1).clone()
-        mdist.all_reduce(mean, mesh.dp_group, count_as="test")
-        losses.append(mean.item() / dp)
-    return Run(losses, norms, gathered_params(model, mesh))
+        losses.append(_dp_mean(loss, mesh))
+    model.eval()
+    with torch.no_grad():  # (the forward without autograd: no saved inputs, no regather)
+        x, y = data[0]
+        evaluated = _dp_mean(loss_fn(model, x[r * rows : (r + 1) * rows], y[r * rows : (r + 1) * rows]), mesh)
+    model.train()
+    return Run(losses, norms, gathered_params(model, mesh), evaluated)
+
+
+def _dp_mean(loss: torch.Tensor, mesh: memsave.Mesh) -> float:
+    mean = loss.detach().float().reshape(1).clone()
+    mdist.all_reduce(mean, mesh.dp_group, count_as="test")
+    return mean.item() / mesh.degree("dp")
 
 
 def rel(a: Any, b: Any) -> float:
@@ -135,9 +149,11 @@ def rel(a: Any, b: Any) -> float:
 
 
 def compare(run: Run, ref: Run) -> dict[str, tuple[float, str]]:
-    """The worst relative difference of the losses, the clip norms and the parameters (with the worst's name)."""
+    """The worst relative difference of the losses, the clip norms, the trained model's eval loss and the parameters
+    (with the worst's name)."""
     assert run.params.keys() == ref.params.keys(), (sorted(run.params), sorted(ref.params))
     worst = max(((rel(run.params[n], ref.params[n]), n) for n in ref.params), default=(0.0, ""))
     return {"loss": (rel(run.losses, ref.losses), f"{run.losses} vs {ref.losses}"),
             "norm": (rel(run.norms, ref.norms), f"{run.norms} vs {ref.norms}"),
+            "eval": (rel(run.evaluated, ref.evaluated), f"{run.evaluated} vs {ref.evaluated}"),
             "param": worst}
