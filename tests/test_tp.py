@@ -41,9 +41,9 @@ Case = Callable[[memsave.Mesh], Any]
 
 
 # -- training cases -------------------------------------------------------------------------------------------------
-# (model, profile, sequence parallel). tp=2: the reference GPT under every profile with SP off and on; the untied GPT
-# with a vocabulary of 251 (padded to 252, a column of padding on rank 1); each Llama variant (tied/untied, KV heads
-# split: nkv=2, or replicated: nkv=1) under a few profiles. dp=2 x tp=2: a covering subset of the same.
+# (model, profile, sequence parallel). tp=2: the reference GPT under every profile with SP off and on; the GPT with a
+# vocabulary of 251 (padded to 252: a column of padding on rank 1), untied and tied; each Llama variant (tied/untied,
+# KV heads split: nkv=2, or kept whole: nkv=1) under a few profiles. dp=2 x tp=2: a covering subset of the same.
 PROFILES = ("ddp", "zero1", "zero2", "zero3", "zero3-recompute", "ddp-bf16")
 TP2_TRAIN = {
     **{f"gpt-{p}{'-sp' if sp else ''}": ("gpt", p, sp) for p in PROFILES for sp in (False, True)},
@@ -109,10 +109,6 @@ def _fp32_reference(key: str) -> tc.Run:
     return _REFS[key]
 
 
-def _head(model: nn.Module) -> nn.Module:
-    return model.lm_head
-
-
 def _train_case(mesh: memsave.Mesh, key: str, prof_name: str, sequence: bool,
                 bf16_refs: dict[str, tc.Run]) -> dict[str, Any]:
     """Train ``key`` under the profile on the mesh and compare with its reference. Also checked along the way:
@@ -131,7 +127,7 @@ def _train_case(mesh: memsave.Mesh, key: str, prof_name: str, sequence: bool,
     def head_output(module: nn.Module, args: Any, out: Any) -> None:
         widths.append((type(out).__name__, out.shape[-1]))
 
-    _head(model).register_forward_hook(head_output)
+    model.lm_head.register_forward_hook(head_output)
     names = {p: n for n, p in model.named_parameters()}
     partial = [names[p] for p in model.parameters()
                if (lay := tp_param(p)) is not None and lay.placement.partial_grad]
@@ -145,7 +141,7 @@ def _train_case(mesh: memsave.Mesh, key: str, prof_name: str, sequence: bool,
         for n in partial:
             g = grads[n]
             assert g is not None, n
-            both = mdist_all_gather(g.float(), mesh.group("tp"))
+            both = _tp_all_gather(g.float(), mesh.group("tp"))
             assert all(torch.equal(both[0], o) for o in both[1:]), f"{n}: the gradient differs across tp ranks"
             checked[0] += 1
 
@@ -166,7 +162,8 @@ def _train_case(mesh: memsave.Mesh, key: str, prof_name: str, sequence: bool,
     return tc.compare(run, ref)
 
 
-def mdist_all_gather(t: torch.Tensor, group: Any) -> list[torch.Tensor]:
+def _tp_all_gather(t: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    """Every rank's ``t``, in rank order."""
     from memsave.tp.mappings import all_gather_dim
 
     return list(all_gather_dim(t.unsqueeze(0), 0, group, count_as="test").unbind(0))
@@ -497,7 +494,7 @@ def _dropout_case(mesh: memsave.Mesh) -> dict[str, Any]:
     loss = model(x, labels=y).loss
     opt.backward(loss)
     same = {k: all(torch.equal(v[0], o) for o in v[1:]) for k, v in
-            ((k, mdist_all_gather(t, group)) for k, t in sorted(seen.items()))}
+            ((k, _tp_all_gather(t, group)) for k, t in sorted(seen.items()))}
     assert same == {"embedding dropout": True, "attention (TP region)": False, "residual dropout": True}, same
     emb = seen["embedding dropout"]
     assert 0.3 < (emb == 0).float().mean().item() < 0.7  # the dropout ran (p = 0.5)
@@ -506,7 +503,7 @@ def _dropout_case(mesh: memsave.Mesh) -> dict[str, Any]:
     seen.clear()
     with torch.no_grad():
         model(x)
-    both = mdist_all_gather(seen["attention (TP region)"], group)
+    both = _tp_all_gather(seen["attention (TP region)"], group)
     assert torch.equal(both[0], both[1])
     return {}
 
