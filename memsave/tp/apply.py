@@ -25,7 +25,13 @@ from torch import nn
 
 from memsave import dist as mdist
 from memsave.dist import Mesh, Placement, Shard
-from memsave.tp.layers import ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding, gather_tp
+from memsave.tp.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPContext,
+    VocabParallelEmbedding,
+    gather_tp,
+)
 from memsave.tp.loss import VocabShard
 from memsave.tp.mappings import ScatterSeq
 from memsave.tp.plan import default_plan, match_plan

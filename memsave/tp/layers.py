@@ -186,15 +186,20 @@ class VocabParallelEmbedding(nn.Embedding):
         shard = self.vocab
         local = ids - shard.start
         outside = (local < 0) | (local >= shard.local - shard.padded)
-        local = local.masked_fill(outside, 0)
+        local = local.masked_fill(outside, 0)  # (a stand-in row for the ids other ranks hold; output masked)
         pad = self.padding_idx
         if pad is not None and not 0 <= pad - shard.start < shard.local:
             pad = None
         elif pad is not None:
             pad -= shard.start
-        out = F.embedding(local, self.weight, pad, self.max_norm, self.norm_type, self.scale_grad_by_freq,
-                          self.sparse)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.max_norm is None and not self.scale_grad_by_freq:
+            out = F.embedding(local, self.weight, pad, None, self.norm_type, False, self.sparse)
+            out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        else:  # this rank's ids only: F.embedding would also renorm the stand-in row 0 (max_norm), or count the
+            inside = ~outside  # other ranks' ids as its uses (scale_grad_by_freq), where one process does not
+            out = self.weight.new_zeros((*ids.shape, self.embedding_dim))
+            out[inside] = F.embedding(local[inside], self.weight, pad, self.max_norm, self.norm_type,
+                                      self.scale_grad_by_freq, self.sparse)
         return ReduceFromTP.apply(out, self.tp.group)
 
 

@@ -92,7 +92,9 @@ class _VocabParallelCE(torch.autograd.Function):
         g[rows, local_t[rows]] -= 1.0 - ctx.smoothing
         if ctx.smoothing:
             g[:, : ctx.real] -= ctx.smoothing / ctx.vocab
-        g *= (grad * keep).unsqueeze(-1)
+        # ignored rows get 0, as in torch, also when the incoming gradient is not finite (not grad * keep: the
+        # mean over a batch whose every label is ignored is 0 / 0, whose gradient inf * 0 would be nan)
+        g *= torch.where(keep, grad, 0.0).unsqueeze(-1)
         return g, None, None, None, None
 
 

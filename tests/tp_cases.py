@@ -1,0 +1,159 @@
+"""Shared pieces of the tensor-parallel tests (tests/test_tp.py): tiny models, batches, the single-process reference
+and the TP training loop whose losses, clip norms and gathered parameters are compared with it.
+
+The comparisons use ``rel(a, b) = max|a - b| / max|b|`` per tensor (and per loss and norm). A TP run sums the
+partial products of a matmul over ``tp`` in another order than one process does, so fp32 results differ by a few
+ulps, not bitwise (DESIGN.md: "TP matches within reduction-order rounding; state the tolerance"): FP32_TOL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import memsave
+from memsave import dist as mdist
+from memsave.config import Profile, load_profile
+
+STEPS = 3
+BATCH, SEQ = 4, 16  # the global batch: (BATCH, SEQ) tokens; each dp rank takes BATCH / dp rows
+LR, MOMENTUM, CLIP = 0.5, 0.9, 1.0
+FP32_TOL = 1e-6  # relative (max abs diff / max abs value), losses, clip norms and every gathered parameter
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# -- models ---------------------------------------------------------------------------------------------------------
+def gpt(vocab: int = 250, tie: bool = True, dropout: float = 0.0, n_head: int = 2) -> nn.Module:
+    from memsave.models.gpt import GPT, gpt_config
+
+    torch.manual_seed(0)
+    return GPT(gpt_config("tiny", vocab_size=vocab, tie_weights=tie, dropout=dropout, n_head=n_head))
+
+
+def llama(tie: bool, nkv: int, heads: int = 4) -> nn.Module:
+    """An unchanged Hugging Face LlamaForCausalLM from a small config (no download): 2 layers, hidden 64, GQA."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=nkv, tie_word_embeddings=tie,
+                      max_position_embeddings=64, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg)
+
+
+def gpt_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return model(x, labels=y).loss
+
+
+def llama_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=x, labels=x).loss  # (HF shifts the labels itself; y unused)
+
+
+def batches(vocab: int, steps: int = STEPS, seed: int = 0) -> list[Batch]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, vocab, (BATCH, SEQ), generator=g), torch.randint(0, vocab, (BATCH, SEQ), generator=g))
+            for _ in range(steps)]
+
+
+def profile(name: str, tp: int, sequence: bool) -> Profile:
+    prof = load_profile(name)
+    return dataclasses.replace(prof, parallel=dataclasses.replace(prof.parallel, tp=tp, sequence=sequence))
+
+
+# -- runs -----------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Run:
+    losses: list[float]
+    norms: list[float]
+    params: dict[str, np.ndarray]  # whole tensors, float32
+    evaluated: float  # the trained model's loss on the first batch, in eval mode under no_grad
+
+
+def reference(build: Callable[[], nn.Module], data: list[Batch], loss_fn: LossFn) -> Run:
+    """Plain single-process fp32 training on the global batch: SGD with momentum, torch's clip_grad_norm_."""
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    losses, norms = [], []
+    for x, y in data:
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    model.eval()
+    with torch.no_grad():
+        evaluated = loss_fn(model, *data[0]).item()
+    return Run(losses, norms, {n: p.detach().float().clone().numpy() for n, p in model.named_parameters()},
+               evaluated)
+
+
+def gathered_params(model: nn.Module, mesh: memsave.Mesh) -> dict[str, np.ndarray]:
+    """Every parameter whole: gathered over tp (memsave.tp.gather_tp, padding dropped) after ZeRO's unshard."""
+    from memsave.tp import gather_tp, tp_param
+
+    model.unshard()  # type: ignore[operator]
+    out = {}
+    for n, p in model.named_parameters():
+        v, lay = p.detach(), tp_param(p)
+        if lay is not None and lay.dim is not None:
+            v = gather_tp(v, lay.dim, mesh.group("tp"), blocks=lay.blocks, full=lay.full_shape[lay.dim])
+        out[n] = v.float().clone().numpy()  # (clone first: .numpy() would pin the storage stage 3 frees)
+    model.reshard()  # type: ignore[operator]
+    return out
+
+
+def train(model: nn.Module, opt: Any, mesh: memsave.Mesh, data: list[Batch], loss_fn: LossFn,
+          after_clip: Callable[[], None] | None = None) -> Run:
+    """Each dp rank its rows of every global batch; the losses averaged over dp (equal token counts per rank)."""
+    dp, r = mesh.degree("dp"), mesh.axis_rank("dp")
+    losses, norms = [], []
+    for x, y in data:
+        rows = x.shape[0] // dp
+        loss = loss_fn(model, x[r * rows : (r + 1) * rows], y[r * rows : (r + 1) * rows])
+        opt.backward(loss)
+        norms.append(float(opt.clip_grad_norm(CLIP)))
+        if after_clip is not None:
+            after_clip()
+        opt.step()
+        opt.zero_grad()
+        losses.append(_dp_mean(loss, mesh))
+    model.eval()
+    with torch.no_grad():  # (the forward without autograd: no saved inputs, no regather)
+        x, y = data[0]
+        evaluated = _dp_mean(loss_fn(model, x[r * rows : (r + 1) * rows], y[r * rows : (r + 1) * rows]), mesh)
+    model.train()
+    return Run(losses, norms, gathered_params(model, mesh), evaluated)
+
+
+def _dp_mean(loss: torch.Tensor, mesh: memsave.Mesh) -> float:
+    mean = loss.detach().float().reshape(1).clone()
+    mdist.all_reduce(mean, mesh.dp_group, count_as="test")
+    return mean.item() / mesh.degree("dp")
+
+
+def rel(a: Any, b: Any) -> float:
+    """max |a - b| / max |b| (0 when both are 0)."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    assert a.shape == b.shape, f"shape {a.shape} != {b.shape}"
+    scale = np.abs(b).max() if b.size else 0.0
+    err = np.abs(a - b).max() if b.size else 0.0
+    return float(err / scale) if scale else float(err)
+
+
+def compare(run: Run, ref: Run) -> dict[str, tuple[float, str]]:
+    """The worst relative difference of the losses, the clip norms, the trained model's eval loss and the parameters
+    (with the worst's name)."""
+    assert run.params.keys() == ref.params.keys(), (sorted(run.params), sorted(ref.params))
+    worst = max(((rel(run.params[n], ref.params[n]), n) for n in ref.params), default=(0.0, ""))
+    return {"loss": (rel(run.losses, ref.losses), f"{run.losses} vs {ref.losses}"),
+            "norm": (rel(run.norms, ref.norms), f"{run.norms} vs {ref.norms}"),
+            "eval": (rel(run.evaluated, ref.evaluated), f"{run.evaluated} vs {ref.evaluated}"),
+            "param": worst}
