@@ -110,10 +110,6 @@ def check_parallel(profile: Profile, mesh: Mesh, optimizer: torch.optim.Optimize
     if profile.parallel.sequence and have == 1:
         warn_once(f"profile {profile.name!r}: [parallel] sequence = true with tp = 1: there is no tp axis to cut "
                   "the sequence over, so sequence parallelism does nothing here")
-    if have > 1 and isinstance(optimizer, Adafactor):
-        raise NotImplementedError(
-            f"profile {profile.name!r}: memsave.optim.Adafactor with tp = {have} is not implemented yet: its row and "
-            "column statistics of a tensor-parallel slice would need reducing over tp; use AdamW or SGD with tp > 1")
     want, have = profile.parallel.pp, mesh.degree("pp")
     if want > 1 or have > 1:
         where = f"the mesh has pp = {have}" if have > 1 else f"[parallel] pp = {want}"

@@ -26,10 +26,12 @@ from memsave.engines import state as _state
 from memsave.engines.protocol import Engine
 from memsave.offload import OffloadedState
 from memsave.optim import Adafactor
+from memsave.optim.adafactor_shard import layout_of
 from memsave.phases import MemoryCategory
 from memsave.precision import LossScaler, MixedPrecisionOptimizer
 from memsave.precision.nonfinite import NonfiniteGuard
 from memsave.precision.optimizer import follow
+from memsave.tp import tp_param
 from memsave.wrapped import WrappedOptimizer, route_zero_grad, weak_method
 from memsave.zero.engine import ZeroEngine
 from memsave.zero.offload import build_offloaded_state
@@ -86,9 +88,11 @@ class MemsaveOptimizer(WrappedOptimizer):
         # norms sum in the model's registration order, as torch's clip_grad_norm_(model.parameters()) does
         position = {p: i for i, p in enumerate(engine.model.parameters())}
         self._norm_order = sorted(self._opt_full, key=lambda t: position[self._opt_full[t]])
-        if isinstance(optimizer, Adafactor) and self.any_sharded:
-            dp = engine.mesh.dp_group
-            optimizer.shard(lambda t: mdist.all_reduce(t, dp), {s: p.shape for s, p in self._opt_full.items()})
+        if isinstance(optimizer, Adafactor) and self.any_sharded:  # its statistics sum over the cut rows/columns
+            mesh = engine.mesh
+            whole = {p: getattr(tp_param(p), "full_shape", None) or p.shape for p in self._opt_full.values()}
+            optimizer.shard(lambda t, axes: mdist.all_reduce_over(t, mesh.groups_for(axes)),  # (the shape before tp)
+                            {s: layout_of(self._placement[s], s.dim(), whole[p]) for s, p in self._opt_full.items()})
         self.offloaded: OffloadedState | None = None
         self.param_offload: ParamOffload | None = None
         self.overlap = False

@@ -22,14 +22,21 @@ For a tensor with >= 2 dims the second moment is factored over its last two dims
 ``(..., n, 1)``) and C (columns, ``col_var``, ``(..., 1, m)``) are running means of G^2 + eps1 over the
 columns and rows, and V = R C / mean(R). Vectors (and 0-dim tensors) keep the full ``variance``.
 
-[Note: Adafactor under row sharding] ZeRO shards each parameter along dim 0, whole rows per rank. Then R is
-local, but C, mean(R), RMS(X) and RMS(U) sum over rows other ranks hold. Every step reduces, in *one*
-all-reduce for all tensors, each rank's partial sums: per factored 2-D tensor the column sums of G^2, the sum
-of R and D = sum_rows(G^2 / R) (length m each), and per tensor sum(X^2) (and sum(U^2) where it is local).
-RMS(U) needs no second round because U^2 = G^2 mean(R) / (R C), so sum(U^2) = mean(R) * sum_cols(D / C).
-Without sharding the same formulas run with the reduction skipped, so a sharded run equals an unsharded one
-up to the order of floating-point sums. Tensors with > 2 dims are sharded along a dim the factors do not
-span, so only their RMS sums travel. :class:`memsave.engines.MemsaveOptimizer` calls :meth:`Adafactor.shard`.
+[Note: Adafactor under row sharding] ZeRO cuts each stepped tensor along dim 0 over dp (whole rows per rank);
+tensor parallelism cuts it over tp along its rows (``Shard(0)``) or columns (``Shard(1)``). Each stepped tensor
+has a :class:`~memsave.optim.adafactor_shard.Layout`: the axes A_r cutting its rows, A_c cutting its columns,
+and its whole shape. Each step reduces per-rank partial sums in up to three rounds, each round one flat
+all-reduce per distinct axis set, for all tensors and groups together: (1) where A_c is non-empty, the row sums
+of G^2 over A_c (R must be the whole row's: the new row means are those sums over the whole column count);
+(2) over A_r, per factored tensor the column sums of G^2, the sum of R and D = sum_rows(G^2 / R) (length m
+each), and per tensor sum(X^2) (and sum(U^2) where its rows are whole) over every axis cutting it; (3) where A_r
+and A_c are both non-empty, sum(U^2) over A_c. RMS(U) never needs U: U^2 = G^2 mean(R) / (R C), so sum(U^2) =
+mean(R) * sum_cols(D / C). Vectors sum only their RMS terms (over dp and, for tp-``Shard(0)`` biases, tp);
+tensors with > 2 dims are cut along a dim the factors do not span, so only their RMS sums travel. Unsharded the
+same formulas run with nothing reduced, so a sharded run equals an unsharded one up to the order of
+floating-point sums. A padded vocabulary (rows past the real ones, zero in value and gradient) divides by its
+real rows; its padding rows add nothing but their R (<= eps1 each) to sum(R), far below float32 resolution.
+:class:`memsave.engines.MemsaveOptimizer` calls :meth:`Adafactor.shard`.
 
 Where this differs from ``torch.optim.Adafactor`` (which follows the paper except as its docs say): torch adds
 eps1 as a floor on mean(R) and on V instead of adding it to G^2, and its ``lr`` caps the relative step
@@ -40,14 +47,19 @@ and torch's default ``lr=1e-2``, the two compute the same update (tested), up to
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Generator, Iterable
 from typing import Any
 
 import torch
 
+from memsave.optim.adafactor_shard import Layout, ReduceOver, reduce_grouped, without
+
 __all__ = ["Adafactor"]
 
-Reduce = Callable[[torch.Tensor], object]  # sums a tensor in place over the ranks that share the parameters
+Parts = dict[tuple[str, ...], list[torch.Tensor]]  # partial sums to add up over the ranks of each axis set
+_ROUNDS = 3  # row sums over the column axes; row-axis sums and the RMS sums; sum(U^2) over the column axes
+
 
 
 def _check_settings(g: dict[str, Any]) -> None:
@@ -109,8 +121,8 @@ class Adafactor(torch.optim.Optimizer):
         _check_settings(defaults)  # the defaults alone first: their message then names no group
         super().__init__(params, defaults)
         self.foreach = foreach
-        self._reduce: Reduce | None = None
-        self._full_shapes: dict[torch.Tensor, torch.Size] = {}
+        self._reduce_over: ReduceOver | None = None
+        self._layouts: dict[torch.Tensor, Layout] = {}
         self.last_reduce_seconds = 0.0  # time in the sharded reduction during the last step
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -136,10 +148,12 @@ class Adafactor(torch.optim.Optimizer):
                     st["exp_avg"] = st["exp_avg"].to(dtype)
 
     # -- sharding ----------------------------------------------------------------------------------------------
-    def shard(self, reduce: Reduce, full_shapes: dict[torch.Tensor, torch.Size]) -> None:
-        """Step row shards: ``full_shapes`` maps each shard to its full parameter's shape, ``reduce`` sums a
-        tensor in place over the ranks holding the other rows (see [Note: Adafactor under row sharding])."""
-        self._reduce, self._full_shapes = reduce, dict(full_shapes)
+    def shard(self, reduce_over: ReduceOver, layouts: dict[torch.Tensor, Layout]) -> None:
+        """Step slices of whole tensors: ``layouts`` gives each stepped tensor the mesh axes that cut its rows, its
+        columns and any dim, and its whole shape (:func:`~memsave.optim.adafactor_shard.layout_of`);
+        ``reduce_over(flat, axes)`` sums a tensor in place over those axes (see [Note: Adafactor under row
+        sharding])."""
+        self._reduce_over, self._layouts = reduce_over, dict(layouts)
 
     def state_is_row_sharded(self, key: str, full_shape: torch.Size) -> bool:
         """Whether state ``key`` of a parameter holds one slice per parameter row (so gathers along dim 0 under
@@ -148,8 +162,16 @@ class Adafactor(torch.optim.Optimizer):
             return False
         return not (key == "col_var" and len(full_shape) == 2)
 
-    def _full_shape(self, p: torch.Tensor) -> torch.Size:
-        return self._full_shapes.get(p, p.shape)
+    def _layout(self, p: torch.Tensor) -> Layout:
+        lay = self._layouts.get(p)
+        return lay if lay is not None else Layout((), (), (), p.shape)
+
+    def _reduce(self, parts: dict[tuple[str, ...], list[torch.Tensor]]) -> None:
+        if self._reduce_over is None or not any(axes and ts for axes, ts in parts.items()):
+            return
+        start = time.perf_counter()
+        reduce_grouped(parts, self._reduce_over)
+        self.last_reduce_seconds += time.perf_counter() - start
 
     # -- the step ----------------------------------------------------------------------------------------------
     def _step_sizes(self, group: dict[str, Any], step: float, rms: float) -> tuple[float, float]:
@@ -182,7 +204,7 @@ class Adafactor(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.last_reduce_seconds = 0.0
-        pending: list[tuple[Generator[list[torch.Tensor], None, None], list[torch.Tensor]]] = []
+        pending: list[Generator[Parts, None, None]] = []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             for p in params:
@@ -190,36 +212,25 @@ class Adafactor(torch.optim.Optimizer):
                     raise NotImplementedError("Adafactor supports dense real parameters only")
             if not params:
                 continue
-            if self.foreach:  # runs up to its reduction; finished below, after one all-reduce for every group
-                steps = self._foreach_group(group, params)
-                pending.append((steps, next(steps)))
+            if self.foreach:  # runs up to its first reduction; each round is reduced below for every group at once
+                pending.append(self._foreach_group(group, params))
             else:
                 self._single_group(group, params)
-        if self._reduce is not None and pending:
-            parts = [t for _, group_parts in pending for t in group_parts]
-            flat = torch.cat(parts)
-            self._timed_reduce(flat)
-            for t, piece in zip(parts, flat.split([t.numel() for t in parts])):
-                t.copy_(piece)
-        for steps, _ in pending:
+        for _ in range(_ROUNDS):
+            merged: Parts = {}
+            for steps in pending:
+                for axes, tensors in next(steps).items():
+                    merged.setdefault(axes, []).extend(tensors)
+            self._reduce(merged)
+        for steps in pending:
             next(steps, None)
         return loss
 
-    def _timed_reduce(self, flat: torch.Tensor) -> None:
-        assert self._reduce is not None
-        import time
-
-        start = time.perf_counter()
-        self._reduce(flat)
-        self.last_reduce_seconds += time.perf_counter() - start
-
-    def _foreach_group(
-        self, group: dict[str, Any], params: list[torch.Tensor]
-    ) -> Generator[list[torch.Tensor], None, None]:
+    def _foreach_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> Generator[Parts, None, None]:
         """All tensors of a group at once: elementwise work in ``torch._foreach_*`` calls, per-tensor reductions
-        along dims, one host sync for every per-tensor scalar. A generator: it yields the partial sums to be
-        added over the ranks (nothing when not sharded), which :meth:`step` reduces in place, for all groups
-        in one all-reduce, before resuming it."""
+        along dims, one host sync for every per-tensor scalar. A generator: it yields ``_ROUNDS`` times the partial
+        sums to be added over the ranks of each axis set (nothing when not sharded), which :meth:`step` reduces in
+        place, for all groups at once, before resuming it."""
         eps1, d, c = group["eps"][0], group["clip_threshold"], group["decay_rate"]
         states = [self._init_state(group, p) for p in params]
         grads: list[torch.Tensor] = [p.grad for p in params if p.grad is not None]
@@ -228,11 +239,22 @@ class Adafactor(torch.optim.Optimizer):
         steps = [s["step"] for s in states]
         torch._foreach_add_(steps, 1.0)
         step_values = torch.stack(steps).tolist()
-        full = [self._full_shape(p) for p in params]
+        lays = [self._layout(p) for p in params]
+        full = [lay.full_shape for lay in lays]
         g2 = list(torch._foreach_mul(grads, grads))
         factored = [k for k, p in enumerate(params) if p.dim() >= 2]
         vectors = [k for k, p in enumerate(params) if p.dim() < 2]
         one_minus_beta2 = [t**c for t in step_values]
+        # round 1: where columns are cut, the row sums of G^2 over the column axes (R must be the whole row's)
+        row_means: dict[int, torch.Tensor] = {}
+        parts: Parts = {}
+        for k in factored:
+            if lays[k].cols:
+                row_means[k] = g2[k].sum(dim=-1, keepdim=True)
+                parts.setdefault(lays[k].cols, []).append(row_means[k])
+            else:
+                row_means[k] = g2[k].mean(dim=-1, keepdim=True)
+        yield parts
         # local statistics; X^2 sums are taken before the update (alpha_t uses RMS(X_{t-1}))
         sq = [n * n for n in torch._foreach_norm(params)] if params else []
         colsums: dict[int, torch.Tensor] = {}
@@ -240,7 +262,9 @@ class Adafactor(torch.optim.Optimizer):
         rsums: dict[int, torch.Tensor] = {}
         for k in factored:
             st, g = states[k], g2[k]
-            st["row_var"].lerp_(g.mean(dim=-1, keepdim=True).add_(eps1), one_minus_beta2[k])
+            if lays[k].cols:
+                row_means[k].div_(full[k][-1])
+            st["row_var"].lerp_(row_means[k].add_(eps1), one_minus_beta2[k])
             colsums[k] = g.sum(dim=-2, keepdim=True)  # (..., 1, m)
             dsums[k] = torch.matmul(st["row_var"].reciprocal().mT, g)  # sum_rows(G^2 / R): (..., 1, m)
             rsums[k] = st["row_var"].sum(dim=-2, keepdim=True)  # (..., 1, 1)
@@ -256,34 +280,36 @@ class Adafactor(torch.optim.Optimizer):
                 g2[k] = u  # reuse the slot: U for vectors
             for k, n in zip(vectors, torch._foreach_norm(inv)):
                 usq[k] = n * n
-        split = [k for k in factored if len(full[k]) == 2] if self._reduce is not None else []
-        # sharded tensors with > 2 dims: every slice's rows are local, so their partial sum(U^2) joins the reduce
-        for k in (k for k in factored if self._reduce is not None and k not in split):
-            st = states[k]
-            cvar = st["col_var"].lerp(colsums[k].div(full[k][-2]).add_(eps1), one_minus_beta2[k])
-            mean_r = rsums[k].div(full[k][-2])
-            usq[k] = (mean_r * dsums[k] / cvar).sum()
-        # partial sums to add over the ranks; step() reduces every group's in one all-reduce, in place
-        parts: list[torch.Tensor] = []
-        if self._reduce is not None:
-            sq_t = torch.stack(sq)
-            usq_keys = sorted(usq)
-            usq_t = torch.stack([usq[k] for k in usq_keys]) if usq else sq_t.new_zeros(0)
-            parts = [sq_t, usq_t]
-            for k in split:
-                parts += [colsums[k].view(-1), dsums[k].view(-1), rsums[k].view(-1)]  # views: reduced in place
-        yield parts
-        if self._reduce is not None:
-            sq = list(sq_t.unbind())
-            usq.update(zip(usq_keys, usq_t.unbind()))
-        # factored tensors: C and mean(R), and sum(U^2) where it was not local, all without forming U
+        # factored tensors with whole rows here: C, mean(R) and the partial sum(U^2) now, without forming U
         mean_rs: dict[int, torch.Tensor] = {}
         for k in factored:
-            st, rows = states[k], full[k][-2]
-            st["col_var"].lerp_(colsums[k].div_(rows).add_(eps1), one_minus_beta2[k])
-            mean_rs[k] = rsums[k].div_(rows)
-            if k not in usq:
-                usq[k] = (mean_rs[k] * dsums[k] / st["col_var"]).sum()
+            if not lays[k].rows:
+                self._finish_factored(k, states[k], full[k], colsums, rsums, dsums, mean_rs, usq, eps1,
+                                      one_minus_beta2[k])
+        # round 2: sums over rows held elsewhere (C, mean(R), D), and sum(X^2) and the local sum(U^2) over every
+        # axis that cuts the tensor; every partial sum is reduced in place
+        sq_t = torch.stack(sq)
+        parts = {}
+        for k in range(len(params)):
+            if lays[k].every:
+                parts.setdefault(lays[k].every, []).append(sq_t[k])
+                if k in usq:
+                    parts.setdefault(lays[k].every, []).append(usq[k])
+        for k in factored:
+            if lays[k].rows:
+                parts.setdefault(lays[k].rows, []).extend([colsums[k], dsums[k], rsums[k]])
+        yield parts
+        sq = list(sq_t.unbind())
+        # round 3: sum(U^2) of tensors whose rows were cut, over the axes cutting them otherwise (their columns)
+        parts = {}
+        for k in factored:
+            if lays[k].rows:
+                self._finish_factored(k, states[k], full[k], colsums, rsums, dsums, mean_rs, usq, eps1,
+                                      one_minus_beta2[k])
+                rest = without(lays[k].every, lays[k].rows)
+                if rest:
+                    parts.setdefault(rest, []).append(usq[k])
+        yield parts
         numels = [math.prod(s) if len(s) else 1 for s in full]
         scalars = torch.stack([torch.stack(sq), torch.stack([usq[k] for k in range(len(params))])]).tolist()
         coefs, decays = [], []
@@ -312,45 +338,51 @@ class Adafactor(torch.optim.Optimizer):
             updates = avgs
         torch._foreach_sub_(params, updates)
 
+    @staticmethod
+    def _finish_factored(k: int, st: dict[str, Any], full: torch.Size, colsums: dict[int, torch.Tensor],
+                         rsums: dict[int, torch.Tensor], dsums: dict[int, torch.Tensor],
+                         mean_rs: dict[int, torch.Tensor], usq: dict[int, torch.Tensor], eps1: float,
+                         one_minus_beta2: float) -> None:
+        """C, mean(R) and this rank's sum(U^2) of a factored tensor from its (row-complete) column sums:
+        U^2 = G^2 mean(R) / (R C), so sum(U^2) = mean(R) sum_cols(D / C)."""
+        rows = full[-2]
+        st["col_var"].lerp_(colsums[k].div_(rows).add_(eps1), one_minus_beta2)
+        mean_rs[k] = rsums[k].div_(rows)
+        usq[k] = (mean_rs[k] * dsums[k] / st["col_var"]).sum()
+
     def _single_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         """The plain per-tensor path: the paper's formulas written out literally (V materialized, RMS(U) from
-        U), one tensor at a time and two reductions per sharded tensor. The reference the foreach path is
+        U), one tensor at a time and up to three reductions per cut tensor. The reference the foreach path is
         tested against."""
         eps1, d, c = group["eps"][0], group["clip_threshold"], group["decay_rate"]
         for p in params:
             st = self._init_state(group, p)
             assert p.grad is not None
             g = -p.grad if group["maximize"] else p.grad
-            full = self._full_shape(p)
+            lay = self._layout(p)
+            full = lay.full_shape
             st["step"] += 1
             t = float(st["step"])
             one_minus_beta2 = t**c
             sums = torch.stack([p.square().sum()])
             if p.dim() >= 2:
-                st["row_var"].lerp_((g * g + eps1).mean(dim=-1, keepdim=True), one_minus_beta2)
-                col = (g * g + eps1).sum(dim=-2, keepdim=True)
+                row = (g * g).sum(dim=-1, keepdim=True)
+                self._reduce({lay.cols: [row]})  # the whole rows' sums where the columns are cut
+                st["row_var"].lerp_(row / full[-1] + eps1, one_minus_beta2)
+                col = (g * g).sum(dim=-2, keepdim=True)
                 r_sum = st["row_var"].sum(dim=-2, keepdim=True)
-                if self._reduce is not None and len(full) == 2:
-                    flat = torch.cat([sums, col.reshape(-1), r_sum.reshape(-1)])
-                    self._timed_reduce(flat)
-                    sums, col, r_sum = flat[:1], flat[1:-1].view_as(col), flat[-1:].view_as(r_sum)
-                st["col_var"].lerp_(col / full[-2], one_minus_beta2)
+                self._reduce({lay.rows: [col, r_sum]})  # over the rows other ranks hold
+                st["col_var"].lerp_(col / full[-2] + eps1, one_minus_beta2)
                 v = st["row_var"] * st["col_var"] / (r_sum / full[-2])
             else:
                 st["variance"].lerp_(g * g + eps1, one_minus_beta2)
                 v = st["variance"]
             u = g / v.sqrt()
-            u_sq = torch.stack([u.square().sum()])
-            if self._reduce is not None:
-                if not (p.dim() >= 2 and len(full) == 2):
-                    sums = torch.cat([sums, u_sq])
-                    self._timed_reduce(sums)
-                    sums, u_sq = sums[:1], sums[1:]
-                else:
-                    self._timed_reduce(u_sq)
+            sums = torch.cat([sums, torch.stack([u.square().sum()])])
+            self._reduce({lay.every: [sums]})  # sum(X^2) and sum(U^2) over every slice of the tensor
             numel = math.prod(full) if len(full) else 1
             rho, alpha = self._step_sizes(group, t, math.sqrt(float(sums[0]) / numel))
-            u = u / max(1.0, math.sqrt(float(u_sq[0]) / numel) / d)
+            u = u / max(1.0, math.sqrt(float(sums[1]) / numel) / d)
             if group["weight_decay"]:
                 p.mul_(1.0 - rho * group["weight_decay"])
             u = u * alpha
