@@ -7,7 +7,9 @@ One mode a run, chosen by the command line (this module is the only one that imp
 - ``recompute`` (``--recompute``): recomputation policies against torch's checkpointing, on one process;
 - ``offload`` (``--offload``): optimizer-state offload against the same run in memory;
 - ``fit`` (``--fit``, CUDA only): the largest model each configuration trains within a device-memory cap;
-- ``memory`` (``--memory``): the memory tracker and the estimator per profile, and torch's ``MemTracker``.
+- ``memory`` (``--memory``): the memory tracker and the estimator per profile, and torch's ``MemTracker``;
+- ``tp`` (``--tp``): memsave's tensor parallelism against the formulas (parameter and activation bytes per rank)
+  and against one process and torch's DTensor TP (step time).
 ``common`` holds what they share: :class:`BenchOptions`, :func:`run_each`, :class:`ConfigFailed` and the
 results' table and JSON file.
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from memsave.bench import fit, memory, offload, optimizers, recompute, steptime
+from memsave.bench import fit, memory, offload, optimizers, recompute, steptime, tp
 from memsave.bench.common import BenchOptions, ConfigFailed, run_each, show_results
 from memsave.bench.fit import FitOptions
 from memsave.bench.optimizers import OPTIMIZERS, format_optim_table, run_optim_bench
@@ -66,7 +68,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                    help="comma-separated profiles (names or .toml paths, e.g. zero3-bf16) and baselines "
                         f"({', '.join(BASELINE_NAMES)}; '+malloc' adds memsave's host-memory policy)")
-    p.add_argument("--size", default="bench", help="reference GPT size (default: bench, 27.4M parameters untied)")
+    p.add_argument("--size", default=None,
+                   help="reference GPT size (default: bench, 27.4M parameters untied; with --tp: medium)")
     p.add_argument("--tied", action="store_true", help="tie the embedding and the head")
     p.add_argument("--batch-size", type=int, default=4, help="micro-batch per rank")
     p.add_argument("--seq-len", type=int, default=256)
@@ -98,20 +101,27 @@ def add_parser(sub: Any) -> None:
                    help="instead: the memory tracker and estimator per profile (memsave/bench/memory.py): estimated "
                         "vs measured state, activations and peak, tracking overhead; 'memtracker' adds torch's "
                         "MemTracker beside ours, e.g. ddp,zero1,zero2,zero3,memtracker")
+    p.add_argument("--tp", action="store_true",
+                   help="instead: memsave's tensor parallelism, tp = --nproc ranks (memsave/bench/tp.py): parameter "
+                        "and activation bytes per rank against the formulas (Korthikanti et al., 2022), step time "
+                        "against one process and torch's DTensor TP (default --size medium)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
 
 
 def run_command(args: Any, extra: Any) -> int:
-    """``memsave bench``: the one mode the arguments ask for (``--fit``, ``--memory``, ``--offload``,
+    """``memsave bench``: the one mode the arguments ask for (``--fit``, ``--tp``, ``--memory``, ``--offload``,
     ``--recompute``, ``--optimizers``, in that order; else ``--configs``)."""
     if extra:
         raise ValueError(f"memsave bench: unrecognized arguments: {' '.join(extra)}")
-    opts = BenchOptions(size=args.size, tie_weights=args.tied, batch_size=args.batch_size, seq_len=args.seq_len,
+    size = args.size or ("medium" if args.tp else "bench")
+    opts = BenchOptions(size=size, tie_weights=args.tied, batch_size=args.batch_size, seq_len=args.seq_len,
                         steps=args.steps, warmup=args.warmup, nproc=args.nproc)
     if args.fit:
         return fit.run_command(args.fit, FitOptions(device_gib=args.device_gib, d_model=args.d_model,
                                                     n_head=max(1, args.d_model // 64), batch_size=args.batch_size,
                                                     seq_len=args.seq_len, steps=args.fit_steps), args.json)
+    if args.tp:
+        return tp.run_command(opts, args.json)
     if args.memory:
         return memory.run_command(args.memory, opts, args.json)
     if args.offload:
