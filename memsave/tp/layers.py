@@ -26,6 +26,7 @@ all-gather counts as ``tp_regather``.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -50,20 +51,47 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "TPContext", "VocabParal
 
 class _Regather:
     """The sequence shard a column-parallel input was gathered from, gathered again once in backward for every
-    linear that used it ([Note: sequence-parallel input regathered])."""
+    linear that used it ([Note: sequence-parallel input regathered]). The shard is saved for backward by the first
+    linear that reads it (through autograd's saved tensors, so the memory tracker, activation offload, compression
+    and recomputation see it), and the others read it from there."""
 
     def __init__(self, shard: torch.Tensor, dim: int, group: ProcessGroup) -> None:
-        self.shard, self.dim, self.group = shard.detach(), dim, group
+        self.dim, self.group = dim, group
+        self._shard: torch.Tensor | None = shard.detach()
+        self._owner: Any = None  # weakref to the autograd context that saved the shard
+        self._owner_saved: tuple[torch.Tensor, ...] | None = None
         self.users = 0
         self._full: torch.Tensor | None = None
 
+    def save(self, ctx: Any, weight: torch.Tensor) -> None:
+        """Save ``weight`` on ``ctx``, and the shard too if no linear saved it yet."""
+        self.users += 1
+        if self._shard is None:
+            ctx.save_for_backward(weight)
+            return
+        ctx.save_for_backward(weight, self._shard)
+        self._owner, self._shard = weakref.ref(ctx), None
+
+    def saved(self, ctx: Any) -> tuple[torch.Tensor, ...]:
+        """``ctx.saved_tensors``, unpacked once for the owner (a recomputed unit's saved tensors may be unpacked
+        only once, and the other linears read the shard from the owner's)."""
+        owner = self._owner() if self._owner is not None else None
+        if ctx is not owner or ctx is None:
+            return tuple(ctx.saved_tensors)
+        if self._owner_saved is None:
+            self._owner_saved = tuple(ctx.saved_tensors)
+        return self._owner_saved
+
     def take(self) -> torch.Tensor:
         if self._full is None:
-            self._full = all_gather_dim(self.shard, self.dim, self.group, count_as="tp_regather")
+            owner = self._owner()
+            if owner is None:
+                raise RuntimeError("memsave TP: the sequence shard saved for backward is gone (its graph was freed)")
+            self._full = all_gather_dim(self.saved(owner)[1], self.dim, self.group, count_as="tp_regather")
         full = self._full
         self.users -= 1
         if self.users <= 0:
-            self._full = None
+            self._full = self._owner_saved = None
         return full
 
 
@@ -73,14 +101,13 @@ class _LinearRegather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 source: _Regather) -> torch.Tensor:
-        source.users += 1
         ctx.source, ctx.has_bias = source, bias is not None
-        ctx.save_for_backward(weight)
+        source.save(ctx, weight)
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        (weight,) = ctx.saved_tensors
+        weight = ctx.source.saved(ctx)[0]
         x = ctx.source.take()
         grad_x = grad @ weight if ctx.needs_input_grad[0] else None
         grad_w = grad.flatten(0, -2).t() @ x.flatten(0, -2).to(grad.dtype) if ctx.needs_input_grad[1] else None
