@@ -183,9 +183,12 @@ class _Config:
 def _worker(opts: BenchOptions, names: tuple[str, ...]) -> dict[str, Any]:
     """Every configuration of ``names`` built side by side on this rank, then their steps interleaved (step ``i``
     of each, in an order that rotates with ``i``): the machine's drift and other load fall on all of them alike.
-    Each step starts at a barrier; ``zero_grad`` runs after the clock. Then the tracker's activations per block."""
+    Each step starts at a barrier; ``zero_grad`` runs after the clock. Then the tracker's activations per block.
+    A shared machine's other load only adds time, so the fastest step is reported beside the median."""
     torch.set_num_threads(1)
-    mesh = mdist.init(profile=load_profile("ddp", [f"parallel.tp={opts.nproc}"]))
+    # the host allocator's trim after each forward is process-wide: interleaved, memsave's would make every other
+    # configuration fault its pages in again; off for all (its cost is in the steptime bench)
+    mesh = mdist.init(profile=load_profile("ddp", [f"parallel.tp={opts.nproc}"]), host_trim=False)
     configs = [_Config(n, opts, mesh) for n in names]
     data = TokenBatches(seq_len=opts.seq_len, batch_size=opts.batch_size, seed=opts.seed)  # dp = 1: every rank
     times: dict[str, list[float | None]] = {n: [] for n in names}
@@ -202,6 +205,11 @@ def _worker(opts: BenchOptions, names: tuple[str, ...]) -> dict[str, Any]:
                 c.opt.zero_grad()
     acts = {}
     for c in configs:
+        if c.name.startswith("memsave"):  # the collectives of one step, by kind ([Note: TP traffic kinds])
+            with mdist.COMM_STATS.measure() as window:
+                c.step(data.batch(opts.steps))
+            c.opt.zero_grad()
+            c.facts["collectives_per_step"] = window.snapshot()
         if c.model is not None and not c.name.startswith("torch") and c.name != "single-x2":
             acts[c.name] = _block_activations(c.model, [c.opt], functools.partial(c.step, data.batch(opts.steps)))
     return {"rank": mesh.rank, "times": times, "losses": losses, "block_activations": acts,
