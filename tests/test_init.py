@@ -227,7 +227,7 @@ LAYERS = {
     "config": 0, "config_sections": 0, "phases": 0, "_logging": 0, "models": 0, "profile_docs": 0,
     "dist": 1, "offload": 1, "optim": 1, "wrapped": 1, "_launch": 1, "_launch_faults": 1,
     "precision": 2, "memory": 2,
-    "zero": 3, "recompute": 3, "tp": 3,
+    "zero": 3, "recompute": 3, "tp": 3, "pp": 3,
     "engines": 4,
     "trainer": 5, "trainer_config": 5, "api": 5, "validate": 5, "estimator": 5, "estimate_activations": 5,
     "cli": 6, "cli_args": 6, "cli_estimate": 6, "bench": 6, "__main__": 6,
