@@ -122,3 +122,22 @@ def test_spawn_local_fails_fast_with_the_child_traceback() -> None:
     with pytest.raises(LaunchError, match="did not finish within 2 s"):
         spawn_local(_hang, 1, timeout_s=2)
     assert time.monotonic() - start < 30
+
+
+def test_demo_tensor_parallel_prints_the_one_process_losses(capfd: pytest.CaptureFixture[str]) -> None:
+    """`memsave demo --nproc 2 --parallel.tp=2` trains what `--nproc 1` trains: the same global batch, the losses of
+    every step equal to the 4 printed decimals (fp32; TP differs from one process by reduction order only)."""
+    base = ["demo", "--size", "tiny", "--batch-size", "2", "--seq-len", "32", "--steps", "4", "--log-every", "1",
+            "--no-progress", "--report-dir", ""]
+
+    def losses(*more: str) -> list[str]:
+        assert main([*base, *more]) == 0
+        captured = capfd.readouterr()
+        out = captured.out + captured.err  # (rank 0's log lines)
+        found = re.findall(r"^step (\d+)/4 \| loss (\d+\.\d+)", out, re.M)
+        assert [s for s, _ in found] == ["1", "2", "3", "4"], out
+        return [v for _, v in found]
+
+    one = losses("--nproc", "1")
+    tp2 = losses("--nproc", "2", "--parallel.tp=2")
+    assert tp2 == one

@@ -76,6 +76,10 @@ DP2TP2_TRAIN = {
     "llama-untied-kv2-zero2-sp": ("llama-untied-kv2", "zero2", True),
     "llama-tied-kv1-ddp-sp": ("llama-tied-kv1", "ddp", True),
     "llama-untied-kv1-zero3-recompute": ("llama-untied-kv1", "zero3-recompute", False),
+    # host offload (on CPU the state stays in the offload store in host memory) and disk offload (the state in
+    # files, streamed through the store): the tp slices' dp rows, stepped where they live
+    "gpt-zero3-offload-sp": ("gpt", "zero3-offload", True),
+    "llama-tied-kv2-zero3-infinity": ("llama-tied-kv2", "zero3-infinity", False),
 }
 # tp=4 (the 4-rank group): 4 query heads, one per rank; with nkv=2 the KV heads do not split over 4, so each rank keeps
 # both and reads the one its query head uses (ranks 0, 1: head 0; ranks 2, 3: head 1); a vocabulary of 250 padded to 252

@@ -9,6 +9,7 @@ ulps, not bitwise (DESIGN.md: "TP matches within reduction-order rounding; state
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -64,7 +65,18 @@ def batches(vocab: int, steps: int = STEPS, seed: int = 0) -> list[Batch]:
 
 def profile(name: str, tp: int, sequence: bool) -> Profile:
     prof = load_profile(name)
+    if prof.offload.optimizer == "disk":  # the spawned rank's own temporary folder, removed when it exits
+        prof = dataclasses.replace(prof, offload=dataclasses.replace(prof.offload, path=_scratch()))
     return dataclasses.replace(prof, parallel=dataclasses.replace(prof.parallel, tp=tp, sequence=sequence))
+
+
+_SCRATCH: list[tempfile.TemporaryDirectory[str]] = []
+
+
+def _scratch() -> str:
+    if not _SCRATCH:
+        _SCRATCH.append(tempfile.TemporaryDirectory(prefix="memsave-tp-offload-"))
+    return _SCRATCH[0].name
 
 
 # -- runs -----------------------------------------------------------------------------------------------------------
