@@ -17,7 +17,8 @@ new port (``PORT_ATTEMPTS`` launches in all), and the retry is said in the log. 
 
 [Note: orphans and leftovers] No process outlives its launcher, and none leaves offload files behind:
 - each rank asks the kernel for SIGTERM when its parent dies (``PR_SET_PDEATHSIG``; strictly, when the thread
-  that started it ends, and ``spawn_local`` waits for its ranks in that thread), and a thread checks the parent
+  that started it ends); its parent is the fork server ([Note: fork server]), which exits when the launcher
+  dies, so the rank's signal follows the launcher's death; and a thread checks the parent
   every ``PARENT_POLL_S`` as a fallback (other systems; a parent that died before the request);
 - SIGTERM and SIGINT in a rank remove its offload folders and end it, even inside a collective
   ([Note: cleanup on signals] in ``memsave/offload/folders.py``);
@@ -159,8 +160,14 @@ def _hand_off(queue: Any, item: tuple[Any, ...]) -> BaseException | None:
 
 
 def _child(rank: int, nprocs: int, port: int, threads: int, fn: Callable[..., Any], args: tuple[Any, ...],
-           queue: Any, parent_pid: int, workdir: str) -> None:
-    _die_with_parent(parent_pid, workdir)
+           queue: Any, env: dict[str, str], stdio: tuple[int, int], workdir: str) -> None:
+    os.environ.clear()  # the launcher's environment at the launch, not the fork server's ([Note: fork server])
+    os.environ.update(env)
+    for fd, target in ((stdio[0], 1), (stdio[1], 2)):  # and its stdout and stderr now, not the server's
+        os.dup2(fd, target)
+        os.close(fd)
+    _forget_fork_server()
+    _die_with_parent(os.getppid(), workdir)
     _thread_lock_for_tqdm()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads))
@@ -267,14 +274,67 @@ def spawn_local(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *
                                  "processes again on another port", ports[-1], exc.exc_type, nprocs)
 
 
+def _context() -> Any:
+    """[Note: fork server] The ranks fork from a server process that imported torch and memsave once (started on
+    the first launch, alive as long as the launcher), instead of each spawning an interpreter that imports them
+    again (about 2.5 s a process on a small machine, paid on every launch: the benchmarks launch every
+    configuration afresh). Nothing in the server has run torch code, so the ranks inherit no thread pool, device
+    context or process group. What a spawned rank would get from the launcher at the launch, it still does:
+    multiprocessing passes ``sys.path``, the working directory and the main module, and ``_child`` the
+    environment. The ranks' parent is the server, which exits when the launcher dies: the death signal and the
+    parent watch ([Note: orphans and leftovers]) follow the server."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "memsave", "memsave.cli"])
+    return ctx
+
+
+class _Fd:
+    """A file descriptor of the launcher that arrives in the rank as a descriptor of its own (multiprocessing's
+    ``DupFd``, made while the rank is being started: through the fork server's socket)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        from multiprocessing import reduction
+
+        return _fd_in_child, (reduction.DupFd(self.fd),)
+
+
+def _fd_in_child(dup: Any) -> int:
+    return int(dup.detach())
+
+
+def _forget_fork_server() -> None:
+    """A rank inherits the launcher's end of the pipe by which the fork server learns that the launcher is gone
+    (multiprocessing hands it over so that a child could use the server too). Held open by a rank, the server
+    would outlive a killed launcher, and so would the rank, whose parent it is. The rank closes it; should the rank
+    start processes through a fork server, multiprocessing starts a server of its own."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if server is None or fd is None:
+        return
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    server._forkserver_alive_fd = None
+    server._forkserver_pid = None
+    server._forkserver_address = None
+
+
 def _launch_once(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], timeout_s: float,
                  port: int) -> list[Any]:
     """One launch of ``nprocs`` processes rendezvousing on ``port``; see :func:`spawn_local`."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.SimpleQueue()
     threads = max(1, _cpu_count() // nprocs)
     workdir = tempfile.mkdtemp(prefix="memsave-launch-")  # the ranks' record of their offload folders
-    procs = [ctx.Process(target=_child, args=(r, nprocs, port, threads, fn, args, queue, os.getpid(), workdir),
+    env = dict(os.environ)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    stdio = (_Fd(1), _Fd(2))
+    procs = [ctx.Process(target=_child, args=(r, nprocs, port, threads, fn, args, queue, env, stdio, workdir),
                          daemon=True) for r in range(nprocs)]
     ranks = Ranks(procs)
     ok = False

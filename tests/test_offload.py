@@ -129,7 +129,8 @@ def _cases(world: int, path: str) -> str:
     handler = logging.Handler()
     handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
     _logging.get_logger().addHandler(handler)
-    for stage, prec in itertools.product((1, 2, 3), ((), BF16, FP16)):
+    # one rank (no row split) at stage 3 only: every stage's offload runs on 2 ranks, over row shards
+    for stage, prec in itertools.product((1, 2, 3) if world > 1 else (3,), ((), BF16, FP16)):
         ref = _train(stage, prec, mesh, path)
         if prec == FP16:
             assert any(ref["skipped"]) and not all(ref["skipped"]), ref["skipped"]

@@ -180,14 +180,19 @@ def _all_cases(world: int) -> str:
     rank = mesh.dp_rank
     sgd = lambda g: torch.optim.SGD(g, lr=0.05, momentum=0.9)  # noqa: E731
     adam = lambda g: torch.optim.Adam(g, lr=1e-2)  # noqa: E731
-    for stage in (1, 2, 3):
+    # 4 ranks (2 per core here) add what 2 do not: dim-0 sizes that do not divide, so padded rows, in the bytes held
+    # and moved at every stage, and one trajectory through them; the rest runs on 1 and 2 ranks
+    full = world < 4
+    for stage in (1, 2, 3) if full else (3,):
         case_exact_trajectory(stage, rank, world, mesh)
-        case_exact_trajectory(stage, rank, world, mesh, make_opt=sgd if stage != 2 else adam)
+        if full:
+            case_exact_trajectory(stage, rank, world, mesh, make_opt=sgd if stage != 2 else adam)
     # stage 3's schedule knobs: deeper prefetch, no prefetch, parameters kept from forward to backward
-    for overrides in (("zero.prefetch=2",), ("zero.prefetch=0",), ("zero.reshard_after_forward=false",)):
+    for overrides in (("zero.prefetch=2",), ("zero.prefetch=0",), ("zero.reshard_after_forward=false",)) if full else ():
         case_exact_trajectory(3, rank, world, mesh, overrides=overrides)
     for stage in (1, 2, 3):
-        case_clip_accumulate_state_dict(stage, rank, world, mesh)
+        if full:
+            case_clip_accumulate_state_dict(stage, rank, world, mesh)
         case_memory_and_traffic(stage, rank, world, mesh)
     return "ok"
 

@@ -118,8 +118,10 @@ def _all_cases(world: int) -> str:
     m = OddLM()
     with pytest.raises(NotImplementedError, match=r"memsave\.optim\.Adafactor"):  # torch's is not shardable
         memsave.wrap(m, torch.optim.Adafactor(m.parameters()), "zero2", mesh=mesh)
-    for stage in (1, 2, 3):
-        for setting in SETTINGS:
+    # 4 ranks (2 per core here) add odd row counts split 4 ways (row statistics over uneven, padded row shards);
+    # every setting and stage runs on 1 and 2 ranks, stage 3 under two settings on 4
+    for stage in (1, 2, 3) if world < 4 else (3,):
+        for setting in SETTINGS if world < 4 else ("groups", "per-tensor"):
             case_matches_unsharded(stage, setting, mesh.dp_rank, world, mesh)
     return "ok"
 
