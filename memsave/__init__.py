@@ -6,6 +6,7 @@ ZeRO-1/2/3 sharding, offload, activation recomputation, mixed precision and memo
 
 from memsave import memory, optim, precision, recompute, zero
 from memsave.api import parallelize, wrap
+from memsave.checkpoint import load, save
 from memsave.config import Profile, list_presets, load_profile
 from memsave.dist import Mesh, init
 from memsave.engines import MemsaveOptimizer
@@ -34,6 +35,7 @@ __all__ = [
     "cosine_schedule",
     "estimate",
     "init",
+    "load",
     "list_presets",
     "load_profile",
     "memory",
@@ -42,6 +44,7 @@ __all__ = [
     "precision",
     "recompute",
     "report",
+    "save",
     "wrap",
     "zero",
 ]
