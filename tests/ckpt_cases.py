@@ -30,9 +30,10 @@ class Layout:
     profile: str
     tp: int = 1
     opt: str = "adamw"
+    model: str = "gpt"  # "gpt", "llama" (tied), "llama-untied", "seq" (an nn.Sequential)
 
     def __str__(self) -> str:
-        return f"{self.profile}/tp{self.tp}/{self.opt}"
+        return f"{self.profile}/tp{self.tp}/{self.opt}/{self.model}"
 
 
 def gpt(seed: int, dropout: float = 0.0) -> nn.Module:
@@ -42,18 +43,62 @@ def gpt(seed: int, dropout: float = 0.0) -> nn.Module:
     return GPT(gpt_config("tiny", vocab_size=VOCAB, tie_weights=True, dropout=dropout, n_head=2))
 
 
+def llama(seed: int, tie: bool) -> nn.Module:
+    """An unchanged Hugging Face LlamaForCausalLM from a small config (no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie,
+                      max_position_embeddings=64, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg)
+
+
+class _Seq(nn.Sequential):
+    """An nn.Sequential language model whose forward takes ``labels=`` like the others."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> Any:  # type: ignore[override]
+        logits = super().forward(x)
+        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+        return dataclasses.make_dataclass("Out", ["loss"])(loss)
+
+
+def seq(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return _Seq(nn.Embedding(VOCAB, 32), nn.Linear(32, 48), nn.GELU(), nn.LayerNorm(48), nn.Linear(48, VOCAB))
+
+
+def build(layout: Layout, seed: int, dropout: float) -> nn.Module:
+    if layout.model == "gpt":
+        return gpt(seed, dropout)
+    if layout.model.startswith("llama"):
+        return llama(seed, tie=layout.model == "llama")
+    return seq(seed)
+
+
+def loss_of(model: nn.Module, layout: Layout, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if layout.model.startswith("llama"):
+        return model(input_ids=x, labels=x).loss  # type: ignore[no-any-return]
+    return model(x, labels=y).loss  # type: ignore[no-any-return]
+
+
 def batches(steps: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
             for _ in range(steps)]
 
 
-def wrapped(layout: Layout, *, seed: int = 0, dropout: float = 0.0) -> tuple[nn.Module, Any, mdist.Mesh]:
-    """A fresh tiny GPT wrapped under ``layout`` (its weights from ``seed``: a load must replace them)."""
+def wrapped(layout: Layout, *, seed: int = 0, dropout: float = 0.0,
+            scratch: Path | None = None) -> tuple[nn.Module, Any, mdist.Mesh]:
+    """A fresh tiny model wrapped under ``layout`` (its weights from ``seed``: a load must replace them); a disk
+    offload tier goes under ``scratch``."""
     prof = load_profile(layout.profile)
     prof = dataclasses.replace(prof, parallel=dataclasses.replace(prof.parallel, tp=layout.tp))
+    if prof.offload.optimizer == "disk":
+        assert scratch is not None
+        prof = dataclasses.replace(prof, offload=dataclasses.replace(prof.offload, path=str(scratch / "offload")))
     mesh = memsave.init(tp=layout.tp)
-    model = gpt(seed, dropout)
+    model = build(layout, seed, dropout)
     if layout.opt == "adafactor":
         opt: torch.optim.Optimizer = memsave.optim.Adafactor(model.parameters(), lr=1e-2, beta1=0.9)
     else:
@@ -63,12 +108,13 @@ def wrapped(layout: Layout, *, seed: int = 0, dropout: float = 0.0) -> tuple[nn.
     return model, opt, mesh
 
 
-def train(model: nn.Module, opt: Any, mesh: mdist.Mesh, data: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+def train(model: nn.Module, opt: Any, mesh: mdist.Mesh, data: list[tuple[torch.Tensor, torch.Tensor]],
+          layout: Layout) -> list[float]:
     """Steps on the global batches (each dp rank its rows); the global mean loss of each."""
     losses = []
     for x, y in data:
         xs, ys = x.chunk(mesh.dp_size)[mesh.dp_rank], y.chunk(mesh.dp_size)[mesh.dp_rank]
-        loss = model(xs, labels=ys).loss
+        loss = loss_of(model, layout, xs, ys)
         opt.backward(loss)
         opt.clip_grad_norm(1.0)
         opt.step()
@@ -83,10 +129,10 @@ def save_run(layout: Layout, path: Path, *, before: int = 2, after: int = 3, dro
              **save_kw: Any) -> list[float]:
     """Train ``before`` steps, save to ``path``, train ``after`` more: the uninterrupted losses after the save."""
     data = batches(before + after)
-    model, opt, mesh = wrapped(layout, dropout=dropout)
-    train(model, opt, mesh, data[:before])
+    model, opt, mesh = wrapped(layout, dropout=dropout, scratch=path.parent)
+    train(model, opt, mesh, data[:before], layout)
     memsave.save(path, model, opt, extra={"step": before}, **save_kw)
-    out = train(model, opt, mesh, data[before:])
+    out = train(model, opt, mesh, data[before:], layout)
     opt.close()
     return out
 
@@ -94,10 +140,10 @@ def save_run(layout: Layout, path: Path, *, before: int = 2, after: int = 3, dro
 def resume_run(layout: Layout, path: Path, *, before: int = 2, after: int = 3, dropout: float = 0.0) -> list[float]:
     """A fresh model (other initial weights) under ``layout``, loaded from ``path``, trained ``after`` steps."""
     data = batches(before + after)
-    model, opt, mesh = wrapped(layout, seed=7, dropout=dropout)
+    model, opt, mesh = wrapped(layout, seed=7, dropout=dropout, scratch=path.parent)
     loaded = memsave.load(path, model, opt)
     assert loaded.extra == {"step": before}, loaded.extra
-    out = train(model, opt, mesh, data[before:])
+    out = train(model, opt, mesh, data[before:], layout)
     opt.close()
     return out
 

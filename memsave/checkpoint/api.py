@@ -116,9 +116,10 @@ def write_rects(final: Path, rects: list[Rect], meta: dict[str, Any], rng: dict[
                 _commit.prune(final.parent, keep_last)
 
         _commit.agree(f"memsave.save({final}): committing", finish)
-    except BaseException:
+    except Exception:  # agreed: every rank is here
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        mdist.barrier()  # (so that no rank sees the half-written directory after save returned)
         raise
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from memsave import dist as mdist
-from memsave.dist.dcp import CheckpointFormatError
+from memsave.dist.dcp import CheckpointFormatError, read_metadata
 
 __all__ = ["MANIFEST", "agree", "checkpoints_in", "crc32_file", "latest", "prune", "read_manifest", "verify_files"]
 
@@ -32,28 +32,28 @@ T = TypeVar("T")
 
 
 def agree(what: str, fn: Callable[[], T]) -> T | None:
-    """Run ``fn`` on every rank and agree on its outcome: if it raised on any rank, every rank raises (the first
-    failing rank's error, its type kept for ``OSError``)."""
+    """Run ``fn`` on every rank and agree on its outcome: if it raised on any rank, every rank raises the first
+    failing rank's error (its type, errno and message, prefixed with ``what`` and the rank)."""
     result: T | None = None
-    error: BaseException | None = None
+    error: Exception | None = None
     try:
         result = fn()
     except Exception as exc:  # agreed on below
         error = exc
-    mine = None if error is None else (type(error).__name__, str(error), getattr(error, "errno", None))
-    everyone = mdist.all_gather_object(mine)
+    mine = None if error is None else (type(error), str(error), getattr(error, "errno", None))
+    everyone = mdist.all_gather_object(mine)  # (between this run's own ranks: trusted)
     failed = [(r, e) for r, e in enumerate(everyone) if e is not None]
     if not failed:
         return result
-    rank, (kind, message, errno) = failed[0]
-    text = f"{what} failed on rank {rank}: {kind}: {message}"
-    if error is not None and rank == mdist.group_rank(None):
-        if isinstance(error, OSError):
-            raise type(error)(error.errno, text) from error
-        raise type(error)(text) if isinstance(error, ValueError | NotImplementedError) else RuntimeError(text) from error
-    if errno is not None:
-        raise OSError(errno, text)
-    raise RuntimeError(text)
+    rank, (kind, message, code) = failed[0]
+    text = f"{what} failed on rank {rank}: {message}"
+    if issubclass(kind, OSError) and code is not None:
+        raise OSError(code, text) from error
+    try:
+        again = kind(text)
+    except Exception:
+        again = RuntimeError(f"{kind.__name__}: {text}")
+    raise again from error
 
 
 def crc32_file(path: str | Path) -> int:
@@ -101,11 +101,25 @@ def verify_files(path: Path, manifest: dict[str, Any], *, checksums: bool) -> No
         try:
             actual = where.stat().st_size
         except FileNotFoundError:
-            raise CheckpointFormatError(f"{where}: missing (listed in {MANIFEST} with {size} bytes)") from None
+            raise CheckpointFormatError(f"{where}: missing (listed in {MANIFEST} with {size} bytes); it "
+                                        f"holds {_keys_in(path, name)}") from None
         if actual != size:
             raise CheckpointFormatError(f"{where}: {actual} bytes, {MANIFEST} says {size}: truncated or replaced")
         if (checksums or name == ".metadata") and i % world == rank and crc32_file(where) != crc:
             raise CheckpointFormatError(f"{where}: CRC-32 differs from {MANIFEST}: the file is corrupt")
+
+
+def _keys_in(path: Path, name: str) -> str:
+    """The tensors stored in file ``name`` of the checkpoint (from DCP's metadata), for error messages."""
+    if not name.endswith(".distcp"):
+        return "memsave's metadata"
+    try:
+        storage = read_metadata(path).storage_data or {}
+    except CheckpointFormatError as exc:
+        return f"(unknown: {exc})"
+    keys = sorted({index.fqn for index, info in storage.items() if info.relative_path == name})
+    more = f" and {len(keys) - 6} more" if len(keys) > 6 else ""
+    return ", ".join(repr(k) for k in keys[:6]) + more
 
 
 def commit(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
