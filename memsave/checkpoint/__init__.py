@@ -7,6 +7,7 @@ in memsave/dist/dcp.py.
 """
 
 from memsave.checkpoint.api import Loaded, load, save
+from memsave.checkpoint.background import AsyncSave, wait
 from memsave.checkpoint.commit import checkpoints_in, latest
 
-__all__ = ["Loaded", "checkpoints_in", "latest", "load", "save"]
+__all__ = ["AsyncSave", "Loaded", "checkpoints_in", "latest", "load", "save", "wait"]

@@ -55,6 +55,9 @@ def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
         from memsave.checkpoint.background import save_async
 
         return save_async(path, model, optimizer, extra=extra, keep_last=keep_last, sync_files=sync_files)
+    from memsave.checkpoint.background import wait
+
+    wait()  # an async save still writing: finish it first (and raise its error)
     rects, meta, rng = snapshot(model, optimizer, extra)
     write_rects(Path(path), rects, meta, rng, keep_last=keep_last, sync_files=sync_files)
     return None
@@ -89,7 +92,7 @@ def write_rects(final: Path, rects: list[Rect], meta: dict[str, Any], rng: dict[
             shutil.rmtree(tmp, ignore_errors=True)  # a save interrupted before (never committed)
             tmp.mkdir(parents=True)
 
-    _commit.agree(f"memsave.save({final}): creating {tmp}", prepare)
+    _commit.agree(f"memsave.save({final}): creating {tmp}", prepare, group)
 
     def write() -> dict[str, Any]:
         save_rects(tmp, rects, group=group, sync_files=sync_files)
@@ -99,7 +102,7 @@ def write_rects(final: Path, rects: list[Rect], meta: dict[str, Any], rng: dict[
         return mine
 
     try:
-        _commit.agree(f"memsave.save({final}): writing the shards", write)
+        _commit.agree(f"memsave.save({final}): writing the shards", write, group)
 
         def finish() -> None:
             if rank != 0:
@@ -115,11 +118,11 @@ def write_rects(final: Path, rects: list[Rect], meta: dict[str, Any], rng: dict[
             if keep_last is not None:
                 _commit.prune(final.parent, keep_last)
 
-        _commit.agree(f"memsave.save({final}): committing", finish)
+        _commit.agree(f"memsave.save({final}): committing", finish, group)
     except Exception:  # agreed: every rank is here
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        mdist.barrier()  # (so that no rank sees the half-written directory after save returned)
+        mdist.barrier(group)  # (so that no rank sees the half-written directory after save returned)
         raise
 
 
@@ -132,6 +135,9 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     tensors are read weights-only. ``verify``: check every file's CRC-32 (spread over the ranks) before reading.
     ``rng``: restore the random state this rank saved (a rank past the saved world size takes rank ``r mod N``'s).
     Returns the saved ``extra`` (step, data position, ...) in :class:`Loaded`."""
+    from memsave.checkpoint.background import wait
+
+    wait()
     path = Path(path)
     t = target_of(model, optimizer)
     if t.optimizer is not None:

@@ -31,7 +31,7 @@ _CHUNK = 8 << 20
 T = TypeVar("T")
 
 
-def agree(what: str, fn: Callable[[], T]) -> T | None:
+def agree(what: str, fn: Callable[[], T], group: Any = None) -> T | None:
     """Run ``fn`` on every rank and agree on its outcome: if it raised on any rank, every rank raises the first
     failing rank's error (its type, errno and message, prefixed with ``what`` and the rank)."""
     result: T | None = None
@@ -41,7 +41,7 @@ def agree(what: str, fn: Callable[[], T]) -> T | None:
     except Exception as exc:  # agreed on below
         error = exc
     mine = None if error is None else (type(error), str(error), getattr(error, "errno", None))
-    everyone = mdist.all_gather_object(mine)  # (between this run's own ranks: trusted)
+    everyone = mdist.all_gather_object(mine, group)  # (between this run's own ranks: trusted)
     failed = [(r, e) for r, e in enumerate(everyone) if e is not None]
     if not failed:
         return result

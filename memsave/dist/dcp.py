@@ -50,8 +50,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-__all__ = ["CheckpointFormatError", "Rect", "SafeReader", "initialized", "load_rects", "read_metadata",
-           "save_rects", "tensor_keys"]
+__all__ = ["CheckpointFormatError", "Rect", "SafeReader", "initialized", "load_rects", "new_world_group",
+           "read_metadata", "save_rects", "tensor_keys"]
 
 METADATA_FILE = ".metadata"
 
@@ -79,6 +79,12 @@ class Rect:
     @property
     def chunk(self) -> dcp_md.ChunkStorageMetadata:
         return dcp_md.ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=torch.Size(self.tensor.shape))
+
+
+def new_world_group() -> Any:
+    """A gloo group of every rank for checkpoint traffic of its own (collective; None without a process group):
+    an async save's collectives in a background thread must not interleave with training's."""
+    return dist.new_group(backend="gloo") if initialized() else None
 
 
 def initialized() -> bool:
