@@ -6,7 +6,7 @@ ZeRO-1/2/3 sharding, offload, activation recomputation, mixed precision and memo
 
 from memsave import memory, optim, precision, recompute, zero
 from memsave.api import parallelize, wrap
-from memsave.checkpoint import load, save
+from memsave.checkpoint import load, load_weights, save
 from memsave.config import Profile, list_presets, load_profile
 from memsave.dist import Mesh, init
 from memsave.engines import MemsaveOptimizer
@@ -38,6 +38,7 @@ __all__ = [
     "list_presets",
     "load",
     "load_profile",
+    "load_weights",
     "memory",
     "optim",
     "parallelize",

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from memsave import bench, cli_estimate
+from memsave import bench, cli_estimate, cli_export
 from memsave import dist as mdist
 from memsave._launch import LaunchError, spawn_local
 from memsave.api import wrap
@@ -327,6 +327,7 @@ _COMMANDS: list[Command] = [
     ("profiles", _add_profiles, _run_profiles),
     ("report", _add_report, _run_report),
     ("estimate", cli_estimate.add_parser, cli_estimate.run_command),
+    ("export", cli_export.add_parser, cli_export.run_command),
 ]
 
 

@@ -1,4 +1,5 @@
-"""Fault cases of tests/test_checkpoint.py, run on every rank of the 2-rank group: each returns "ok" or raises.
+"""Fault, async and interop cases of tests/test_checkpoint.py, run on every rank of the 2-rank group: each returns
+"ok" or raises.
 
 Tampering is done by rank 0 with the manifest's sizes and checksums updated too (an attacker can edit JSON), so
 what stops the load is the allow-list unpickler or ``weights_only``, not the checksum; corruption leaves the
@@ -244,7 +245,41 @@ def async_save(root: Path) -> str:
     return "ok"
 
 
+def export_and_load_weights(root: Path) -> str:
+    """A tiny HF Llama (tied and untied) saved by save_pretrained loads into ZeRO-3 and tp=2 models with
+    load_weights (each rank its rectangles); `memsave export` of a ZeRO-3 checkpoint writes the model's own
+    state_dict keys (a tied parameter once) that safetensors reads back equal."""
+    from safetensors.torch import load_file
+
+    from memsave.cli import main
+    from tests.ckpt_cases import llama
+
+    for layout in (Layout("zero3", model="llama-untied"), Layout("ddp", tp=2, model="llama-untied"),
+                   Layout("zero3", model="llama")):
+        model, opt, mesh = wrapped(layout, seed=9)
+        src = llama(5, tie=layout.model == "llama")
+        folder = root / f"hf-{layout.model}"
+        if mesh.rank == 0 and not folder.exists():
+            src.save_pretrained(folder, safe_serialization=True)
+        _barrier()
+        assert memsave.load_weights(model, folder) == []
+        got = model.state_dict()
+        assert all(torch.equal(got[k], v) for k, v in src.state_dict().items()), layout
+        opt.close()
+    model, opt, mesh = _trained()
+    memsave.save(root / "to-export", model, opt)
+    whole = model.state_dict()
+    if mesh.rank == 0:
+        assert main(["export", str(root / "to-export"), str(root / "model.safetensors")]) == 0
+        exported = load_file(root / "model.safetensors")
+        assert sorted(set(whole) - set(exported)) == ["lm_head.weight"], sorted(set(whole) - set(exported))
+        assert all(torch.equal(whole[k], exported[k]) for k in exported)
+    _barrier()
+    return "ok"
+
+
 CASES: dict[str, Callable[[Path], str]] = {
+    "export to safetensors, load_weights from HF folders": export_and_load_weights,
     "async save: staged, written in the background, errors at the next wait": async_save,
     "tampered .metadata: refused, nothing ran": tampered_metadata,
     "tampered shard: refused, nothing ran": tampered_shard,

@@ -9,5 +9,6 @@ in memsave/dist/dcp.py.
 from memsave.checkpoint.api import Loaded, load, save
 from memsave.checkpoint.background import AsyncSave, wait
 from memsave.checkpoint.commit import checkpoints_in, latest
+from memsave.checkpoint.export import export, load_weights
 
-__all__ = ["AsyncSave", "Loaded", "checkpoints_in", "latest", "load", "save", "wait"]
+__all__ = ["AsyncSave", "Loaded", "checkpoints_in", "export", "latest", "load", "load_weights", "save", "wait"]

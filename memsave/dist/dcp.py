@@ -294,11 +294,12 @@ class _RectLoadPlanner(LoadPlanner):
         pass
 
 
-def load_rects(path: str | Path, rects: Sequence[Rect], *, group: Any = None) -> None:
-    """Fill every rank's ``rects`` from the checkpoint in directory ``path`` (a collective over ``group``)."""
+def load_rects(path: str | Path, rects: Sequence[Rect], *, group: Any = None, no_dist: bool | None = None) -> None:
+    """Fill every rank's ``rects`` from the checkpoint in directory ``path`` (a collective over ``group``;
+    ``no_dist=True``: this process alone, whatever process group exists)."""
     with _unwrapped():
         dcp.load({}, storage_reader=SafeReader(path), planner=_RectLoadPlanner(rects), process_group=group,
-                 no_dist=not initialized())
+                 no_dist=not initialized() if no_dist is None else no_dist)
 
 
 @contextlib.contextmanager
