@@ -6,6 +6,7 @@ ZeRO-1/2/3 sharding, offload, activation recomputation, mixed precision and memo
 
 from memsave import memory, optim, precision, recompute, zero
 from memsave.api import parallelize, wrap
+from memsave.checkpoint import load, load_weights, save
 from memsave.config import Profile, list_presets, load_profile
 from memsave.dist import Mesh, init
 from memsave.engines import MemsaveOptimizer
@@ -35,13 +36,16 @@ __all__ = [
     "estimate",
     "init",
     "list_presets",
+    "load",
     "load_profile",
+    "load_weights",
     "memory",
     "optim",
     "parallelize",
     "precision",
     "recompute",
     "report",
+    "save",
     "wrap",
     "zero",
 ]

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from memsave import bench, cli_estimate
+from memsave import bench, cli_estimate, cli_export
 from memsave import dist as mdist
 from memsave._launch import LaunchError, spawn_local
 from memsave.api import wrap
@@ -147,6 +147,11 @@ def _add_demo(sub: Any) -> None:
                    help="each run writes report.json and report.html (the memory report with its timeline and the "
                         "estimate beside it) into a new folder <profile>-<timestamp> under this one, and prints it "
                         "(default: runs/memsave-demo; '' writes none)")
+    p.add_argument("--ckpt-dir", default="", help="save checkpoints (memsave.save) under this folder")
+    p.add_argument("--save-every", type=int, default=0, metavar="N", help="checkpoint every N steps (0: never)")
+    p.add_argument("--keep-last", type=int, default=0, metavar="N", help="keep the N newest checkpoints (0: all)")
+    p.add_argument("--resume", nargs="?", const="latest", default="", metavar="PATH",
+                   help="resume from the latest committed checkpoint in --ckpt-dir (or PATH); --steps stays the total")
     p.add_argument("--no-track", action="store_true",
                    help="no memory tracking (the report then has the final bytes only, no peaks or timeline)")
 
@@ -173,6 +178,7 @@ def _demo_options(args: argparse.Namespace, extra: Sequence[str],
         steps=args.steps, micro_batches=args.micro_batches, batch_size=args.batch_size, seq_len=seq_len,
         log_every=args.log_every or max(1, args.steps // 10), grad_clip=1.0, progress=not args.no_progress,
         progress_every_s=args.progress_every, seed=args.seed, track_memory=not args.no_track,
+        ckpt_dir=args.ckpt_dir, save_every=args.save_every, keep_last=args.keep_last, resume=args.resume,
     )
     est = _demo_estimate(profile, args.size, train, nproc)
     return DemoOptions(profile=profile, size=args.size, train=train, estimate=est.to_report_dict()), nproc
@@ -321,6 +327,7 @@ _COMMANDS: list[Command] = [
     ("profiles", _add_profiles, _run_profiles),
     ("report", _add_report, _run_report),
     ("estimate", cli_estimate.add_parser, cli_estimate.run_command),
+    ("export", cli_export.add_parser, cli_export.run_command),
 ]
 
 

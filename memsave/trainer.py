@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from memsave import dist as mdist
 from memsave._logging import set_rank_source
+from memsave.checkpoint.resume import resume_trainer, save_trainer
 from memsave.dist import Mesh
 from memsave.memory import MemoryReport, MemoryTracker, account, peak_rss_bytes, report
 from memsave.trainer_config import Batch, BatchSource, TrainConfig, cosine_schedule
@@ -294,8 +295,12 @@ class Trainer:
     def fit(self) -> TrainResult:
         """Run ``config.steps`` optimizer steps (from ``self.step``); evaluate, log, and report memory at the end."""
         cfg = self.config
-        self._end_step = self.step + cfg.steps
-        torch.manual_seed(cfg.seed + self.mesh.dp_rank)
+        resumed = resume_trainer(self) if cfg.resume else None  # (memsave/checkpoint/resume.py)
+        self._end_step = cfg.steps if cfg.resume else self.step + cfg.steps
+        if resumed is None:  # a resumed run continues the random streams it saved
+            torch.manual_seed(cfg.seed + self.mesh.dp_rank)
+        elif self.is_main:
+            print(f"resumed from {resumed} at step {self.step}", flush=True)
         self.model.train()
         losses: list[float] = []
         eval_losses: list[tuple[int, float]] = []
@@ -316,7 +321,7 @@ class Trainer:
         if cfg.track_memory and getattr(self.model, "memsave_tracker", None) is None:
             tracker = MemoryTracker(self.model, self.optimizer)
         try:
-            for _ in range(cfg.steps):
+            for _ in range(self._end_step - self.step):
                 step = self.step
                 start = time.perf_counter()
                 first = step * cfg.micro_batches
@@ -351,6 +356,8 @@ class Trainer:
                         self._say(f"step {step + 1}: eval loss {eval_losses[-1][1]:.4f}", bar)
                 if lines is not None:
                     lines.update(step + 1, step_tokens)
+                if cfg.save_every and (step + 1) % cfg.save_every == 0:
+                    save_trainer(self)
         finally:
             bar.close()
         try:

@@ -46,6 +46,12 @@ class TrainConfig:
     track_memory: sample memory at every phase and unit boundary (:class:`memsave.memory.MemoryTracker`), so
         the final report carries peaks per category and phase and a timeline; off costs nothing.
     report_dir: where rank 0 writes the final memory report (``report.json`` and ``report.html``); "" writes none.
+    ckpt_dir: where ``save_every`` writes checkpoints (``<ckpt_dir>/step<N>``, :func:`memsave.save`); "" none.
+    save_every: save a checkpoint every this many steps (0: never); needs ``ckpt_dir``.
+    keep_last: keep only this many of the newest checkpoints in ``ckpt_dir`` (0: all).
+    resume: "" starts fresh; "latest" loads the newest committed checkpoint in ``ckpt_dir`` (none yet: starts
+        fresh); anything else is a checkpoint path. ``steps`` counts from step 0 either way, so a resumed run
+        ends where the uninterrupted one does.
     """
 
     steps: int = 100
@@ -61,6 +67,10 @@ class TrainConfig:
     seed: int = 0
     track_memory: bool = False
     report_dir: str = ""
+    ckpt_dir: str = ""
+    save_every: int = 0
+    keep_last: int = 0
+    resume: str = ""
 
     def __post_init__(self) -> None:
         for name, low in (("steps", 1), ("micro_batches", 1), ("batch_size", 1), ("seq_len", 1),
@@ -77,6 +87,16 @@ class TrainConfig:
         for name in ("progress", "track_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "true or false")
+        for name in ("save_every", "keep_last"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise _bad(name, value, "an integer >= 0")
+        for name in ("ckpt_dir", "resume"):
+            if not isinstance(getattr(self, name), str):
+                raise _bad(name, getattr(self, name), "a path as a string")
+        if (self.save_every or self.resume == "latest") and not self.ckpt_dir:
+            what = f"save_every={self.save_every}" if self.save_every else "resume='latest'"
+            raise _bad("ckpt_dir", self.ckpt_dir, f"a folder: {what} needs one")
         if not isinstance(self.report_dir, str):
             raise _bad("report_dir", self.report_dir, "a folder path as a string, or \"\" for none")
 

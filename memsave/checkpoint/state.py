@@ -1,0 +1,236 @@
+"""What a wrapped model and its optimizer hold on this rank, as checkpoint rectangles (save) and as rectangles
+to fill, plus the tensors to create (load).
+
+Keys are the model's own names (tied parameters under their first name): ``model/<name>`` (the parameters, in
+their dtype), ``buffer/<name>`` (persistent buffers), ``master/<name>`` (fp32 masters under mixed precision) and
+``optim/<name>/<key>`` (the optimizer's per-parameter state). Hyperparameters, non-tensor state and the loss
+scaler go into the JSON manifest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from memsave.checkpoint.encode import decode, encode
+from memsave.checkpoint.layout import Held, follow_mask, held_params
+from memsave.dist import Mesh, Shard
+from memsave.dist.dcp import CheckpointFormatError, Rect
+from memsave.engines import MemsaveOptimizer
+from memsave.wrapped import MemsaveModule
+
+__all__ = ["Target", "buffers", "model_rects", "optimizer_meta", "optimizer_rects", "target_of"]
+
+
+@dataclasses.dataclass
+class Target:
+    """A wrapped model (and optimizer) as this rank holds them."""
+
+    model: nn.Module
+    optimizer: MemsaveOptimizer | None
+    mesh: Mesh
+    stage: int
+    held: dict[nn.Parameter, Held]
+    engine: Any
+
+    @property
+    def device(self) -> torch.device:
+        return self.mesh.device
+
+
+def target_of(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Target:
+    if not isinstance(model, MemsaveModule):
+        raise ValueError(f"memsave.save/load: model is a plain {type(model).__name__}; pass the model returned by "
+                         "memsave.wrap (for a plain model use memsave.load_weights or torch's own state_dict)")
+    engine = model.memsave_engine
+    if optimizer is not None and not isinstance(optimizer, MemsaveOptimizer):
+        raise ValueError(f"memsave.save/load: optimizer is a plain {type(optimizer).__name__}; pass the optimizer "
+                         "returned by memsave.wrap together with its model")
+    if optimizer is not None and optimizer.engine is not engine:
+        raise ValueError("memsave.save/load: the optimizer was wrapped with another model")
+    if optimizer is not None and optimizer.param_offload is not None:
+        raise NotImplementedError("memsave.save/load with [offload] params: the parameter shards live on the "
+                                  "offload tier, which checkpoints do not read yet; save without params offload")
+    stepped = dict(engine.stepped())
+    rows_sharded = {p: s for p, s in stepped.items() if isinstance(engine.placement_of(s).dp, Shard)}
+    stage = int(getattr(engine, "stage", 0))
+    held = {h.param: h for h in held_params(model, engine.mesh, stage, rows_sharded)}
+    return Target(model, optimizer, engine.mesh, stage, held, engine)
+
+
+def buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's persistent buffers by their state-dict name."""
+    out = {}
+    for prefix, module in model.named_modules():
+        for name, b in module._buffers.items():
+            if b is not None and name not in module._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = b
+    return out
+
+
+def model_rects(t: Target, *, for_load: bool, keys: dict[str, Any] | None = None) -> list[Rect]:
+    """The parameters' rectangles: on save this rank's rows (ZeRO: every rank writes only its rows), on load what
+    the rank holds (ZeRO-3: its rows; otherwise the whole TP slice). On load a parameter whose checkpoint holds an
+    fp32 master is read from it when the parameter itself is fp32 (the master is the exact value)."""
+    rects: list[Rect] = []
+    for h in t.held.values():
+        key = f"model/{h.name}"
+        if for_load and keys is not None and h.param.dtype == torch.float32 and f"master/{h.name}" in keys:
+            key = f"master/{h.name}"
+        if for_load or h.stepped is None or h.rows is None:
+            value, rows = h.local, h.local_rows
+        else:
+            value, rows = h.stepped, h.rows
+        rects += h.rects(key, value.detach(), (True,) * value.dim(), rows)
+    for name, b in buffers(t.model).items():
+        rects.append(Rect(f"buffer/{name}", b.detach(), (0,) * b.dim(), tuple(b.shape)))
+    return rects
+
+
+def _stepped_pairs(opt: MemsaveOptimizer) -> list[torch.Tensor]:
+    return [s for g in opt.optimizer.param_groups for s in g["params"]]
+
+
+def optimizer_meta(t: Target, opt: MemsaveOptimizer) -> dict[str, Any]:
+    """The JSON half of the optimizer: class, param groups (hyperparameters, their parameters by name),
+    non-tensor per-parameter state and the loss scaler."""
+    inner = opt.optimizer
+    groups = []
+    for g in inner.param_groups:
+        names = [t.held[opt.full_of(s)].name for s in g["params"]]
+        groups.append({"params": names, **{k: encode(v, f"param_groups.{k}") for k, v in g.items() if k != "params"}})
+    scalars: dict[str, dict[str, Any]] = {}
+    for s, st in _states(opt).items():
+        plain = {k: encode(v, f"state.{k}") for k, v in st.items() if not isinstance(v, torch.Tensor)}
+        if plain:
+            scalars[t.held[opt.full_of(s)].name] = plain
+    return {"class": type(inner).__name__, "param_groups": groups, "scalars": scalars,
+            "mixed_precision": opt.mp is not None,
+            "loss_scaler": opt.scaler.state_dict() if opt.scaler is not None else None}
+
+
+def _states(opt: MemsaveOptimizer) -> dict[torch.Tensor, dict[str, Any]]:
+    if opt.offloaded is not None:
+        return opt.offloaded.local()[0]
+    return {s: st for s in _stepped_pairs(opt) if (st := opt.optimizer.state.get(s))}
+
+
+def _masters(opt: MemsaveOptimizer) -> dict[torch.Tensor, torch.Tensor]:
+    """Inner optimizer tensor -> its fp32 master rows (under mixed precision)."""
+    if opt.mp is None:
+        return {}
+    own = opt.offloaded.local()[1] if opt.offloaded is not None else {}
+    return {s: own.get(s, s) for s in _stepped_pairs(opt)}
+
+
+def optimizer_rects(t: Target, opt: MemsaveOptimizer) -> list[Rect]:
+    """Save: the rectangles of this rank's optimizer state and fp32 masters."""
+    inner = opt.optimizer
+    rects: list[Rect] = []
+    for s, master in _masters(opt).items():
+        h = t.held[opt.full_of(s)]
+        rects += h.rects(f"master/{h.name}", master.detach(), (True,) * master.dim(), _rows(opt, h, s))
+    for s, st in _states(opt).items():
+        h = t.held[opt.full_of(s)]
+        for key, v in st.items():
+            if isinstance(v, torch.Tensor):
+                follows = follow_mask(inner, key, v.shape, s.shape)
+                rects += h.rects(f"optim/{h.name}/{key}", v.detach(), follows, _rows(opt, h, s))
+    return rects
+
+
+def _rows(opt: MemsaveOptimizer, h: Held, s: torch.Tensor) -> tuple[int, int] | None:
+    return h.rows if isinstance(opt.placement_of(s).dp, Shard) else None
+
+
+@dataclasses.dataclass
+class OptimizerLoad:
+    """Load: the state tensors created for this rank (filled by the read), then installed by :meth:`install`."""
+
+    opt: MemsaveOptimizer
+    meta: dict[str, Any]
+    states: dict[torch.Tensor, dict[str, Any]]
+    masters: dict[torch.Tensor, torch.Tensor]  # filled from the checkpoint (empty: it has none)
+    rects: list[Rect]
+
+    def install(self) -> None:
+        opt, inner = self.opt, self.opt.optimizer
+        saved_groups = self.meta["param_groups"]
+        groups = []
+        for g, saved in zip(inner.param_groups, saved_groups):
+            groups.append({**{k: _like(decode(v), g.get(k)) for k, v in saved.items() if k != "params"},
+                           "params": list(range(len(g["params"])))})
+        stepped = _stepped_pairs(opt)
+        index = {s: i for i, s in enumerate(stepped)}
+        for s, st in self.states.items():
+            st.update(self.meta["scalars"].get(self.rects_name[s], {}))
+        if opt.scaler is not None and self.meta.get("loss_scaler") is not None:
+            opt.scaler.load_state_dict(self.meta["loss_scaler"])
+        if opt.offloaded is not None:
+            inner.param_groups[:] = [{**g, **{k: v for k, v in ng.items() if k != "params"}}
+                                     for g, ng in zip(inner.param_groups, groups)]
+            own = None
+            if opt.mp is not None:
+                own = {s: self.masters.get(s, s.detach().float()) for s in stepped}
+            opt.offloaded.load_local_state(self.states, own)
+            return
+        inner.load_state_dict({"param_groups": groups, "state": {index[s]: st for s, st in self.states.items()}})
+        if opt.mp is not None:
+            if self.masters:
+                opt.mp.load_masters([self.masters.get(m, m) for m, _ in opt.mp.pairs])
+            else:
+                opt.mp.refresh_masters()
+
+    rects_name: dict[torch.Tensor, str] = dataclasses.field(default_factory=dict)
+
+
+def _like(value: Any, current: Any) -> Any:
+    """A hyperparameter as the live group holds it (a tensor lr stays a tensor)."""
+    if isinstance(current, torch.Tensor) and not isinstance(value, torch.Tensor):
+        return torch.tensor(value, dtype=current.dtype, device=current.device)
+    return value
+
+
+def optimizer_load(t: Target, opt: MemsaveOptimizer, meta: dict[str, Any],
+                   keys: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> OptimizerLoad:
+    """Check the checkpoint's optimizer against this one and create the tensors its state is read into."""
+    inner = opt.optimizer
+    if meta["class"] != type(inner).__name__:
+        raise ValueError(f"memsave.load: the checkpoint's optimizer is {meta['class']}, this one is "
+                         f"{type(inner).__name__}; load with the same optimizer class")
+    mine = [[t.held[opt.full_of(s)].name for s in g["params"]] for g in inner.param_groups]
+    theirs = [g["params"] for g in meta["param_groups"]]
+    if mine != theirs:
+        raise ValueError(f"memsave.load: the optimizer's param groups differ from the checkpoint's (by parameter "
+                         f"name): this one has {[len(g) for g in mine]} parameters per group, the checkpoint "
+                         f"{[len(g) for g in theirs]}; first difference: "
+                         f"{next((a, b) for a, b in zip([*mine, []], [*theirs, []]) if a != b)}")
+    states: dict[torch.Tensor, dict[str, Any]] = {}
+    masters: dict[torch.Tensor, torch.Tensor] = {}
+    rects: list[Rect] = []
+    names: dict[torch.Tensor, str] = {}
+    for s in _stepped_pairs(opt):
+        h = t.held[opt.full_of(s)]
+        names[s] = h.name
+        rows = _rows(opt, h, s)
+        prefix = f"optim/{h.name}/"
+        for key, (shape, dtype) in keys.items():
+            if not key.startswith(prefix):
+                continue
+            name = key[len(prefix):]
+            follows = follow_mask(inner, name, shape, h.full_shape)
+            value = torch.zeros(h.local_shape(shape, follows, s), dtype=dtype, device=s.device)
+            states.setdefault(s, {})[name] = value
+            rects += h.rects(key, value, follows, rows)
+        if opt.mp is not None and f"master/{h.name}" in keys:
+            master = torch.zeros(s.shape, dtype=torch.float32, device=s.device)
+            masters[s] = master
+            rects += h.rects(f"master/{h.name}", master, (True,) * master.dim(), rows)
+    if opt.mp is not None and masters and len(masters) != len(names):
+        missing = sorted(set(names.values()) - {names[s] for s in masters})
+        raise CheckpointFormatError(f"memsave.load: the checkpoint has fp32 masters for some parameters but not "
+                                    f"{missing[:5]}")
+    return OptimizerLoad(opt, meta, states, masters, rects, names)
