@@ -80,6 +80,10 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     if Path(path).name.endswith(".tmp"):
         raise CheckpointFormatError(f"{path}: an uncommitted (interrupted) save; load the checkpoint it would have "
                                     "replaced, or memsave.checkpoint.latest(<dir>)")
+    if not Path(path).is_dir():
+        near = sorted(p.name for p in Path(path).parent.glob("*") if p.is_dir()) if Path(path).parent.is_dir() else []
+        raise CheckpointFormatError(f"{path}: no such checkpoint directory"
+                                    + (f" (in {Path(path).parent}: {', '.join(near[-5:])})" if near else ""))
     try:
         manifest = json.loads(where.read_text())
     except FileNotFoundError:
