@@ -85,3 +85,121 @@ def one_f_one_b(pp: int, micro_batches: int) -> Schedule:
         seq += [Action("B", r, mb) for mb in range(b, micro_batches)]
         acts.append(tuple(seq))
     return Schedule("1f1b", pp, micro_batches, tuple(acts))
+
+
+def interleaved(pp: int, micro_batches: int, virtual: int) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al., 2021; Megatron's virtual pipeline): rank ``r`` holds stages ``r``,
+    ``r + pp``, ... (``virtual`` of them) and works through micro-batches in groups of ``pp``, one chunk after
+    the other, warming up with ``2 (pp - r - 1) + (virtual - 1) pp`` forwards. The bubble shrinks by ``virtual``;
+    each rank holds ``1 + (pp - 1) / (pp virtual)`` times 1F1B's activations. Needs ``micro_batches % pp == 0``
+    (as Megatron does): the groups must be whole."""
+    _check_sizes(pp, micro_batches, virtual)
+    if micro_batches % pp:
+        raise ValueError(f"schedule 'interleaved' needs micro_batches divisible by pp: micro_batches={micro_batches}, "
+                         f"pp={pp} (use {micro_batches + pp - micro_batches % pp}, or schedule '1f1b')")
+    total = micro_batches * virtual
+
+    def order(rank: int, k: int, backward: bool) -> Action:
+        group, within = divmod(k, pp * virtual)
+        chunk = within // pp
+        if backward:
+            chunk = virtual - 1 - chunk
+        return Action("B" if backward else "F", chunk * pp + rank, group * pp + within % pp)
+
+    acts = []
+    for r in range(pp):
+        warm = min(total, 2 * (pp - r - 1) + (virtual - 1) * pp)
+        seq = [order(r, k, False) for k in range(warm)]
+        for i in range(total - warm):
+            seq += [order(r, warm + i, False), order(r, i, True)]
+        seq += [order(r, k, True) for k in range(total - warm if warm < total else 0, total)]
+        acts.append(tuple(seq))
+    return Schedule("interleaved", pp, micro_batches, tuple(acts), virtual)
+
+
+def zero_bubble(pp: int, micro_batches: int, *, in_flight: str = "h1") -> Schedule:
+    """Zero-bubble pipeline (Qi et al., 2024): each backward split into the input-gradient pass ``I`` (what the
+    previous stage waits for) and the weight-gradient pass ``W`` (which nobody waits for), and the ``W`` passes
+    moved into what would be bubbles.
+
+    The order is built by running the pipeline with equal costs (F = I = W) and, on each rank whenever it is free,
+    taking an ``I`` that is ready first, then a forward if the rank's activations allow one more micro-batch in
+    flight (forward done, ``W`` not done), then a pending ``W``. ``in_flight="h1"`` allows every stage ``pp``
+    micro-batches, the peak of 1F1B (whose first stage holds ``pp``): ZB-H1, about a third of 1F1B's bubble;
+    ``"h2"`` allows ``2 pp - 1`` (ZB-H2: almost no bubble, about twice the activations)."""
+    _check_sizes(pp, micro_batches, 1)
+    if in_flight not in ("h1", "h2"):
+        raise ValueError(f"zero_bubble in_flight={in_flight!r} is not allowed; expected 'h1' or 'h2'")
+    limit = pp if in_flight == "h1" else 2 * pp - 1
+    done: dict[tuple[str, int, int], int] = {}  # (kind, stage, mb) -> finish time
+    seqs: list[list[Action]] = [[] for _ in range(pp)]
+    free = [0] * pp
+    nxt_f, nxt_i = [0] * pp, [0] * pp
+    pending_w: list[list[int]] = [[] for _ in range(pp)]
+    t = 0
+    while any(len(s) < 3 * micro_batches for s in seqs):
+        for r in range(pp):
+            if free[r] > t:
+                continue
+            pick: Action | None = None
+            i = nxt_i[r]
+            if i < micro_batches and _ready(done, ("F", r, i), t) and (
+                    r == pp - 1 or _ready(done, ("I", r + 1, i), t)):
+                pick = Action("I", r, i)
+                nxt_i[r] += 1
+                pending_w[r].append(i)
+            else:
+                f = nxt_f[r]
+                flight = f - (len(seqs[r]) - f - nxt_i[r])  # forwards done minus W done
+                if f < micro_batches and flight < limit and (r == 0 or _ready(done, ("F", r - 1, f), t)):
+                    pick = Action("F", r, f)
+                    nxt_f[r] += 1
+                elif pending_w[r]:
+                    pick = Action("W", r, pending_w[r].pop(0))
+            if pick is not None:
+                seqs[r].append(pick)
+                done[(pick.kind, pick.stage, pick.mb)] = t + 1
+                free[r] = t + 1
+        t += 1
+        if t > 10 * 3 * micro_batches * pp:  # cannot happen for these rules; a guard, not a fallback
+            raise AssertionError("zero_bubble: the greedy construction did not finish")
+    name = "zero-bubble" if in_flight == "h1" else "zero-bubble-h2"
+    return Schedule(name, pp, micro_batches, tuple(tuple(s) for s in seqs))
+
+
+def _ready(done: dict[tuple[str, int, int], int], key: tuple[str, int, int], t: int) -> bool:
+    return key in done and done[key] <= t
+
+
+def _check_sizes(pp: int, micro_batches: int, virtual: int) -> None:
+    for key, value in (("pp", pp), ("micro_batches", micro_batches), ("virtual", virtual)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"schedule {key}={value!r} is not allowed; expected a positive integer")
+
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble", "zero-bubble-h2")
+
+
+def build(name: str, pp: int, micro_batches: int, virtual: int = 1) -> Schedule:
+    """The schedule named by ``[parallel] schedule``, checked (:func:`check`) before it is returned."""
+    if name not in SCHEDULES:
+        raise ValueError(f"[parallel] schedule = {name!r} is not allowed; expected one of {list(SCHEDULES)}")
+    if virtual != 1 and name != "interleaved":
+        raise ValueError(f"[parallel] virtual = {virtual} needs schedule 'interleaved', not {name!r}")
+    if name == "gpipe":
+        sched = gpipe(pp, micro_batches)
+    elif name == "1f1b":
+        sched = one_f_one_b(pp, micro_batches)
+    elif name == "interleaved":
+        sched = interleaved(pp, micro_batches, virtual)
+    else:
+        sched = zero_bubble(pp, micro_batches, in_flight="h1" if name == "zero-bubble" else "h2")
+    check(sched)
+    return sched
+
+
+def check(schedule: Schedule) -> None:
+    """Reject a schedule that is incomplete, misplaced or would deadlock, before anything runs (ValueError)."""
+    from memsave.pp.simulate import Costs, simulate  # (simulate imports this module)
+
+    simulate(schedule, Costs.uniform(schedule.n_stages))
