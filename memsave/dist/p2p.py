@@ -1,0 +1,179 @@
+"""Point-to-point sends and receives between pipeline stages: ordered plain ``isend`` / ``irecv``.
+
+Never ``batch_isend_irecv``: it has no stable gloo implementation and can hang there (pytorch/PiPPy#1130, #989;
+pytorch/pytorch#132644). Each message is one tensor with a *tag* that names it (micro-batch, direction, channel),
+so on gloo a receive pairs with its send whatever order the two ranks post them in; a send is not waited for
+until its buffer must be reused or the step ends (:meth:`Mailbox.drain`), so the order of a schedule's actions
+cannot deadlock on a send.
+
+[Note: failure while waiting] A rank whose stage raises writes its error to the store (:func:`announce_failure`);
+a peer waiting for one of its messages polls the work and that key, and raises :class:`PeerFailed` with the
+error within about a second, instead of waiting for the backend's timeout (600 s or more) and ending in its
+generic message.
+
+Counted in :data:`~memsave.dist.COMM_STATS` as ``pp_send`` / ``pp_recv`` (the bytes of each tensor once, on the
+side that moves it), device-checked as the collectives are.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from memsave.dist.collectives import COMM_STATS, ProcessGroup, _check_device, _doing, _failed, _label, _nbytes
+
+__all__ = ["P2P", "PeerFailed", "announce_failure", "global_rank", "group_over", "new_subgroups"]
+
+
+class PeerFailed(RuntimeError):
+    """A peer of this pipeline raised; this rank stops with its error ([Note: failure while waiting])."""
+
+
+_FAIL_KEY = "memsave/pp/failed"
+
+
+def announce_failure(message: str) -> None:
+    """Tell every pipeline peer (through the store) that this rank failed, with ``message``; first one wins."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    try:
+        store.compare_set(_FAIL_KEY, "", f"rank {dist.get_rank()}: {message}")
+    except RuntimeError:
+        pass
+
+
+def _peer_failure() -> str | None:
+    store = dist.distributed_c10d._get_default_store()
+    if store.check([_FAIL_KEY]):
+        return store.get(_FAIL_KEY).decode()
+    return None
+
+
+class _Pending:
+    """One posted send or receive, waited for by polling (so a peer's failure is seen: see the module note)."""
+
+    __slots__ = ("kind", "peer", "tensor", "where", "work")
+
+    def __init__(self, work: Any, tensor: torch.Tensor, kind: str, peer: int) -> None:
+        self.work, self.tensor, self.kind, self.peer = work, tensor, kind, peer
+        self.where = _doing[0]
+
+    def wait(self, poll_s: float) -> torch.Tensor:
+        if self.work is None:
+            return self.tensor
+        try:
+            if poll_s > 0:
+                self._wait_polling(poll_s)
+            else:
+                self.work.wait()
+        except RuntimeError as exc:
+            if isinstance(exc, PeerFailed):
+                raise
+            failed = _peer_failure() if dist.is_initialized() else None
+            if failed is not None:
+                raise PeerFailed(f"memsave: pipeline stopped: {failed}") from exc
+            raise _failed(_label(f"{self.kind} with global rank {self.peer}", None, self.where), exc) from exc
+        self.work = None
+        return self.tensor
+
+    def _wait_polling(self, poll_s: float) -> None:
+        """Gloo's send/recv work completes only inside ``wait()`` (``is_completed()`` stays False until then, and a
+        ``wait(timeout)`` that expires closes the connection), so a helper thread waits while this one watches the
+        store for a failed peer."""
+        done = threading.Event()
+        error: list[BaseException] = []
+
+        def waiter() -> None:
+            try:
+                self.work.wait()
+            except BaseException as exc:  # handed to the caller
+                error.append(exc)
+            done.set()
+
+        threading.Thread(target=waiter, daemon=True, name="memsave-p2p-wait").start()
+        while not done.wait(poll_s):
+            failed = _peer_failure()
+            if failed is not None:
+                raise PeerFailed(f"memsave: pipeline stopped: {failed}")
+        if error:
+            raise error[0]
+
+
+class P2P:
+    """Tagged sends and receives with this rank's pipeline peers, addressed by *global* rank.
+
+    ``send`` posts at once and keeps the work until :meth:`drain`; ``recv`` posts at once and returns a key whose
+    :meth:`wait` gives the tensor. The device check and the byte counts are those of the collectives."""
+
+    def __init__(self, device: torch.device, *, poll_s: float | None = None) -> None:
+        self.device = device
+        self.poll_s = float(os.environ.get("MEMSAVE_PP_POLL_S", "0.2")) if poll_s is None else poll_s
+        self._sends: list[_Pending] = []
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        tensor = tensor.contiguous()
+        _check_device("pp_send", None, tensor)
+        COMM_STATS.add("pp_send", _nbytes(tensor))
+        work = dist.isend(tensor, dst=peer, tag=tag)
+        self._sends.append(_Pending(work, tensor, "pp_send", peer))
+
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, peer: int, tag: int) -> _Pending:
+        tensor = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+        _check_device("pp_recv", None, tensor)
+        COMM_STATS.add("pp_recv", _nbytes(tensor))
+        return _Pending(dist.irecv(tensor, src=peer, tag=tag), tensor, "pp_recv", peer)
+
+    def wait(self, pending: _Pending) -> torch.Tensor:
+        return pending.wait(self.poll_s)
+
+    def drain(self) -> None:
+        """Wait for every send posted so far (the end of a step: their buffers may then be freed)."""
+        sends, self._sends = self._sends, []
+        for s in sends:
+            s.wait(self.poll_s)
+
+    @property
+    def sends_in_flight(self) -> int:
+        return len(self._sends)
+
+
+def global_rank(group: ProcessGroup | None, group_rank: int) -> int:
+    """The global rank of the member ``group_rank`` of ``group``."""
+    if group is None or not dist.is_initialized():
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def group_over(mesh: Any, axis: str, coords: Sequence[int]) -> ProcessGroup | None:
+    """The group of this rank's slice whose ``axis`` coordinate is in ``coords`` (None when this rank is not in
+    it or it has one member). Collective over the whole world: every rank creates every slice's group."""
+    return new_subgroups(mesh, axis, [list(coords)])[0]
+
+
+def new_subgroups(mesh: Any, axis: str, member_sets: Sequence[Sequence[int]]) -> list[ProcessGroup | None]:
+    """For each set of ``axis`` coordinates, the group of those ranks in this rank's slice (ranks that agree on
+    every other axis); None where this rank is not a member or the set has one rank. Collective over the world."""
+    from memsave.dist.mesh import AXES
+
+    ranks = mesh.device_mesh.mesh
+    dim = AXES.index(axis)
+    slices = ranks.movedim(dim, -1).reshape(-1, ranks.size(dim)).tolist()
+    me = dist.get_rank()
+    out: list[ProcessGroup | None] = []
+    for coords in member_sets:
+        mine = None
+        for row in slices:
+            members = [row[c] for c in sorted(set(coords))]
+            if len(members) < 2:
+                continue
+            group = dist.new_group(members)
+            if me in members:
+                mine = group
+        out.append(mine)
+    return out
