@@ -157,6 +157,7 @@ def _pipeline(model: nn.Module, plan: Plan, inner: Engine) -> Engine:
     engine = PipelineEngine(inner, runner, plan.pp_split, schedule=par.schedule, virtual=par.virtual)
     model.memsave_engine = engine
     model.pipeline_step = engine.pipeline_step
+    model.pipeline_loss = engine.pipeline_loss
     return engine
 
 

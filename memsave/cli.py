@@ -90,6 +90,10 @@ def _demo_rank(opts: DemoOptions, mesh: mdist.Mesh) -> dict[str, Any]:
     wrapped, mopt = wrap(model, optimizer, opts.profile, mesh=mesh, example_inputs=data["train"].batch(0))
     if mesh.is_main:
         layout = f" (dp={mesh.dp_size} x tp={mesh.degree('tp')})" if mesh.degree("tp") > 1 else ""
+        if mesh.degree("pp") > 1:
+            par = opts.profile.parallel
+            layout = (f" (pp={mesh.degree('pp')} x dp={mesh.dp_size}, schedule {par.schedule}"
+                      + (f", {par.virtual} stages per rank" if par.virtual > 1 else "") + ")")
         print(f"memsave demo: GPT {opts.size} ({num_params:,} parameters), profile {opts.profile.name}, "
               f"{mesh.world_size} processes on {mesh.device.type}{layout}; {cfg.steps} steps x {cfg.micro_batches} "
               f"micro-batches x {cfg.batch_size} rows x {cfg.seq_len} tokens per rank; {opt_cfg.name} "

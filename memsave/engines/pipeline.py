@@ -124,6 +124,34 @@ class PipelineEngine:
         of micro-batch ``i`` is ``loss_fn(output, targets[i])``, or the output's ``.loss``; each is divided by the
         number of micro-batches (gradient accumulation). Returns the mean loss, on every rank. Collective over
         the whole mesh; call ``optimizer.step()`` after it."""
+        m, schedule, run, loss_of = self._prepare(micro_batches, targets, loss_fn)
+        before = self.inner.num_syncs
+        self.inner.in_scaled_backward = True
+        try:
+            total = self.runner.run(schedule, run, loss_of, backward_ctx=self._backward_ctx, scale=self.scale_loss)
+        finally:
+            self.inner.in_scaled_backward = False
+        if self.inner.require_grad_sync and self.inner.num_syncs == before:
+            self.inner.agreement.check("backward")  # no gradient reached this rank's parameters
+            self.inner.sync_gradients()
+        if self.inner.require_grad_sync:
+            self._sum_tied_grads()
+        return self._broadcast_loss(total)
+
+    def pipeline_loss(self, micro_batches: Sequence[Any], *, targets: Sequence[Any] | None = None,
+                      loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> torch.Tensor:
+        """The mean loss over ``micro_batches`` by forwards only, without autograd (an evaluation through the
+        pipeline), on every rank. Arguments as :meth:`pipeline_step`; collective over the whole mesh."""
+        m, _, run, loss_of = self._prepare(micro_batches, targets, loss_fn)
+        return self._broadcast_loss(self.runner.run_forward(m, run, loss_of))
+
+    def _broadcast_loss(self, total: torch.Tensor | None) -> torch.Tensor:
+        mean = total.detach().reshape(1).float() if total is not None else torch.zeros(1, device=self.mesh.device)
+        mdist.broadcast(mean, (self.split.n_stages - 1) % self.pp_size, self.mesh.group("pp"))
+        return mean[0]
+
+    def _prepare(self, micro_batches: Sequence[Any], targets: Sequence[Any] | None,
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> tuple[int, Any, Any, Any]:
         m = len(micro_batches)
         if m < 1:
             raise ValueError("pipeline_step: micro_batches is empty; pass a list of at least one micro-batch")
@@ -147,20 +175,7 @@ class PipelineEngine:
             return _call(self.model, micro_batches[i])
 
         self.runner.ensure_layout(signature, lambda: loss_of(0, run(0)))
-        before = self.inner.num_syncs
-        self.inner.in_scaled_backward = True
-        try:
-            total = self.runner.run(schedule, run, loss_of, backward_ctx=self._backward_ctx, scale=self.scale_loss)
-        finally:
-            self.inner.in_scaled_backward = False
-        if self.inner.require_grad_sync and self.inner.num_syncs == before:
-            self.inner.agreement.check("backward")  # no gradient reached this rank's parameters
-            self.inner.sync_gradients()
-        if self.inner.require_grad_sync:
-            self._sum_tied_grads()
-        mean = total.detach().reshape(1).float() if total is not None else torch.zeros(1, device=self.mesh.device)
-        mdist.broadcast(mean, (self.split.n_stages - 1) % self.pp_size, self.mesh.group("pp"))
-        return mean[0]
+        return m, schedule, run, loss_of
 
     @contextlib.contextmanager
     def _backward_ctx(self, last: bool) -> Iterator[None]:

@@ -193,7 +193,8 @@ class StageRunner:
         return [self.p2p.wait(p) for p in pending]
 
     # -- actions ---------------------------------------------------------------------------------------------
-    def forward(self, stage: int, mb: int, run: Callable[[], Any], loss_of: Callable[[Any], torch.Tensor]) -> None:
+    def forward(self, stage: int, mb: int, run: Callable[[], Any], loss_of: Callable[[Any], torch.Tensor], *,
+                keep: bool = True) -> None:
         layout = self.layout
         assert layout is not None
         received: dict[CallKey, Any] = {}
@@ -219,7 +220,8 @@ class StageRunner:
         for key, tensors in ctx.produced.items():
             for dst in layout.readers[key]:
                 self._send(tensors, stage, dst, mb, key, backward=False)
-        self._held[(stage, mb)] = _Held(ctx.produced, leaves, loss)
+        if keep:
+            self._held[(stage, mb)] = _Held(ctx.produced, leaves, loss)
 
     def _roots(self, stage: int, mb: int, held: _Held, scale: Callable[[torch.Tensor], torch.Tensor]
                ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
@@ -285,6 +287,25 @@ class StageRunner:
         return out
 
     # -- a step ----------------------------------------------------------------------------------------------
+    def run_forward(self, micro_batches: int, run_mb: Callable[[int], Any],
+                    loss_of: Callable[[int, Any], torch.Tensor]) -> torch.Tensor | None:
+        """Forwards only, without autograd (an evaluation): each micro-batch through this rank's stages in order.
+        Returns the sum of the losses on the rank holding the last stage (None elsewhere)."""
+        self.last_losses = []
+        try:
+            with torch.no_grad():
+                for mb in range(micro_batches):
+                    for stage in self.local_stages:
+                        self.forward(stage, mb, lambda mb=mb: run_mb(mb), lambda out, mb=mb: loss_of(mb, out),
+                                     keep=False)
+            self.p2p.drain()
+        except BaseException as exc:
+            if not isinstance(exc, PeerFailed):
+                announce_failure(f"{type(exc).__name__}: {exc}")
+            self._mailbox.clear()
+            raise
+        return torch.stack(self.last_losses).sum() if self.n_stages - 1 in self.local_stages else None
+
     def run(self, schedule: Schedule, run_mb: Callable[[int], Any], loss_of: Callable[[int, Any], torch.Tensor],
             *, backward_ctx: Callable[[bool], contextlib.AbstractContextManager[None]],
             scale: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
