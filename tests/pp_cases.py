@@ -120,6 +120,34 @@ KINDS = {
 }
 
 
+# -- hand-made schedules (the IR of memsave/pp/schedule.py), so the runtime is tested on shapes the generators may
+# not produce: virtual stages, and the backward split into I and W ------------------------------------------------
+def looped(pp: int, m: int, virtual: int) -> Any:
+    """Virtual stages (stage s on rank s % pp): every forward, stage by stage, then every backward in reverse."""
+    from memsave.pp.schedule import Action, Schedule
+
+    acts = []
+    for r in range(pp):
+        stages = [s for s in range(pp * virtual) if s % pp == r]
+        seq = [Action("F", s, mb) for s in stages for mb in range(m)]
+        seq += [Action("B", s, mb) for s in reversed(stages) for mb in reversed(range(m))]
+        acts.append(tuple(seq))
+    return Schedule("looped", pp, m, tuple(acts), virtual)
+
+
+def split_backward(pp: int, m: int) -> Any:
+    """1F1B with each backward split into I (input gradients, sent on at once) and W (weight gradients), the Ws
+    deferred to the end of the step, as zero-bubble schedules fill the drain with them."""
+    from memsave.pp.schedule import Action, Schedule, one_f_one_b
+
+    acts = []
+    for seq in one_f_one_b(pp, m).actions:
+        out = [Action("I", a.stage, a.mb) if a.kind == "B" else a for a in seq]
+        out += [Action("W", a.stage, a.mb) for a in seq if a.kind == "B"]
+        acts.append(tuple(out))
+    return Schedule("1f1b-iw", pp, m, tuple(acts))
+
+
 # -- runs -----------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Run:
@@ -154,7 +182,8 @@ def profile(base: str = "ddp", *, pp: int, schedule: str = "1f1b", virtual: int 
                                                                   virtual=virtual, split=split))
 
 
-def pipelined(kind: Kind, mesh: memsave.Mesh, prof: Profile, n: int = MICRO) -> tuple[Run, nn.Module, Any]:
+def pipelined(kind: Kind, mesh: memsave.Mesh, prof: Profile, n: int = MICRO, schedule: Any = None
+              ) -> tuple[Run, nn.Module, Any]:
     """The same training under ``prof`` on ``mesh``: each dp rank its rows, in ``n`` micro-batches per step. The
     parameters returned are this rank's (its stages'), whole (unsharded)."""
     model = kind.build()
@@ -164,8 +193,8 @@ def pipelined(kind: Kind, mesh: memsave.Mesh, prof: Profile, n: int = MICRO) -> 
     losses, norms = [], []
     for batch in kind.data():
         inputs, targets = micro(kind, batch, n, dp, r)
-        loss = (model.pipeline_step(inputs) if kind.lm
-                else model.pipeline_step(inputs, targets=targets, loss_fn=mse))
+        loss = (model.pipeline_step(inputs, schedule=schedule) if kind.lm
+                else model.pipeline_step(inputs, targets=targets, loss_fn=mse, schedule=schedule))
         norms.append(float(opt.clip_grad_norm(CLIP)))
         opt.step()
         opt.zero_grad()

@@ -110,21 +110,40 @@ class PipelineEngine:
             pl = dataclasses.replace(pl, tie_copy=True)
         return pl
 
+    def _check_schedule(self, schedule: pp_schedule.Schedule, m: int) -> None:
+        want = (self.pp_size, self.virtual, m)
+        have = (schedule.pp, schedule.virtual, schedule.micro_batches)
+        if have != want:
+            raise ValueError(f"pipeline_step: schedule {schedule.name!r} is for pp={have[0]}, virtual={have[1]}, "
+                             f"{have[2]} micro-batches; this pipeline has pp={want[0]}, virtual={want[1]} and got "
+                             f"{m} micro-batches")
+        check = getattr(pp_schedule, "check", None)
+        if check is not None:
+            check(schedule)  # every action once, in order, and no deadlock: a ValueError before anything runs
+
     def schedule(self, micro_batches: int) -> pp_schedule.Schedule:
         s = self._schedules.get(micro_batches)
         if s is None:
-            s = self._schedules[micro_batches] = build_schedule(self.schedule_name, self.pp_size, micro_batches,
-                                                                self.virtual)
+            s = build_schedule(self.schedule_name, self.pp_size, micro_batches, self.virtual)
+            self._check_schedule(s, micro_batches)
+            self._schedules[micro_batches] = s
         return s
 
     def pipeline_step(self, micro_batches: Sequence[Any], *, targets: Sequence[Any] | None = None,
-                      loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> torch.Tensor:
+                      loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                      schedule: pp_schedule.Schedule | None = None) -> torch.Tensor:
         """Forwards and backwards of one optimizer step over ``micro_batches`` (each what ``model(...)`` takes: a
         dict of keyword arguments, a tuple of positional ones, or a tensor), as the configured schedule. The loss
         of micro-batch ``i`` is ``loss_fn(output, targets[i])``, or the output's ``.loss``; each is divided by the
-        number of micro-batches (gradient accumulation). Returns the mean loss, on every rank. Collective over
-        the whole mesh; call ``optimizer.step()`` after it."""
-        m, schedule, run, loss_of = self._prepare(micro_batches, targets, loss_fn)
+        number of micro-batches (gradient accumulation). ``schedule``: a :class:`~memsave.pp.Schedule` to run
+        instead of the configured one (schedules are data: any list of F/B/I/W actions per rank over this
+        pipeline's stages). Returns the mean loss, on every rank. Collective over the whole mesh; call
+        ``optimizer.step()`` after it."""
+        m, run, loss_of = self._prepare(micro_batches, targets, loss_fn)
+        if schedule is None:
+            schedule = self.schedule(m)
+        else:
+            self._check_schedule(schedule, m)
         before = self.inner.num_syncs
         self.inner.in_scaled_backward = True
         try:
@@ -142,7 +161,7 @@ class PipelineEngine:
                       loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> torch.Tensor:
         """The mean loss over ``micro_batches`` by forwards only, without autograd (an evaluation through the
         pipeline), on every rank. Arguments as :meth:`pipeline_step`; collective over the whole mesh."""
-        m, _, run, loss_of = self._prepare(micro_batches, targets, loss_fn)
+        m, run, loss_of = self._prepare(micro_batches, targets, loss_fn)
         return self._broadcast_loss(self.runner.run_forward(m, run, loss_of))
 
     def _broadcast_loss(self, total: torch.Tensor | None) -> torch.Tensor:
@@ -151,7 +170,7 @@ class PipelineEngine:
         return mean[0]
 
     def _prepare(self, micro_batches: Sequence[Any], targets: Sequence[Any] | None,
-                 loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> tuple[int, Any, Any, Any]:
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> tuple[int, Any, Any]:
         m = len(micro_batches)
         if m < 1:
             raise ValueError("pipeline_step: micro_batches is empty; pass a list of at least one micro-batch")
@@ -165,7 +184,6 @@ class PipelineEngine:
             if _signature(mb) != signature:
                 raise ValueError(f"pipeline_step: micro-batch {i} has the shapes {_signature(mb)}, micro-batch 0 has "
                                  f"{signature}; every micro-batch of a step must have the same shapes")
-        schedule = self.schedule(m)
 
         def loss_of(i: int, out: Any) -> torch.Tensor:
             loss = loss_fn(out, targets[i]) if loss_fn is not None and targets is not None else _loss_of_output(out)
@@ -175,7 +193,7 @@ class PipelineEngine:
             return _call(self.model, micro_batches[i])
 
         self.runner.ensure_layout(signature, lambda: loss_of(0, run(0)))
-        return m, schedule, run, loss_of
+        return m, run, loss_of
 
     @contextlib.contextmanager
     def _backward_ctx(self, last: bool) -> Iterator[None]:
