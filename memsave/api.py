@@ -155,9 +155,9 @@ def _pipeline(model: nn.Module, plan: Plan, inner: Engine) -> Engine:
                          peer=lambda r: mdist.global_rank(group, r), pp_group=group, device=mesh.device)
     runner.install()
     engine = PipelineEngine(inner, runner, plan.pp_split, schedule=par.schedule, virtual=par.virtual)
-    model.memsave_engine = engine
-    model.pipeline_step = engine.pipeline_step
-    model.pipeline_loss = engine.pipeline_loss
+    for name, value in (("memsave_engine", engine), ("pipeline_step", engine.pipeline_step),
+                        ("pipeline_loss", engine.pipeline_loss)):
+        setattr(model, name, value)  # (plain attributes: nn.Module keeps non-tensor values in __dict__)
     return engine
 
 

@@ -225,6 +225,10 @@ class PipelineEngine:
     def num_syncs(self) -> int:
         return self.inner.num_syncs
 
+    @num_syncs.setter
+    def num_syncs(self, value: int) -> None:
+        self.inner.num_syncs = value
+
     @property
     def loss_scaled(self) -> bool:
         return self.inner.loss_scaled

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ from memsave.pp.split import StageSplit
 __all__ = ["StageRunner"]
 
 
-class _StageDone(Exception):  # noqa: N818 (control flow, not an error)
+class _StageDone(Exception):
     """Raised after a stage's last atom call: the rest of the forward belongs to later stages."""
 
 
@@ -59,7 +60,7 @@ class _Held:
     received: dict[CallKey, list[torch.Tensor]]
     loss: torch.Tensor | None
     roots: list[torch.Tensor] | None = None  # after an I: what W runs the backward from
-    grads: list[torch.Tensor] | None = None
+    grads: list[torch.Tensor | None] | None = None
 
 
 def _is_grad_dtype(t: torch.Tensor) -> bool:
@@ -296,7 +297,7 @@ class StageRunner:
             with torch.no_grad():
                 for mb in range(micro_batches):
                     for stage in self.local_stages:
-                        self.forward(stage, mb, lambda mb=mb: run_mb(mb), lambda out, mb=mb: loss_of(mb, out),
+                        self.forward(stage, mb, functools.partial(run_mb, mb), functools.partial(loss_of, mb),
                                      keep=False)
             self.p2p.drain()
         except BaseException as exc:
@@ -318,7 +319,7 @@ class StageRunner:
         try:
             for i, a in enumerate(actions):
                 if a.kind == "F":
-                    self.forward(a.stage, a.mb, lambda mb=a.mb: run_mb(mb), lambda out, mb=a.mb: loss_of(mb, out))
+                    self.forward(a.stage, a.mb, functools.partial(run_mb, a.mb), functools.partial(loss_of, a.mb))
                 else:
                     with backward_ctx(i == last_bwd):
                         self.backward(a.kind, a.stage, a.mb, scale)

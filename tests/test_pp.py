@@ -1,0 +1,292 @@
+"""Pipeline parallelism (memsave/pp runtime, memsave/engines/pipeline.py) on gloo CPU ranks: unchanged models split
+into stages train exactly as one process does under GPipe, 1F1B, virtual stages and the I/W-split backward; a skip
+connection goes straight from its stage to its reader; ZeRO-1/2 inside a dp x pp mesh; a failing stage ends every
+rank; bad splits are refused before anything changes.
+
+One 2-rank group (pp=2) and one 4-rank group (pp=4, then dp=2 x pp=2) each run all their cases in a loop; every
+case's outcome per rank (its metrics, or its traceback) comes back to one pytest test per case.
+
+Tolerance: FP32_TOL (tests/pp_cases.py: 1e-5 relative, max abs diff / max abs value) for the per-step losses, the
+clip norms (clip_grad_norm over every stage, each parameter once: a tied one once) and every parameter after two
+SGD-momentum steps, against plain single-process training on the same global batch in the same micro-batches.
+Measured: at most 5e-7 (the accumulated gradient sums in another order; tied gradients are summed across stages).
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import memsave
+from memsave.dist import COMM_STATS
+from memsave.pp.split import plan_split, strip_atoms
+from tests import pp_cases as pc
+from tests.harness import run_ranks
+
+Case = Callable[[memsave.Mesh], Any]
+
+
+def _train(kind: str, base: str = "ddp", schedule: str = "1f1b", virtual: int = 1, hand: str = "") -> Case:
+    def case(mesh: memsave.Mesh) -> Any:
+        pp = mesh.degree("pp")
+        sched = (pc.looped(pp, pc.MICRO, virtual) if hand == "looped"
+                 else pc.split_backward(pp, pc.MICRO) if hand == "iw" else None)
+        with COMM_STATS.measure() as stats:
+            run, _, _ = pc.pipelined(pc.KINDS[kind], mesh, pc.profile(base, pp=pp, schedule=schedule,
+                                                                         virtual=virtual), schedule=sched)
+        return {"diff": pc.compare(run, pc.reference(pc.KINDS[kind])), "bytes": dict(stats.bytes)}
+    return case
+
+
+def _refusals(mesh: memsave.Mesh) -> dict[str, str]:
+    """What wrap and pipeline_step refuse, each with its message (and nothing half-done: each builds anew)."""
+    out = {}
+
+    def attempt(name: str, fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+        except (ValueError, NotImplementedError, RuntimeError) as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+        else:
+            out[name] = "no error"
+
+    def wrapped(kind: str = "gpt", **kw: Any) -> tuple[nn.Module, Any]:
+        model = pc.KINDS[kind].build()
+        opt = torch.optim.SGD(model.parameters(), lr=pc.LR)
+        return memsave.wrap(model, opt, pc.profile(pp=2, **kw), mesh=mesh)
+
+    attempt("zero3", lambda: wrapped(base="zero3"))
+    attempt("split", lambda: wrapped(split=("blocks.9",)))
+    model, opt = wrapped()
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    attempt("call", lambda: model(ids, labels=ids))
+    attempt("backward", lambda: opt.backward(torch.zeros((), requires_grad=True)))
+    attempt("shapes", lambda: model.pipeline_step([{"input_ids": ids, "labels": ids},
+                                                  {"input_ids": ids[:, :4], "labels": ids[:, :4]}]))
+    attempt("schedule", lambda: model.pipeline_step([{"input_ids": ids, "labels": ids}],
+                                                    schedule=pc.looped(2, 1, 2)))
+    # the refusals changed nothing: the pipeline still trains (and its loss is the same on both ranks)
+    out["after"] = repr(float(model.pipeline_step([{"input_ids": ids, "labels": ids}] * 2)))
+    return out
+
+
+def _eval(mesh: memsave.Mesh) -> dict[str, float]:
+    """model.pipeline_loss: forwards only (no autograd) through the stages, the loss one process computes."""
+    kind = pc.KINDS["llama"]
+    model = kind.build()
+    batch = kind.data()[0]
+    inputs, _ = pc.micro(kind, batch, 2)
+    with torch.no_grad():
+        ref = sum(float(model(**mb).loss) for mb in inputs) / 2
+    wrapped, _ = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=pc.LR), pc.profile(pp=2), mesh=mesh)
+    before = COMM_STATS.snapshot()
+    got = float(wrapped.pipeline_loss(inputs))
+    return {"rel": pc.rel(got, ref), "grads": sum(p.grad is not None for p in wrapped.parameters()),
+            "sent": COMM_STATS.snapshot()["bytes"].get("pp_send", 0) - before["bytes"].get("pp_send", 0)}
+
+
+def _failing_stage(mesh: memsave.Mesh) -> dict[str, Any]:
+    """Rank 1's stage raises in the second step's first forward: every rank ends with that error, no hang. Last
+    case of its group (the failure is announced through the store for good)."""
+    kind = pc.KINDS["gpt"]
+    model = kind.build()
+    model, opt = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=pc.LR), pc.profile(pp=2), mesh=mesh)
+    calls = []
+
+    def boom(module: nn.Module, args: Any, out: Any) -> None:
+        calls.append(1)
+        if len(calls) > pc.MICRO + 1:  # (the probe and the first step's forwards pass)
+            raise ValueError("boom in stage 1")
+
+    if mesh.axis_rank("pp") == 1:
+        model.blocks[3].register_forward_hook(boom)
+    start = time.monotonic()
+    try:
+        for batch in kind.data():
+            inputs, _ = pc.micro(kind, batch, pc.MICRO)
+            model.pipeline_step(inputs)
+            opt.step()
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+PP2_CASES: dict[str, Case] = {
+    "gpt-gpipe": _train("gpt", schedule="gpipe"),
+    "gpt-1f1b": _train("gpt"),
+    "gpt-untied-1f1b": _train("gpt-untied"),
+    "llama-tied-1f1b": _train("llama"),
+    "llama-untied-gpipe": _train("llama-untied", schedule="gpipe"),
+    "sequential-1f1b": _train("seq"),
+    "gpt-virtual-2": _train("gpt", schedule="interleaved", virtual=2, hand="looped"),
+    "llama-iw-split": _train("llama", schedule="zero-bubble", hand="iw"),
+    "eval": _eval,
+    "refusals": _refusals,
+    "failing-stage": _failing_stage,  # last: see its docstring
+}
+PP4_CASES: dict[str, Case] = {"unet-skip-1f1b": _train("unet"), "gpt-1f1b": _train("gpt")}
+DP2PP2_CASES: dict[str, Case] = {
+    "gpt-zero1": _train("gpt", base="zero1"),
+    "llama-zero2-gpipe": _train("llama", base="zero2", schedule="gpipe"),
+    "sequential-ddp": _train("seq"),
+}
+
+
+def _run(cases: dict[str, Case], mesh: memsave.Mesh, prefix: str) -> dict[str, tuple[bool, Any]]:
+    out: dict[str, tuple[bool, Any]] = {}
+    for name, case in cases.items():
+        try:
+            out[prefix + name] = (True, case(mesh))
+        except Exception:
+            out[prefix + name] = (False, traceback.format_exc())
+    return out
+
+
+def _pp2_worker() -> dict[str, tuple[bool, Any]]:
+    return _run(PP2_CASES, memsave.init(pp=2), "")
+
+
+def _pp4_worker() -> dict[str, tuple[bool, Any]]:
+    mesh = memsave.init(pp=4)
+    out = _run(PP4_CASES, mesh, "pp4-")
+    return {**out, **_run(DP2PP2_CASES, memsave.Mesh.build(device=mesh.device, pp=2), "dp2pp2-")}
+
+
+@pytest.fixture(scope="module")
+def pp2() -> list[dict[str, tuple[bool, Any]]]:
+    return run_ranks(_pp2_worker, 2, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def pp4() -> list[dict[str, tuple[bool, Any]]]:
+    return run_ranks(_pp4_worker, 4, timeout=240)
+
+
+def _outcomes(results: list[dict[str, tuple[bool, Any]]], name: str) -> list[Any]:
+    for rank, per_rank in enumerate(results):
+        ok, value = per_rank[name]
+        if not ok:
+            pytest.fail(f"case {name} failed on rank {rank}:\n{value}", pytrace=False)
+    return [per_rank[name][1] for per_rank in results]
+
+
+def _assert_exact(outcomes: list[Any]) -> None:
+    for rank, out in enumerate(outcomes):
+        for what, (err, detail) in out["diff"].items():
+            assert err <= pc.FP32_TOL, f"rank {rank}: {what} differs from one process by {err:.2e}: {detail}"
+
+
+@pytest.mark.parametrize("name", [n for n in PP2_CASES if n not in ("eval", "refusals", "failing-stage")])
+def test_pp2_trains_as_one_process(pp2: list[dict[str, tuple[bool, Any]]], name: str) -> None:
+    _assert_exact(_outcomes(pp2, name))
+
+
+@pytest.mark.parametrize("name", [f"pp4-{n}" for n in PP4_CASES] + [f"dp2pp2-{n}" for n in DP2PP2_CASES])
+def test_pp4_and_dp2pp2_train_as_one_process(pp4: list[dict[str, tuple[bool, Any]]], name: str) -> None:
+    _assert_exact(_outcomes(pp4, name))
+
+
+def test_skip_connection_goes_straight_to_its_reader(pp4: list[dict[str, tuple[bool, Any]]]) -> None:
+    """U-Net-like, pp=4: the stem's output (stage 0) is read by block 2 (stage 2) only. Rank 1 receives block 0's
+    output and the gradient of its own output, not the skip; rank 2 receives the skip from rank 0 directly."""
+    flow = pc.STEPS * pc.MICRO * (pc.BATCH // pc.MICRO) * 16 * 4  # one (rows, 16) fp32 tensor per micro-batch
+    recv = [out["bytes"].get("pp_recv", 0) for out in _outcomes(pp4, "pp4-unet-skip-1f1b")]
+    assert recv == [2 * flow, 2 * flow, 3 * flow, flow], recv
+
+
+def test_zero_inside_stages_shards_only_the_stage(pp4: list[dict[str, tuple[bool, Any]]]) -> None:
+    """dp=2 x pp=2 ZeRO-1: every rank gathers its own stage's parameters only (about half the model), and the tied
+    embedding's gradient rows are summed over the two stages holding it."""
+    outs = _outcomes(pp4, "dp2pp2-gpt-zero1")
+    model = pc.gpt(True)
+    total = sum(p.numel() for p in model.parameters()) * 4
+    for out in outs:
+        assert 0 < out["bytes"]["all_gather"] < 0.8 * pc.STEPS * total, out["bytes"]
+        # one all-reduce (counted twice its bytes) per step of this dp rank's rows (half) of the tied matrix
+        assert out["bytes"]["pp_tie"] == pc.STEPS * 2 * model.wte.weight.numel() // 2 * 4
+
+
+def test_eval_through_the_pipeline(pp2: list[dict[str, tuple[bool, Any]]]) -> None:
+    outs = _outcomes(pp2, "eval")
+    assert all(o["rel"] <= pc.FP32_TOL and o["grads"] == 0 for o in outs), outs
+    assert outs[0]["sent"] > 0 and outs[1]["sent"] == 0, outs  # stage 0 sends its activations on; nothing back
+
+
+def test_refusals(pp2: list[dict[str, tuple[bool, Any]]]) -> None:
+    for out in _outcomes(pp2, "refusals"):
+        assert out["zero3"].startswith("NotImplementedError") and "zero.stage = 3" in out["zero3"], out["zero3"]
+        assert out["split"].startswith("ValueError") and "'blocks.9'" in out["split"], out["split"]
+        assert "model.pipeline_step" in out["call"], out["call"]
+        assert "model.pipeline_step" in out["backward"], out["backward"]
+        assert out["shapes"].startswith("ValueError") and "micro-batch 1" in out["shapes"], out["shapes"]
+        assert out["schedule"].startswith("ValueError") and "virtual=2" in out["schedule"], out["schedule"]
+        assert float(out["after"]) > 0
+    a, b = (o["after"] for o in _outcomes(pp2, "refusals"))
+    assert a == b
+
+
+def test_a_failing_stage_ends_every_rank(pp2: list[dict[str, tuple[bool, Any]]]) -> None:
+    outs = _outcomes(pp2, "failing-stage")
+    for rank, out in enumerate(outs):
+        assert out["error"] is not None and "boom in stage 1" in out["error"], (rank, out)
+        assert out["seconds"] < 60, (rank, out)
+    assert outs[0]["error"].startswith("PeerFailed"), outs[0]
+
+
+# -- the split, in one process ----------------------------------------------------------------------------------------
+def test_split_assigns_embeddings_first_and_head_last() -> None:
+    split = plan_split(pc.llama(True), 2)
+    assert split.rule == "base_model_pp_plan"
+    assert split.atoms_of(0) == ["model.embed_tokens", "model.layers.0", "model.layers.1"]
+    assert split.atoms_of(1) == ["model.layers.2", "model.layers.3", "model.norm", "lm_head"]
+    assert split.ties == ((("model.embed_tokens.weight", "lm_head.weight"), (0, 1)),)
+    gpt_split = plan_split(pc.gpt(True), 4, ["blocks.1", "blocks.2", "blocks.3"])
+    assert gpt_split.atoms_of(0) == ["wte", "wpe", "blocks.0"] and gpt_split.atoms_of(3) == ["blocks.3", "ln_f",
+                                                                                           "lm_head"]
+    assert plan_split(pc.sequential(), 2).atoms == ("0", "2", "4", "6")  # the parameterless children run everywhere
+
+
+def test_strip_keeps_this_stage_and_the_tie() -> None:
+    model = pc.gpt(True)
+    split = plan_split(model, 2)
+    gone = strip_atoms(model, split, [1])
+    names = [n for n, _ in model.named_parameters()]
+    assert names[0] == "blocks.2.ln_1.weight" and names[-1] == "lm_head.weight", names
+    assert not any(n.startswith(("wte", "wpe", "blocks.0", "blocks.1")) for n in model.state_dict())
+    assert model.wte.weight.device.type == "meta" and model.lm_head.weight.device.type == "cpu"
+    assert len(gone) == 1 + 2 * 12  # wpe and blocks 0-1 left the model (wte's weight stays: it is lm_head's)
+    assert model.blocks[0].qkv.weight.device.type == "meta"  # the module keeps its class and can run on meta
+
+
+class _RootParam(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+
+
+@pytest.mark.parametrize("model, n, split, error, match", [
+    (lambda: pc.gpt(True, n_layer=2), 4, (), ValueError, "has 2 blocks with parameters"),
+    (lambda: pc.gpt(True), 2, ("blocks.7",), ValueError, "'blocks.7' is not a module a stage can begin at"),
+    (lambda: pc.gpt(True), 3, ("blocks.2", "blocks.1"), ValueError, "in the model's order"),
+    (lambda: pc.gpt(True), 3, ("blocks.2",), ValueError, "gives 2 stages"),
+    (_RootParam, 2, (), NotImplementedError, r"holds parameters itself \(scale\)"),
+    (lambda: nn.Linear(4, 4), 2, (), NotImplementedError, "no nn.ModuleList of blocks"),
+])
+def test_what_cannot_be_split(model: Callable[[], nn.Module], n: int, split: tuple[str, ...],
+                              error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        plan_split(model(), n, split)
+
+
+def test_schedule_keys_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"parallel\.schedule"):
+        memsave.Profile.from_dict({"name": "x", "parallel": {"schedule": "pipedream"}})
+    with pytest.raises(ValueError, match=r"parallel\.virtual"):
+        memsave.Profile.from_dict({"name": "x", "parallel": {"virtual": 2}})
