@@ -133,11 +133,6 @@ def check_parallel(profile: Profile, mesh: Mesh, optimizer: torch.optim.Optimize
             f"profile {profile.name!r}: tensor parallelism inside pipeline stages (tp = {mesh.degree('tp')} x pp = "
             f"{have}) is not implemented yet: the stage runner does not cut a stage's layers over tp; use tp = 1 "
             "with pp, or pp = 1 with tp")
-    if profile.zero.stage == 3:
-        raise NotImplementedError(
-            f"profile {profile.name!r}: zero.stage = 3 with pipeline parallelism (pp = {have}) is not implemented "
-            "yet: the ZeRO-3 gather schedule follows one forward then its backward, while a pipeline step runs "
-            "several forwards before their backwards; use zero.stage = 1 or 2 with pp")
 
 
 def check_profile(profile: Profile) -> None:

@@ -146,13 +146,18 @@ class PipelineEngine:
             self._check_schedule(schedule, m)
         before = self.inner.num_syncs
         self.inner.in_scaled_backward = True
+        pinned = self._pin_units()
         try:
             total = self.runner.run(schedule, run, loss_of, backward_ctx=self._backward_ctx, scale=self.scale_loss)
+            if self.inner.require_grad_sync and self.inner.num_syncs == before:
+                self.inner.agreement.check("backward")  # no gradient reached this rank's parameters
+                self.inner.sync_gradients()
         finally:
             self.inner.in_scaled_backward = False
-        if self.inner.require_grad_sync and self.inner.num_syncs == before:
-            self.inner.agreement.check("backward")  # no gradient reached this rank's parameters
-            self.inner.sync_gradients()
+            for u in pinned:
+                u.pinned = False
+            if pinned:
+                self.inner.reshard()
         if self.inner.require_grad_sync:
             self._sum_tied_grads()
         return self._broadcast_loss(total)
@@ -194,6 +199,17 @@ class PipelineEngine:
 
         self.runner.ensure_layout(signature, lambda: loss_of(0, run(0)))
         return m, run, loss_of
+
+    def _pin_units(self) -> list[Any]:
+        """ZeRO-3: gather this stage's units once for the whole step (not once per micro-batch, as the stage-3
+        schedule alone would, whose frees assume one forward then its backward); freed again after the last
+        backward's reduce-scatters. Costs the stage's full parameters for the step (ZeRO-2's parameter memory)."""
+        units = list(getattr(self.inner, "units", ())) if getattr(self.inner, "stage", 0) == 3 else []
+        if units:
+            self.inner.unshard()
+            for u in units:
+                u.pinned = True
+        return units
 
     @contextlib.contextmanager
     def _backward_ctx(self, last: bool) -> Iterator[None]:
