@@ -138,7 +138,8 @@ def _split_stages(model: nn.Module, plan: Plan, units: Sequence[nn.Module] | Non
     split, mesh = plan.pp_split, plan.mesh
     pp, rank = mesh.degree("pp"), mesh.axis_rank("pp")
     chosen = list(units) if units is not None else default_units(model)
-    gone = {id(p) for p in strip_atoms(model, split, [s for s in range(split.n_stages) if s % pp == rank])}
+    local = [s for s in range(split.n_stages) if s % pp == rank]
+    gone = {id(p) for p in strip_atoms(model, split, local, dtype=plan.compute_dtype)}
     if optimizer is not None:
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if id(p) not in gone]

@@ -201,7 +201,7 @@ def pipelined(kind: Kind, mesh: memsave.Mesh, prof: Profile, n: int = MICRO, sch
         mean = loss.detach().reshape(1).clone()
         memsave.dist.all_reduce(mean, mesh.dp_group, count_as="test")
         losses.append(mean.item() / dp)
-    return Run(losses, norms, {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}), model, opt
+    return Run(losses, norms, {k: v.detach().float().clone().numpy() for k, v in model.state_dict().items()}), model, opt
 
 
 def rel(a: Any, b: Any) -> float:

@@ -134,6 +134,30 @@ def _zero3_gathers(mesh: memsave.Mesh) -> dict[str, Any]:
             "stage_bytes": stage_bytes}
 
 
+def _overflow_on_one_stage(mesh: memsave.Mesh) -> dict[str, Any]:
+    """An inf in one gradient of stage 1 only: the step is skipped on every stage (fp32 non-finite check; fp16
+    loss scaling), agreed over pp as the placements say."""
+    out = {}
+    for base in ("ddp", "zero2-fp16"):
+        kind = pc.KINDS["gpt"]
+        model = kind.build()
+        model, opt = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=pc.LR), pc.profile(base, pp=2),
+                                  mesh=mesh)
+        inputs, _ = pc.micro(kind, kind.data()[0], pc.MICRO)
+        for inject in (False, True):  # a clean step first: it changes the parameters
+            model.pipeline_step(inputs)
+            if inject and mesh.axis_rank("pp") == 1:
+                engine = model.memsave_engine
+                grad = engine.grad_of(engine.stepped()[0][1])
+                grad.view(-1)[0] = float("inf")
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+            opt.step()
+            opt.zero_grad()
+            out[base, inject] = any(not torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+        out[base, "skipped"] = opt.nonfinite.num_skipped
+    return out
+
+
 PP2_CASES: dict[str, Case] = {
     "gpt-gpipe": _train("gpt", schedule="gpipe"),
     "gpt-1f1b": _train("gpt"),
@@ -144,6 +168,7 @@ PP2_CASES: dict[str, Case] = {
     "gpt-virtual-2": _train("gpt", schedule="interleaved", virtual=2, hand="looped"),
     "llama-iw-split": _train("llama", schedule="zero-bubble", hand="iw"),
     "eval": _eval,
+    "overflow": _overflow_on_one_stage,
     "refusals": _refusals,
     "failing-stage": _failing_stage,  # last: see its docstring
 }
@@ -200,7 +225,7 @@ def _assert_exact(outcomes: list[Any]) -> None:
             assert err <= pc.FP32_TOL, f"rank {rank}: {what} differs from one process by {err:.2e}: {detail}"
 
 
-@pytest.mark.parametrize("name", [n for n in PP2_CASES if n not in ("eval", "refusals", "failing-stage")])
+@pytest.mark.parametrize("name", [n for n in PP2_CASES if n not in ("eval", "overflow", "refusals", "failing-stage")])
 def test_pp2_trains_as_one_process(pp2: list[dict[str, tuple[bool, Any]]], name: str) -> None:
     _assert_exact(_outcomes(pp2, name))
 
@@ -242,6 +267,12 @@ def test_eval_through_the_pipeline(pp2: list[dict[str, tuple[bool, Any]]]) -> No
     outs = _outcomes(pp2, "eval")
     assert all(o["rel"] <= pc.FP32_TOL and o["grads"] == 0 for o in outs), outs
     assert outs[0]["sent"] > 0 and outs[1]["sent"] == 0, outs  # stage 0 sends its activations on; nothing back
+
+
+def test_an_overflow_on_one_stage_skips_the_step_on_all(pp2: list[dict[str, tuple[bool, Any]]]) -> None:
+    for rank, out in enumerate(_outcomes(pp2, "overflow")):
+        assert out["ddp", False] and not out["ddp", True] and out["ddp", "skipped"] == 1, (rank, out)
+        assert out["zero2-fp16", False] and not out["zero2-fp16", True], (rank, out)
 
 
 def test_refusals(pp2: list[dict[str, tuple[bool, Any]]]) -> None:

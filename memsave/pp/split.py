@@ -176,9 +176,11 @@ def plan_split(model: nn.Module, n_stages: int, split: Sequence[str] = ()) -> St
     return StageSplit(tuple(atoms), stage_of, n_stages, tuple(blocks), rule, ties)
 
 
-def strip_atoms(model: nn.Module, split: StageSplit, local_stages: Sequence[int]) -> list[nn.Parameter]:
+def strip_atoms(model: nn.Module, split: StageSplit, local_stages: Sequence[int], *,
+                dtype: torch.dtype | None = None) -> list[nn.Parameter]:
     """Strip the atoms of the stages not in ``local_stages`` ([Note: atoms]); return the parameters that left
-    the model (to be dropped from the optimizer). A parameter tied to a local atom stays."""
+    the model (to be dropped from the optimizer). A parameter tied to a local atom stays. ``dtype``: the compute
+    dtype the local floating-point parameters are cast to (mixed precision), which the meta stand-ins take too."""
     local = set(local_stages)
     kept = {id(p) for a in split.atoms if split.stage_of[a] in local for p in model.get_submodule(a).parameters()}
     gone: dict[int, nn.Parameter] = {}
@@ -192,7 +194,8 @@ def strip_atoms(model: nn.Module, split: StageSplit, local_stages: Sequence[int]
                 if id(p) not in kept:
                     gone[id(p)] = p
                 del m._parameters[key]
-                object.__setattr__(m, key, torch.empty_like(p, device="meta"))
+                cast = dtype if dtype is not None and p.is_floating_point() else p.dtype
+                object.__setattr__(m, key, torch.empty_like(p, device="meta", dtype=cast))
             for key, b in list(m._buffers.items()):
                 if b is None:
                     continue
