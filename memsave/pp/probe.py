@@ -158,7 +158,8 @@ class Probe:
         """``forward_and_loss()`` returns the loss (or the output the last stage reads)."""
         self.active = True
         try:
-            with torch.no_grad(), torch.random.fork_rng(devices=[]), _Tagging(self):
+            devices = [self.device] if self.device.type == "cuda" else []  # the probe draws no random numbers
+            with torch.no_grad(), torch.random.fork_rng(devices=devices), _Tagging(self):
                 out = forward_and_loss()
                 self.deps[OUTPUT] = _tags_of(out)
         finally:
