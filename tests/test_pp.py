@@ -39,9 +39,10 @@ def _train(kind: str, base: str = "ddp", schedule: str = "1f1b", virtual: int = 
         sched = (pc.looped(pp, micro, virtual) if hand == "looped"
                  else pc.split_backward(pp, micro) if hand == "iw" else None)
         with COMM_STATS.measure() as stats:
-            run, _, _ = pc.pipelined(pc.KINDS[kind], mesh, pc.profile(base, pp=pp, schedule=schedule,
-                                                                         virtual=virtual), micro, schedule=sched)
-        return {"diff": pc.compare(run, pc.reference(pc.KINDS[kind], micro)), "bytes": dict(stats.bytes)}
+            run, model, _ = pc.pipelined(pc.KINDS[kind], mesh, pc.profile(base, pp=pp, schedule=schedule,
+                                                                             virtual=virtual), micro, schedule=sched)
+        return {"diff": pc.compare(run, pc.reference(pc.KINDS[kind], micro)), "bytes": dict(stats.bytes),
+                "freed": model.memsave_engine.runner.freed_bytes}
     return case
 
 
@@ -237,6 +238,18 @@ def test_pp2_trains_as_one_process(pp2: list[dict[str, tuple[bool, Any]]], name:
 @pytest.mark.parametrize("name", [f"pp4-{n}" for n in PP4_CASES] + [f"dp2pp2-{n}" for n in DP2PP2_CASES])
 def test_pp4_and_dp2pp2_train_as_one_process(pp4: list[dict[str, tuple[bool, Any]]], name: str) -> None:
     _assert_exact(_outcomes(pp4, name))
+
+
+def test_sent_activations_are_freed_where_safe(pp2: list[dict[str, tuple[bool, Any]]],
+                                              pp4: list[dict[str, tuple[bool, Any]]]) -> None:
+    """Megatron's deallocate_output_tensor: stage 0's sent activations (a residual add's or a linear's output) are
+    freed once sent, every one of them, and training stays exact (test_pp2_trains_as_one_process). The last stage
+    sends only gradients. An output autograd saved is kept: the U-Net's blocks end in a Tanh, which saves its
+    result for its backward."""
+    for name in ("gpt-gpipe", "gpt-1f1b", "llama-tied-1f1b", "sequential-1f1b"):
+        first, last = _outcomes(pp2, name)
+        assert first["freed"] == first["bytes"]["pp_send"] > 0 and last["freed"] == 0, (name, first, last)
+    assert [o["freed"] for o in _outcomes(pp4, "pp4-unet-skip-1f1b")] == [0, 0, 0, 0]
 
 
 def test_skip_connection_goes_straight_to_its_reader(pp4: list[dict[str, tuple[bool, Any]]]) -> None:

@@ -115,13 +115,32 @@ class P2P:
         self.device = device
         self.poll_s = float(os.environ.get("MEMSAVE_PP_POLL_S", "0.2")) if poll_s is None else poll_s
         self._sends: list[_Pending] = []
+        self._freeing: list[tuple[threading.Event, list[BaseException]]] = []
 
-    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+    def send(self, tensor: torch.Tensor, peer: int, tag: int, *, free_after: bool = False) -> None:
+        """Post the send of ``tensor``. ``free_after``: free its storage (``resize_(0)``) once the send completed,
+        from a helper thread (the caller vouches that nothing reads the values again: [Note: freed sends] in
+        memsave/pp/runtime.py)."""
         tensor = tensor.contiguous()
         _check_device("pp_send", None, tensor)
         COMM_STATS.add("pp_send", _nbytes(tensor))
-        work = dist.isend(tensor, dst=peer, tag=tag)
-        self._sends.append(_Pending(work, tensor, "pp_send", peer))
+        pending = _Pending(dist.isend(tensor, dst=peer, tag=tag), tensor, "pp_send", peer)
+        if not free_after:
+            self._sends.append(pending)
+            return
+        done = threading.Event()
+        error: list[BaseException] = []
+
+        def wait_then_free() -> None:
+            try:
+                pending.wait(0)
+                tensor.untyped_storage().resize_(0)
+            except BaseException as exc:  # raised by drain()
+                error.append(exc)
+            done.set()
+
+        threading.Thread(target=wait_then_free, daemon=True, name="memsave-p2p-free").start()
+        self._freeing.append((done, error))
 
     def recv(self, shape: Sequence[int], dtype: torch.dtype, peer: int, tag: int) -> _Pending:
         tensor = torch.empty(tuple(shape), dtype=dtype, device=self.device)
@@ -137,10 +156,18 @@ class P2P:
         sends, self._sends = self._sends, []
         for s in sends:
             s.wait(self.poll_s)
+        freeing, self._freeing = self._freeing, []
+        for done, error in freeing:
+            while not done.wait(self.poll_s or None):
+                failed = _peer_failure()
+                if failed is not None:
+                    raise PeerFailed(f"memsave: pipeline stopped: {failed}")
+            if error:
+                raise error[0]
 
     @property
     def sends_in_flight(self) -> int:
-        return len(self._sends)
+        return len(self._sends) + len(self._freeing)
 
 
 def global_rank(group: ProcessGroup | None, group_rank: int) -> int:

@@ -87,6 +87,7 @@ class StageRunner:
         self._held: dict[tuple[int, int], _Held] = {}
         self._originals: list[tuple[nn.Module, Any]] = []
         self.last_losses: list[torch.Tensor] = []
+        self.freed_bytes = 0  # sent activations freed ([Note: freed sends])
 
     # -- installation ----------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -176,13 +177,37 @@ class StageRunner:
         return stage % self.pp_size
 
     def _send(self, tensors: list[torch.Tensor], src_stage: int, dst_stage: int, mb: int, key: CallKey,
-              backward: bool) -> None:
+              backward: bool, free: frozenset[int] = frozenset()) -> None:
         dst = self._rank_of(dst_stage if not backward else src_stage)
         if dst == self.pp_rank:
             self._mailbox[(mb, key, dst_stage, backward)] = [t.detach() for t in tensors]
             return
         for j, t in enumerate(tensors):
-            self.p2p.send(t.detach(), self.peer(dst), self._tag(mb, key, dst_stage, j, backward))
+            self.p2p.send(t.detach(), self.peer(dst), self._tag(mb, key, dst_stage, j, backward),
+                          free_after=j in free)
+
+    def _freeable(self, stage: int, key: CallKey, tensors: list[torch.Tensor]) -> frozenset[int]:
+        """[Note: freed sends] (Megatron's ``deallocate_output_tensor``) The outputs of a stage's last atom call,
+        sent to one stage on another rank, are needed afterwards only as the roots of this stage's backward, which
+        reads their shape and ``grad_fn``, not their values, unless autograd saved them (an op that saves its
+        result: tanh, sigmoid, ...) or they view other storage. Such outputs are freed once sent: one activation
+        per micro-batch in flight less on every stage but the last."""
+        layout = self.layout
+        assert layout is not None
+        readers = layout.readers[key]
+        if key != layout.last_call[stage] or len(readers) != 1 or self._rank_of(readers[0]) == self.pp_rank:
+            return frozenset()
+        out = set()
+        for j, t in enumerate(tensors):
+            if t.grad_fn is None or t._base is not None or not t.is_contiguous():
+                continue
+            saved = [getattr(t.grad_fn, n, None) for n in dir(t.grad_fn) if n.startswith("_saved_")]
+            if any(isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                   for v in saved):
+                continue
+            out.add(j)
+            self.freed_bytes += t.numel() * t.element_size()
+        return frozenset(out)
 
     def _recv(self, meta: list[tuple[tuple[int, ...], torch.dtype]], src_stage: int, dst_stage: int, mb: int,
               key: CallKey, backward: bool) -> list[torch.Tensor]:
@@ -219,8 +244,9 @@ class StageRunner:
         elif not ctx.done:
             raise AssertionError(f"pipeline runtime: the forward of stage {stage} did not reach its last module")
         for key, tensors in ctx.produced.items():
+            free = self._freeable(stage, key, tensors) if keep else frozenset()
             for dst in layout.readers[key]:
-                self._send(tensors, stage, dst, mb, key, backward=False)
+                self._send(tensors, stage, dst, mb, key, backward=False, free=free)
         if keep:
             self._held[(stage, mb)] = _Held(ctx.produced, leaves, loss)
 
