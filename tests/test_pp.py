@@ -160,6 +160,43 @@ def _overflow_on_one_stage(mesh: memsave.Mesh) -> dict[str, Any]:
     return out
 
 
+def _trainer(mesh: memsave.Mesh) -> dict[str, Any]:
+    """memsave.Trainer under pp=2 (what memsave demo runs): each step is one schedule over its micro-batches; its
+    losses, the grad-norm clip and the evaluation equal a plain single-process loop on the same micro-batches."""
+    from memsave.models.data import TokenBatches
+    from memsave.models.gpt import GPT, gpt_config
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return GPT(gpt_config("tiny", d_model=32, n_layer=2, block_size=16))
+
+    train = TokenBatches(seq_len=8, batch_size=4, split="train", seed=0)
+    val = TokenBatches(seq_len=8, batch_size=4, split="val", seed=0)
+    steps = [[train.batch(2 * s), train.batch(2 * s + 1)] for s in range(2)]
+    reference = build()
+    opt = torch.optim.SGD(reference.parameters(), lr=pc.LR)
+    ref_losses = []
+    for batches in steps:
+        total = 0.0
+        for b in batches:
+            loss = reference(**b).loss / 2
+            loss.backward()
+            total += float(loss)
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(total)
+    with torch.no_grad():
+        ref_eval = float(reference(**val.batch(0)).loss)
+    model = build()
+    model, mopt = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=pc.LR), pc.profile(pp=2), mesh=mesh)
+    cfg = memsave.TrainConfig(steps=2, micro_batches=2, batch_size=4, seq_len=8, grad_clip=1.0, progress=False,
+                              track_memory=False, eval_batches=1)
+    trainer = memsave.Trainer(model, mopt, mesh=mesh, config=cfg, train_data=train, eval_data=val)
+    losses = [trainer.train_step(batches) for batches in steps]
+    return {"loss": pc.rel(losses, ref_losses), "eval": pc.rel(trainer.evaluate(), ref_eval)}
+
+
 PP2_CASES: dict[str, Case] = {
     "gpt-gpipe": _train("gpt", schedule="gpipe"),
     "gpt-1f1b": _train("gpt"),
@@ -170,6 +207,7 @@ PP2_CASES: dict[str, Case] = {
     "gpt-virtual-2": _train("gpt", schedule="interleaved", virtual=2, hand="looped"),
     "llama-iw-split": _train("llama", schedule="zero-bubble", hand="iw"),
     "eval": _eval,
+    "trainer": _trainer,
     "overflow": _overflow_on_one_stage,
     "refusals": _refusals,
     "failing-stage": _failing_stage,  # last: see its docstring
@@ -230,7 +268,7 @@ def _assert_exact(outcomes: list[Any]) -> None:
             assert err <= pc.FP32_TOL, f"rank {rank}: {what} differs from one process by {err:.2e}: {detail}"
 
 
-@pytest.mark.parametrize("name", [n for n in PP2_CASES if n not in ("eval", "overflow", "refusals", "failing-stage")])
+@pytest.mark.parametrize("name", [n for n in PP2_CASES if n not in ("eval", "trainer", "overflow", "refusals", "failing-stage")])
 def test_pp2_trains_as_one_process(pp2: list[dict[str, tuple[bool, Any]]], name: str) -> None:
     _assert_exact(_outcomes(pp2, name))
 
@@ -284,6 +322,11 @@ def test_eval_through_the_pipeline(pp2: list[dict[str, tuple[bool, Any]]]) -> No
     outs = _outcomes(pp2, "eval")
     assert all(o["rel"] <= pc.FP32_TOL and o["grads"] == 0 for o in outs), outs
     assert outs[0]["sent"] > 0 and outs[1]["sent"] == 0, outs  # stage 0 sends its activations on; nothing back
+
+
+def test_trainer_steps_through_the_pipeline(pp2: list[dict[str, tuple[bool, Any]]]) -> None:
+    for rank, out in enumerate(_outcomes(pp2, "trainer")):
+        assert out["loss"] <= pc.FP32_TOL and out["eval"] <= pc.FP32_TOL, (rank, out)
 
 
 def test_an_overflow_on_one_stage_skips_the_step_on_all(pp2: list[dict[str, tuple[bool, Any]]]) -> None:

@@ -292,6 +292,7 @@ class PipelineEngine:
         return self.inner.memory_tensors()
 
     def remove(self) -> None:
+        self.runner.remove()
         self.inner.remove()
 
     def __getattr__(self, name: str) -> Any:  # the inner engine's own extras (ZeRO's stage, units, ...)

@@ -86,16 +86,18 @@ class StageRunner:
         self._mailbox: dict[tuple[Any, ...], list[torch.Tensor]] = {}
         self._held: dict[tuple[int, int], _Held] = {}
         self._originals: list[tuple[nn.Module, Any]] = []
+        self._hooks: list[Any] = []
         self.last_losses: list[torch.Tensor] = []
         self.freed_bytes = 0  # sent activations freed ([Note: freed sends])
 
     # -- installation ----------------------------------------------------------------------------------------
     def install(self) -> None:
+        """Wrap every atom's ``forward`` and the root's ([Note: the stage runner]); :meth:`remove` undoes it."""
         for name in self.split.atoms:
             module = self.model.get_submodule(name)
             self._originals.append((module, module.__dict__.get("forward")))
             module.forward = self._atom_forward(name, module.forward)
-            module.register_forward_hook(self._make_stop_hook(name))
+            self._hooks.append(module.register_forward_hook(self._stop_hook))
         root = self.model
         self._originals.append((root, root.__dict__.get("forward")))
         inner = root.forward
@@ -107,6 +109,17 @@ class StageRunner:
                 return None
 
         root.forward = root_forward
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        for module, forward in reversed(self._originals):
+            if forward is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = forward
+        self._hooks.clear()
+        self._originals.clear()
 
     def _atom_forward(self, name: str, forward: Callable[..., Any]) -> Callable[..., Any]:
         stage = self.split.stage_of[name]
@@ -139,13 +152,11 @@ class StageRunner:
 
         return run
 
-    def _make_stop_hook(self, name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            ctx = self.ctx
-            if ctx is not None and ctx.done:
-                raise _StageDone()
-
-        return hook
+    def _stop_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        """After the stage's last atom call (and the hooks registered before this one: ZeRO's), end the forward."""
+        ctx = self.ctx
+        if ctx is not None and ctx.done:
+            raise _StageDone()
 
     # -- the probe -------------------------------------------------------------------------------------------
     def ensure_layout(self, signature: Any, forward_and_loss: Callable[[], Any]) -> Layout:
