@@ -74,6 +74,13 @@ def _refusals(mesh: memsave.Mesh) -> dict[str, str]:
                                                     schedule=pc.looped(2, 1, 2)))
     # the refusals changed nothing: the pipeline still trains (and its loss is the same on both ranks)
     out["after"] = repr(float(model.pipeline_step([{"input_ids": ids, "labels": ids}] * 2)))
+    # composing by hand: parallelize, then an optimizer built before it over every parameter
+    model = pc.KINDS["gpt"].build()
+    sgd = torch.optim.SGD(model.parameters(), lr=pc.LR)
+    mopt = memsave.engines.MemsaveOptimizer(sgd, memsave.parallelize(model, mesh, pc.profile(pp=2)))
+    model.pipeline_step([{"input_ids": ids, "labels": ids}])
+    mopt.step()
+    out["parallelize"] = sum(len(g["params"]) for g in sgd.param_groups) == len(list(model.parameters()))
     return out
 
 
@@ -342,7 +349,7 @@ def test_refusals(pp2: list[dict[str, tuple[bool, Any]]]) -> None:
         assert "model.pipeline_step" in out["backward"], out["backward"]
         assert out["shapes"].startswith("ValueError") and "micro-batch 1" in out["shapes"], out["shapes"]
         assert out["schedule"].startswith("ValueError") and "virtual=2" in out["schedule"], out["schedule"]
-        assert float(out["after"]) > 0
+        assert float(out["after"]) > 0 and out["parallelize"] is True
     a, b = (o["after"] for o in _outcomes(pp2, "refusals"))
     assert a == b
 

@@ -62,6 +62,8 @@ class MemsaveOptimizer(WrappedOptimizer):
         self._full_of: dict[torch.Tensor, nn.Parameter] = {}  # what the inner optimizer steps -> the parameter
         for group in optimizer.param_groups:
             full = group["params"]
+            if hasattr(engine, "pipeline_step"):  # pp: the other stages' parameters left this rank (parallelize)
+                full = [p for p in full if p in stepped]
             group["params"] = [stepped[p] for p in full]
             self._full_of.update(zip(group["params"], full))
         # Decisions from local gradients are agreed over the axes along which they differ ([Note: placements] in
