@@ -148,6 +148,40 @@ def split_backward(pp: int, m: int) -> Any:
     return Schedule("1f1b-iw", pp, m, tuple(acts))
 
 
+def greedy_interleaved(pp: int, m: int, virtual: int) -> Any:
+    """Virtual stages with forwards and backwards interleaved: ranks advance in lockstep ticks, each running one
+    action whose inputs an earlier tick produced, a backward before a forward, at most ``pp * virtual`` forwards
+    ahead of their backwards (an interleaved 1F1B in spirit; messages of both directions cross between the same
+    two ranks in an order no chain schedule has)."""
+    from memsave.pp.schedule import Action, Schedule
+
+    n = pp * virtual
+    done: set[tuple[str, int, int]] = set()
+    todo = {r: [("F", s, mb) for mb in range(m) for s in range(n) if s % pp == r]
+               + [("B", s, mb) for mb in range(m) for s in range(n) if s % pp == r] for r in range(pp)}
+    acts: list[list[Action]] = [[] for _ in range(pp)]
+    while any(todo.values()):
+        ran = []
+        for r in range(pp):
+            inflight = sum(1 for a in acts[r] if a.kind == "F") - sum(1 for a in acts[r] if a.kind == "B")
+
+            def ready(a: tuple[str, int, int]) -> bool:
+                kind, st, mb = a
+                if kind == "F":
+                    return inflight < n and (st == 0 or ("F", st - 1, mb) in done)
+                return ("F", st, mb) in done and (st == n - 1 or ("B", st + 1, mb) in done)
+
+            pick = next((a for a in todo[r] if a[0] == "B" and ready(a)), None) or next(
+                (a for a in todo[r] if a[0] == "F" and ready(a)), None)
+            if pick is not None:
+                todo[r].remove(pick)
+                acts[r].append(Action(*pick))
+                ran.append(pick)
+        assert ran, "greedy_interleaved stalled"
+        done.update(ran)
+    return Schedule("greedy-interleaved", pp, m, tuple(tuple(a) for a in acts), virtual)
+
+
 # -- runs -----------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Run:

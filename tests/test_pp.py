@@ -37,6 +37,7 @@ def _train(kind: str, base: str = "ddp", schedule: str = "1f1b", virtual: int = 
     def case(mesh: memsave.Mesh) -> Any:
         pp = mesh.degree("pp")
         sched = (pc.looped(pp, micro, virtual) if hand == "looped"
+                 else pc.greedy_interleaved(pp, micro, virtual) if hand == "greedy"
                  else pc.split_backward(pp, micro) if hand == "iw" else None)
         with COMM_STATS.measure() as stats:
             run, model, _ = pc.pipelined(pc.KINDS[kind], mesh, pc.profile(base, pp=pp, schedule=schedule,
@@ -212,6 +213,7 @@ PP2_CASES: dict[str, Case] = {
     "llama-untied-gpipe": _train("llama-untied", schedule="gpipe"),
     "sequential-1f1b": _train("seq"),
     "gpt-virtual-2": _train("gpt", schedule="interleaved", virtual=2, hand="looped"),
+    "llama-virtual-2-interleaved": _train("llama-untied", schedule="interleaved", virtual=2, hand="greedy"),
     "llama-iw-split": _train("llama", schedule="zero-bubble", hand="iw"),
     "eval": _eval,
     "trainer": _trainer,
