@@ -165,7 +165,7 @@ def greedy_interleaved(pp: int, m: int, virtual: int) -> Any:
         for r in range(pp):
             inflight = sum(1 for a in acts[r] if a.kind == "F") - sum(1 for a in acts[r] if a.kind == "B")
 
-            def ready(a: tuple[str, int, int]) -> bool:
+            def ready(a: tuple[str, int, int], inflight: int = inflight) -> bool:
                 kind, st, mb = a
                 if kind == "F":
                     return inflight < n and (st == 0 or ("F", st - 1, mb) in done)
