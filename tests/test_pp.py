@@ -205,6 +205,27 @@ def _trainer(mesh: memsave.Mesh) -> dict[str, Any]:
     return {"loss": pc.rel(losses, ref_losses), "eval": pc.rel(trainer.evaluate(), ref_eval)}
 
 
+def _failing_probe(mesh: memsave.Mesh) -> dict[str, Any]:
+    """pp=4: stage 2 raises in the first step's probe (the forward without autograd that learns the shapes): the
+    others, done with theirs, end with its error instead of waiting in the collective that compares them."""
+    kind = pc.KINDS["gpt"]
+    model = kind.build()
+    model, _ = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=pc.LR), pc.profile(pp=4), mesh=mesh)
+
+    def boom(module: nn.Module, args: Any, out: Any) -> None:
+        if not torch.is_grad_enabled():
+            raise ValueError("boom in the probe of stage 2")
+
+    if mesh.axis_rank("pp") == 2:
+        model.blocks[2].register_forward_hook(boom)
+    start = time.monotonic()
+    try:
+        model.pipeline_step(pc.micro(kind, kind.data()[0], pc.MICRO)[0])
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
 PP2_CASES: dict[str, Case] = {
     "gpt-gpipe": _train("gpt", schedule="gpipe"),
     "gpt-1f1b": _train("gpt"),
@@ -250,7 +271,8 @@ def _pp2_worker() -> dict[str, tuple[bool, Any]]:
 def _pp4_worker() -> dict[str, tuple[bool, Any]]:
     mesh = memsave.init(pp=4)
     out = _run(PP4_CASES, mesh, "pp4-")
-    return {**out, **_run(DP2PP2_CASES, memsave.Mesh.build(device=mesh.device, pp=2), "dp2pp2-")}
+    out.update(_run(DP2PP2_CASES, memsave.Mesh.build(device=mesh.device, pp=2), "dp2pp2-"))
+    return {**out, **_run({"failing-probe": _failing_probe}, mesh, "pp4-")}  # last: the failure stays announced
 
 
 @pytest.fixture(scope="module")
@@ -362,6 +384,14 @@ def test_a_failing_stage_ends_every_rank(pp2: list[dict[str, tuple[bool, Any]]])
         assert out["error"] is not None and "boom in stage 1" in out["error"], (rank, out)
         assert out["seconds"] < 60, (rank, out)
     assert outs[0]["error"].startswith("PeerFailed"), outs[0]
+
+
+def test_a_failing_probe_ends_every_rank(pp4: list[dict[str, tuple[bool, Any]]]) -> None:
+    outs = _outcomes(pp4, "pp4-failing-probe")
+    for rank, out in enumerate(outs):
+        assert out["error"] is not None and "boom in the probe of stage 2" in out["error"], (rank, out)
+        assert out["seconds"] < 60, (rank, out)
+    assert [o["error"].split(":")[0] for o in outs] == ["PeerFailed", "PeerFailed", "ValueError", "PeerFailed"]
 
 
 # -- the split, in one process ----------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 from memsave.dist.collectives import COMM_STATS, ProcessGroup, _check_device, _doing, _failed, _label, _nbytes
 
-__all__ = ["P2P", "PeerFailed", "announce_failure", "global_rank", "group_over", "new_subgroups"]
+__all__ = ["P2P", "PeerFailed", "announce_failure", "arrive", "global_rank", "group_over", "new_subgroups"]
 
 
 class PeerFailed(RuntimeError):
@@ -168,6 +169,30 @@ class P2P:
     @property
     def sends_in_flight(self) -> int:
         return len(self._sends) + len(self._freeing)
+
+
+_arrivals: dict[str, int] = {}
+
+
+def arrive(what: str, group: ProcessGroup | None, timeout_s: float = 600.0) -> None:
+    """Wait, through the store, until every rank of ``group`` reached this call (before a collective): a peer
+    that failed before it ([Note: failure while waiting]) ends this rank with its error instead of a hang."""
+    if group is None or dist.get_world_size(group) <= 1:
+        return
+    ranks = dist.get_process_group_ranks(group)
+    name = f"memsave/pp/arrive/{what}/{'-'.join(map(str, ranks))}"
+    _arrivals[name] = _arrivals.get(name, 0) + 1
+    key = f"{name}/{_arrivals[name]}"
+    store = dist.distributed_c10d._get_default_store()
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add(key, 0) < len(ranks):
+        failed = _peer_failure()
+        if failed is not None:
+            raise PeerFailed(f"memsave: pipeline stopped: {failed}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"memsave: {what}: not every pipeline rank of {ranks} arrived within {timeout_s:.0f} s")
+        time.sleep(0.005)
 
 
 def global_rank(group: ProcessGroup | None, group_rank: int) -> int:

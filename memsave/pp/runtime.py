@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from memsave import dist as mdist
-from memsave.dist.p2p import P2P, PeerFailed, announce_failure
+from memsave.dist.p2p import P2P, PeerFailed, announce_failure, arrive
 from memsave.pp.probe import CallKey, Layout, Probe
 from memsave.pp.schedule import Schedule
 from memsave.pp.split import StageSplit
@@ -167,8 +167,12 @@ class StageRunner:
             self.probe = Probe(self.split.stage_of, lambda n: self.split.stage_of[n] in local, self.device)
             try:
                 layout = self.probe.run(forward_and_loss, self.n_stages)
+            except BaseException as exc:
+                announce_failure(f"{type(exc).__name__}: {exc}")
+                raise
             finally:
                 self.probe = None
+            arrive("the pipeline probe", self.pp_group)  # a peer whose probe failed ends this rank too
             digests = mdist.all_gather_object(repr(layout.digest()), self.pp_group)
             if any(d != digests[0] for d in digests):
                 bad = [r for r, d in enumerate(digests) if d != digests[0]]
