@@ -43,7 +43,8 @@ def _train(kind: str, base: str = "ddp", schedule: str = "1f1b", virtual: int = 
             run, model, _ = pc.pipelined(pc.KINDS[kind], mesh, pc.profile(base, pp=pp, schedule=schedule,
                                                                              virtual=virtual), micro, schedule=sched)
         return {"diff": pc.compare(run, pc.reference(pc.KINDS[kind], micro)), "bytes": dict(stats.bytes),
-                "freed": model.memsave_engine.runner.freed_bytes}
+                "freed": model.memsave_engine.runner.freed_bytes,
+                "in_flight": model.memsave_engine.runner.max_in_flight}
     return case
 
 
@@ -319,6 +320,16 @@ def test_sent_activations_are_freed_where_safe(pp2: list[dict[str, tuple[bool, A
         first, last = _outcomes(pp2, name)
         assert first["freed"] == first["bytes"]["pp_send"] > 0 and last["freed"] == 0, (name, first, last)
     assert [o["freed"] for o in _outcomes(pp4, "pp4-unet-skip-1f1b")] == [0, 0, 0, 0]
+
+
+def test_activations_held_follow_the_schedule(pp2: list[dict[str, tuple[bool, Any]]],
+                                             pp4: list[dict[str, tuple[bool, Any]]]) -> None:
+    """Micro-batches whose activations a stage holds at once: m under GPipe; pp - stage under 1F1B (stage 0 holds
+    pp, PipeDream-flush), also with fewer micro-batches than stages (then m)."""
+    assert [o["in_flight"] for o in _outcomes(pp2, "gpt-gpipe")] == [pc.MICRO, pc.MICRO]
+    assert [o["in_flight"] for o in _outcomes(pp2, "gpt-1f1b")] == [2, 1]
+    assert [o["in_flight"] for o in _outcomes(pp4, "pp4-unet-skip-1f1b")] == [4, 3, 2, 1]
+    assert [o["in_flight"] for o in _outcomes(pp4, "pp4-gpt-1f1b-fewer-micro-batches-than-stages")] == [2, 2, 2, 1]
 
 
 def test_skip_connection_goes_straight_to_its_reader(pp4: list[dict[str, tuple[bool, Any]]]) -> None:

@@ -89,6 +89,7 @@ class StageRunner:
         self._hooks: list[Any] = []
         self.last_losses: list[torch.Tensor] = []
         self.freed_bytes = 0  # sent activations freed ([Note: freed sends])
+        self.max_in_flight = 0  # the most (stage, micro-batch) forwards held for their backward at once
 
     # -- installation ----------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -264,6 +265,7 @@ class StageRunner:
                 self._send(tensors, stage, dst, mb, key, backward=False, free=free)
         if keep:
             self._held[(stage, mb)] = _Held(ctx.produced, leaves, loss)
+            self.max_in_flight = max(self.max_in_flight, len(self._held))
 
     def _roots(self, stage: int, mb: int, held: _Held, scale: Callable[[torch.Tensor], torch.Tensor]
                ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
