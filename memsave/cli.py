@@ -133,7 +133,9 @@ def _add_demo(sub: Any) -> None:
     p.add_argument("--nproc", type=int, default=None,
                    help="local processes (default: the number of GPUs, else 2); under torchrun or accelerate "
                         "launch, each process is one rank of theirs and this is left out")
-    p.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps (default: 1)")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="gradient accumulation steps; with --parallel.pp=N, the micro-batches of each step's "
+                        "pipeline schedule (default: 1)")
     p.add_argument("--batch-size", type=int, default=8, help="rows per process per micro-batch (default: 8)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per row (default: min(block size, 128))")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the profile's)")

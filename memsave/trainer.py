@@ -1,8 +1,8 @@
 """``memsave.Trainer``: the core training loop over a wrapped model and optimizer.
 
 One optimizer step is ``micro_batches`` forward/backward passes (all but the last under ``model.no_sync()``,
-each loss divided by ``micro_batches``), an optional global gradient clip, the learning-rate schedule, the
-optimizer step and ``zero_grad``. Losses are averaged over the dp group with one small all-reduce per logging
+each loss divided by ``micro_batches``; under pipeline parallelism one ``model.pipeline_step`` schedule over
+them), an optional global gradient clip, the learning-rate schedule, the optimizer step and ``zero_grad``. Losses are averaged over the dp group with one small all-reduce per logging
 interval (not per step), through ``memsave.dist``. Logging, progress and ``on_log`` happen on rank 0 only; every
 collective (loss reduction, clip norm, evaluation, report) runs on every rank alike. Progress is a tqdm bar on a
 terminal; where stderr is not one (CI logs, ``torchrun`` with its output redirected) a bar would write a

@@ -405,6 +405,22 @@ def test_a_failing_probe_ends_every_rank(pp4: list[dict[str, tuple[bool, Any]]])
     assert [o["error"].split(":")[0] for o in outs] == ["PeerFailed", "PeerFailed", "ValueError", "PeerFailed"]
 
 
+def test_demo_under_pp_prints_the_one_process_losses(capfd: pytest.CaptureFixture[str]) -> None:
+    """memsave demo --nproc 2 --parallel.pp=2 --micro-batches 4 (1F1B) prints the losses of --nproc 1 with the same
+    micro-batches (each rank holds one of the two blocks of GPT tiny)."""
+    from memsave.cli import main
+
+    common = ["demo", "--size", "tiny", "--batch-size", "2", "--seq-len", "16", "--steps", "3", "--log-every", "1",
+              "--micro-batches", "4", "--no-progress", "--no-track", "--report-dir", ""]
+    assert main([*common, "--nproc", "1"]) == 0
+    one = [line.split("|")[1] for line in capfd.readouterr().out.splitlines() if line.startswith("step ")]
+    assert main([*common, "--nproc", "2", "--parallel.pp=2"]) == 0
+    out = capfd.readouterr().out
+    assert "(pp=2 x dp=1, schedule 1f1b)" in out, out
+    two = [line.split("|")[1] for line in out.splitlines() if line.startswith("step ")]
+    assert len(one) == 3 and one == two, (one, two)
+
+
 # -- the split, in one process ----------------------------------------------------------------------------------------
 def test_split_assigns_embeddings_first_and_head_last() -> None:
     split = plan_split(pc.llama(True), 2)

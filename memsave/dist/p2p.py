@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from memsave.dist.collectives import COMM_STATS, ProcessGroup, _check_device, _doing, _failed, _label, _nbytes
 
-__all__ = ["P2P", "PeerFailed", "announce_failure", "arrive", "global_rank", "group_over", "new_subgroups"]
+__all__ = ["P2P", "PeerFailed", "announce_failure", "arrive", "global_rank", "new_subgroups"]
 
 
 class PeerFailed(RuntimeError):
@@ -200,12 +200,6 @@ def global_rank(group: ProcessGroup | None, group_rank: int) -> int:
     if group is None or not dist.is_initialized():
         return group_rank
     return dist.get_global_rank(group, group_rank)
-
-
-def group_over(mesh: Any, axis: str, coords: Sequence[int]) -> ProcessGroup | None:
-    """The group of this rank's slice whose ``axis`` coordinate is in ``coords`` (None when this rank is not in
-    it or it has one member). Collective over the whole world: every rank creates every slice's group."""
-    return new_subgroups(mesh, axis, [list(coords)])[0]
 
 
 def new_subgroups(mesh: Any, axis: str, member_sets: Sequence[Sequence[int]]) -> list[ProcessGroup | None]:
