@@ -2,7 +2,8 @@
 
 ``parallelize`` validates the whole profile once (memsave/validate.py), then applies the transforms in one
 fixed order (torchtitan's): tensor parallel, then recompute, then ZeRO / data parallel, then the pipeline
-schedule. Pipeline parallelism is refused with ``NotImplementedError`` until its engine lands, never ignored. ``wrap`` also validates the optimizer and composes it over the engine
+schedule; a pipeline's stage split comes first, so that the others see this rank's stages only
+(memsave/engines/pipeline.py). ``wrap`` also validates the optimizer and composes it over the engine
 (:class:`~memsave.engines.MemsaveOptimizer`).
 """
 
@@ -66,9 +67,10 @@ def parallelize(model: nn.Module, mesh: Mesh | None = None, profile: str | Path 
     The profile is validated against the mesh, the model and this device first (memsave/validate.py); a refusal
     (``ValueError`` or ``NotImplementedError``) changes nothing. Then, in this order: tensor parallel (``[parallel]
     tp``), recompute (``[recompute]``), ZeRO / data parallel (``[zero]``, ``[precision]``), pipeline parallel
-    (``[parallel] pp``). The model is moved to the mesh's device (cast to the compute dtype under mixed precision),
-    its replicas made identical, and its class swapped for a subclass with ``no_sync()``, ``unshard()`` and
-    ``reshard()``. Compose an optimizer over the engine with :class:`~memsave.engines.MemsaveOptimizer`, or call
+    (``[parallel] pp``: the stage split before recompute, the schedule last; the model then has
+    ``pipeline_step`` and ``pipeline_loss``). The model is moved to the mesh's device (cast to the compute dtype
+    under mixed precision), its replicas made identical, and its class swapped for a subclass with ``no_sync()``,
+    ``unshard()`` and ``reshard()``. Compose an optimizer over the engine with :class:`~memsave.engines.MemsaveOptimizer`, or call
     :func:`wrap`, which does both.
     """
     check_arguments(profile, mesh)
