@@ -98,6 +98,8 @@ def _demo_rank(opts: DemoOptions, mesh: mdist.Mesh) -> dict[str, Any]:
               f"{mesh.world_size} processes on {mesh.device.type}{layout}; {cfg.steps} steps x {cfg.micro_batches} "
               f"micro-batches x {cfg.batch_size} rows x {cfg.seq_len} tokens per rank; {opt_cfg.name} "
               f"lr {opt_cfg.lr:g}", flush=True)
+        if mesh.degree("pp") > 1:  # which stage holds which modules
+            print(wrapped.memsave_engine.split.to_text(), flush=True)  # type: ignore[union-attr]
         # memsave.recompute.apply leaves its plan on the model it was given (memsave/recompute/plan.py: PLAN_ATTR)
         plan = getattr(model, PLAN_ATTR, None) or getattr(wrapped, PLAN_ATTR, None)
         if plan is not None and plan.policy.kind == "budget":
