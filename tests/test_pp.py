@@ -48,6 +48,17 @@ def _train(kind: str, base: str = "ddp", schedule: str = "1f1b", virtual: int = 
     return case
 
 
+class _Reuse(nn.Module):
+    """Calls its first block again after the second: at pp=2, stage 0's module after stage 1's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[0](self.blocks[1](self.blocks[0](x)))
+
+
 def _refusals(mesh: memsave.Mesh) -> dict[str, str]:
     """What wrap and pipeline_step refuse, each with its message (and nothing half-done: each builds anew)."""
     out = {}
@@ -74,6 +85,9 @@ def _refusals(mesh: memsave.Mesh) -> dict[str, str]:
                                                   {"input_ids": ids[:, :4], "labels": ids[:, :4]}]))
     attempt("schedule", lambda: model.pipeline_step([{"input_ids": ids, "labels": ids}],
                                                     schedule=pc.looped(2, 1, 2)))
+    reuse = _Reuse()
+    reuse, _ = memsave.wrap(reuse, torch.optim.SGD(reuse.parameters(), lr=pc.LR), pc.profile(pp=2), mesh=mesh)
+    attempt("reuse", lambda: reuse.pipeline_step([torch.ones(2, 4)], targets=[torch.ones(2, 4)], loss_fn=pc.mse))
     # the refusals changed nothing: the pipeline still trains (and its loss is the same on both ranks)
     out["after"] = repr(float(model.pipeline_step([{"input_ids": ids, "labels": ids}] * 2)))
     # composing by hand: parallelize, then an optimizer built before it over every parameter
@@ -384,6 +398,7 @@ def test_refusals(pp2: list[dict[str, tuple[bool, Any]]]) -> None:
         assert "model.pipeline_step" in out["backward"], out["backward"]
         assert out["shapes"].startswith("ValueError") and "micro-batch 1" in out["shapes"], out["shapes"]
         assert out["schedule"].startswith("ValueError") and "virtual=2" in out["schedule"], out["schedule"]
+        assert out["reuse"].startswith("NotImplementedError") and "'blocks.0' (stage 0) after" in out["reuse"], out
         assert float(out["after"]) > 0 and out["parallelize"] is True
     a, b = (o["after"] for o in _outcomes(pp2, "refusals"))
     assert a == b

@@ -28,14 +28,24 @@ import torch.distributed as dist
 
 from memsave.dist.collectives import COMM_STATS, ProcessGroup, _check_device, _doing, _failed, _label, _nbytes
 
-__all__ = ["P2P", "PeerFailed", "announce_failure", "arrive", "global_rank", "new_subgroups"]
+__all__ = ["P2P", "PeerFailed", "announce_failure", "arrive", "global_rank", "new_subgroups", "set_failure_scope"]
 
 
 class PeerFailed(RuntimeError):
     """A peer of this pipeline raised; this rank stops with its error ([Note: failure while waiting])."""
 
 
-_FAIL_KEY = "memsave/pp/failed"
+_scope = ["0"]  # what a failure ends: one pipeline step (set by the runner on every rank alike)
+
+
+def set_failure_scope(scope: str) -> None:
+    """Failures announced from now on (and the ones waited for) belong to ``scope`` (the pipeline and its step):
+    an error every rank raised alike (a refused step) does not end the next step's waits."""
+    _scope[0] = scope
+
+
+def _fail_key() -> str:
+    return f"memsave/pp/failed/{_scope[0]}"
 
 
 def announce_failure(message: str) -> None:
@@ -44,15 +54,16 @@ def announce_failure(message: str) -> None:
         return
     store = dist.distributed_c10d._get_default_store()
     try:
-        store.compare_set(_FAIL_KEY, "", f"rank {dist.get_rank()}: {message}")
+        store.compare_set(_fail_key(), "", f"rank {dist.get_rank()}: {message}")
     except RuntimeError:
         pass
 
 
 def _peer_failure() -> str | None:
     store = dist.distributed_c10d._get_default_store()
-    if store.check([_FAIL_KEY]):
-        return store.get(_FAIL_KEY).decode()
+    key = _fail_key()
+    if store.check([key]):
+        return store.get(key).decode()
     return None
 
 

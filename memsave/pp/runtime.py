@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -29,12 +30,15 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from memsave import dist as mdist
-from memsave.dist.p2p import P2P, PeerFailed, announce_failure, arrive
+from memsave.dist.p2p import P2P, PeerFailed, announce_failure, arrive, set_failure_scope
 from memsave.pp.probe import CallKey, Layout, Probe
 from memsave.pp.schedule import Schedule
 from memsave.pp.split import StageSplit
 
 __all__ = ["StageRunner"]
+
+
+_RUNNERS = itertools.count()
 
 
 class _StageDone(Exception):
@@ -90,6 +94,8 @@ class StageRunner:
         self.last_losses: list[torch.Tensor] = []
         self.freed_bytes = 0  # sent activations freed ([Note: freed sends])
         self.max_in_flight = 0  # the most (stage, micro-batch) forwards held for their backward at once
+        self.uid = next(_RUNNERS)  # the same on every rank: pipelines are built in the same order everywhere
+        self.steps = 0
 
     # -- installation ----------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -161,7 +167,10 @@ class StageRunner:
 
     # -- the probe -------------------------------------------------------------------------------------------
     def ensure_layout(self, signature: Any, forward_and_loss: Callable[[], Any]) -> Layout:
-        """The layout for this input signature, probed (and agreed over pp) the first time it is seen."""
+        """The layout for this input signature, probed (and agreed over pp) the first time it is seen. Called at
+        the start of every step: a failure announced in a step ends that step's waits only."""
+        self.steps += 1
+        set_failure_scope(f"{self.uid}/{self.steps}")
         layout = self.layouts.get(signature)
         if layout is None:
             local = set(self.local_stages)
