@@ -6,10 +6,11 @@ so on gloo a receive pairs with its send whatever order the two ranks post them 
 until its buffer must be reused or the step ends (:meth:`Mailbox.drain`), so the order of a schedule's actions
 cannot deadlock on a send.
 
-[Note: failure while waiting] A rank whose stage raises writes its error to the store (:func:`announce_failure`);
-a peer waiting for one of its messages polls the work and that key, and raises :class:`PeerFailed` with the
-error within about a second, instead of waiting for the backend's timeout (600 s or more) and ending in its
-generic message.
+[Note: failure while waiting] A rank whose stage raises writes its error to the store (:func:`announce_failure`,
+under a key of the current pipeline step: :func:`set_failure_scope`); a peer waiting for one of its messages
+(its wait runs in a helper thread, since gloo completes a send or receive only inside ``wait()``) watches that
+key and raises :class:`PeerFailed` with the error within ``MEMSAVE_PP_POLL_S`` (0.2 s), instead of waiting for
+the backend's timeout (600 s or more) and ending in its generic message.
 
 Counted in :data:`~memsave.dist.COMM_STATS` as ``pp_send`` / ``pp_recv`` (the bytes of each tensor once, on the
 side that moves it), device-checked as the collectives are.
