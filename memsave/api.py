@@ -157,7 +157,8 @@ def _pipeline(model: nn.Module, plan: Plan, inner: Engine) -> Engine:
     runner = StageRunner(model, plan.pp_split, pp_rank=mesh.axis_rank("pp"), pp_size=mesh.degree("pp"),
                          peer=lambda r: mdist.global_rank(group, r), pp_group=group, device=mesh.device)
     runner.install()
-    engine = PipelineEngine(inner, runner, plan.pp_split, schedule=par.schedule, virtual=par.virtual)
+    engine = PipelineEngine(inner, runner, plan.pp_split, schedule=par.schedule, virtual=par.virtual,
+                            gather=par.gather)
     for name, value in (("memsave_engine", engine), ("pipeline_step", engine.pipeline_step),
                         ("pipeline_loss", engine.pipeline_loss)):
         setattr(model, name, value)  # (plain attributes: nn.Module keeps non-tensor values in __dict__)

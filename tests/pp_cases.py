@@ -210,10 +210,10 @@ def reference(kind: Kind, n: int = MICRO) -> Run:
 
 
 def profile(base: str = "ddp", *, pp: int, schedule: str = "1f1b", virtual: int = 1,
-            split: tuple[str, ...] = ()) -> Profile:
+            split: tuple[str, ...] = (), gather: str = "step") -> Profile:
     prof = load_profile(base)
     return dataclasses.replace(prof, parallel=dataclasses.replace(prof.parallel, pp=pp, schedule=schedule,
-                                                                  virtual=virtual, split=split))
+                                                                  virtual=virtual, split=split, gather=gather))
 
 
 def pipelined(kind: Kind, mesh: memsave.Mesh, prof: Profile, n: int = MICRO, schedule: Any = None

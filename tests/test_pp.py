@@ -141,22 +141,25 @@ def _failing_stage(mesh: memsave.Mesh) -> dict[str, Any]:
     return {"error": None, "seconds": time.monotonic() - start}
 
 
-def _zero3_gathers(mesh: memsave.Mesh) -> dict[str, Any]:
-    """dp=2 x pp=2 ZeRO-3: a step gathers each of the stage's units once, whatever the number of micro-batches."""
-    run = _train("gpt", base="zero3")(mesh)
-    kind = pc.KINDS["gpt"]
-    model = kind.build()
-    model, opt = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=pc.LR), pc.profile("zero3", pp=2),
-                              mesh=mesh)
-    inputs, _ = pc.micro(kind, kind.data()[0], pc.MICRO, 2, mesh.dp_rank)
-    model.pipeline_step(inputs)  # (the first step also probes the shapes: a forward without autograd)
-    opt.step()
-    with COMM_STATS.measure() as stats:
-        model.pipeline_step(inputs)
-    units = len(model.memsave_engine.units)
-    stage_bytes = sum(p.numel() * 4 for p in model.parameters())
-    return {**run, "gathers": stats.calls["all_gather"], "units": units, "gathered": stats.bytes["all_gather"],
-            "stage_bytes": stage_bytes}
+def _zero3_gathers(gather: str) -> Case:
+    """dp=2 x pp=2 ZeRO-3: ``[parallel] gather = "step"`` gathers each of the stage's units once a step, whatever the
+    number of micro-batches; ``"micro-batch"`` gathers the blocks around every micro-batch's passes."""
+    def case(mesh: memsave.Mesh) -> dict[str, Any]:
+        run = _train("gpt", base="zero3", schedule="gpipe" if gather == "step" else "1f1b")(mesh)
+        kind = pc.KINDS["gpt"]
+        model = kind.build()
+        model, opt = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=pc.LR),
+                                  pc.profile("zero3", pp=2, gather=gather), mesh=mesh)
+        inputs, _ = pc.micro(kind, kind.data()[0], pc.MICRO, 2, mesh.dp_rank)
+        model.pipeline_step(inputs)  # (the first step also probes the shapes: a forward without autograd)
+        opt.step()
+        with COMM_STATS.measure() as stats:
+            model.pipeline_step(inputs)
+        units = len(model.memsave_engine.units)
+        stage_bytes = sum(p.numel() * 4 for p in model.parameters())
+        return {**run, "gathers": stats.calls["all_gather"], "units": units, "gathered": stats.bytes["all_gather"],
+                "stage_bytes": stage_bytes}
+    return case
 
 
 def _overflow_on_one_stage(mesh: memsave.Mesh) -> dict[str, Any]:
@@ -265,7 +268,8 @@ DP2PP2_CASES: dict[str, Case] = {
     "gpt-zero1": _train("gpt", base="zero1"),
     "llama-zero2-gpipe": _train("llama", base="zero2", schedule="gpipe"),
     "llama-zero3-recompute": _train("llama", base="zero3-recompute"),
-    "gpt-zero3": _zero3_gathers,
+    "gpt-zero3": _zero3_gathers("step"),
+    "gpt-zero3-gather-per-micro-batch": _zero3_gathers("micro-batch"),
 }
 
 
@@ -372,6 +376,8 @@ def test_zero3_gathers_a_stage_once_per_step(pp4: list[dict[str, tuple[bool, Any
     for out in _outcomes(pp4, "dp2pp2-gpt-zero3"):
         assert out["gathers"] == out["units"], out
         assert out["stage_bytes"] <= out["gathered"] < 1.05 * out["stage_bytes"], out
+    for out in _outcomes(pp4, "dp2pp2-gpt-zero3-gather-per-micro-batch"):  # the root once, each block 1-2x per mb
+        assert 1 + pc.MICRO * (out["units"] - 1) <= out["gathers"] <= 1 + 2 * pc.MICRO * (out["units"] - 1), out
 
 
 def test_eval_through_the_pipeline(pp2: list[dict[str, tuple[bool, Any]]]) -> None:

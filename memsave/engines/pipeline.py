@@ -73,11 +73,13 @@ def _loss_of_output(out: Any) -> torch.Tensor:
 class PipelineEngine:
     """This rank's stages of a pipeline, over the ``inner`` engine that syncs their gradients over dp."""
 
-    def __init__(self, inner: Engine, runner: StageRunner, split: StageSplit, *, schedule: str, virtual: int) -> None:
+    def __init__(self, inner: Engine, runner: StageRunner, split: StageSplit, *, schedule: str, virtual: int,
+                 gather: str = "step") -> None:
         self.inner, self.runner, self.split = inner, runner, split
         self.model, self.mesh, self.agreement = inner.model, inner.mesh, inner.agreement
         self.load_listeners = inner.load_listeners
-        self.schedule_name, self.virtual = schedule, virtual
+        self.schedule_name, self.virtual, self.gather = schedule, virtual, gather
+        self._zero: Any = inner  # (a ZeroEngine where its stage-3 schedule is read)
         self.pp_size, self.pp_rank = self.mesh.degree("pp"), self.mesh.axis_rank("pp")
         self.scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
         self._schedules: dict[int, pp_schedule.Schedule] = {}
@@ -157,6 +159,7 @@ class PipelineEngine:
             for u in pinned:
                 u.pinned = False
             if pinned:
+                self._zero.schedule.keep_root = False
                 self.inner.reshard()
         if self.inner.require_grad_sync:
             self._sum_tied_grads()
@@ -201,10 +204,15 @@ class PipelineEngine:
         return m, run, loss_of
 
     def _pin_units(self) -> list[Any]:
-        """ZeRO-3: gather this stage's units once for the whole step (not once per micro-batch, as the stage-3
-        schedule alone would, whose frees assume one forward then its backward); freed again after the last
-        backward's reduce-scatters. Costs the stage's full parameters for the step (ZeRO-2's parameter memory)."""
+        """ZeRO-3 (``[parallel] gather``): ``"step"`` gathers this stage's units once for the whole step, held
+        through it (the stage's full parameters, ZeRO-2's parameter memory), not around every micro-batch's forward
+        and backward; ``"micro-batch"`` leaves the blocks to the stage-3 schedule (two all-gathers per block per
+        micro-batch) and holds only the root unit. Freed after the last backward's reduce-scatters."""
         units = list(getattr(self.inner, "units", ())) if getattr(self.inner, "stage", 0) == 3 else []
+        if units and self.gather == "micro-batch":  # the blocks gathered around each micro-batch's passes; the
+            self._zero.schedule.keep_root = True  # root (embeddings, head) for the step, as in one ZeRO-3 step
+            units[0].unshard_wait()
+            units = units[:1]
         if units:
             self.inner.unshard()
             for u in units:
