@@ -2,7 +2,8 @@
 
 ``parallelize`` validates the whole profile once (memsave/validate.py), then applies the transforms in one
 fixed order (torchtitan's): tensor parallel, then recompute, then ZeRO / data parallel, then the pipeline
-schedule. Pipeline parallelism is refused with ``NotImplementedError`` until its engine lands, never ignored. ``wrap`` also validates the optimizer and composes it over the engine
+schedule; a pipeline's stage split comes first, so that the others see this rank's stages only
+(memsave/engines/pipeline.py). ``wrap`` also validates the optimizer and composes it over the engine
 (:class:`~memsave.engines.MemsaveOptimizer`).
 """
 
@@ -66,9 +67,10 @@ def parallelize(model: nn.Module, mesh: Mesh | None = None, profile: str | Path 
     The profile is validated against the mesh, the model and this device first (memsave/validate.py); a refusal
     (``ValueError`` or ``NotImplementedError``) changes nothing. Then, in this order: tensor parallel (``[parallel]
     tp``), recompute (``[recompute]``), ZeRO / data parallel (``[zero]``, ``[precision]``), pipeline parallel
-    (``[parallel] pp``). The model is moved to the mesh's device (cast to the compute dtype under mixed precision),
-    its replicas made identical, and its class swapped for a subclass with ``no_sync()``, ``unshard()`` and
-    ``reshard()``. Compose an optimizer over the engine with :class:`~memsave.engines.MemsaveOptimizer`, or call
+    (``[parallel] pp``: the stage split before recompute, the schedule last; the model then has
+    ``pipeline_step`` and ``pipeline_loss``). The model is moved to the mesh's device (cast to the compute dtype
+    under mixed precision), its replicas made identical, and its class swapped for a subclass with ``no_sync()``,
+    ``unshard()`` and ``reshard()``. Compose an optimizer over the engine with :class:`~memsave.engines.MemsaveOptimizer`, or call
     :func:`wrap`, which does both.
     """
     check_arguments(profile, mesh)
@@ -80,7 +82,7 @@ def parallelize(model: nn.Module, mesh: Mesh | None = None, profile: str | Path 
 
 
 def _apply(model: nn.Module, plan: Plan, units: Sequence[nn.Module] | None, example_inputs: Any,
-           tp_plan: Mapping[str, str] | None = None) -> Engine:
+           tp_plan: Mapping[str, str] | None = None, optimizer: torch.optim.Optimizer | None = None) -> Engine:
     """The transforms of a validated plan, in the documented order."""
     profile, mesh = plan.profile, plan.mesh
     tp_ctx = None
@@ -91,6 +93,8 @@ def _apply(model: nn.Module, plan: Plan, units: Sequence[nn.Module] | None, exam
     elif tp_plan is not None:
         raise ValueError("tp_plan= was given but the mesh has tp = 1; build the mesh with tp > 1 "
                          "(memsave.init(profile=...) with [parallel] tp, or --parallel.tp=N)")
+    if plan.pp_split is not None:  # the stage split comes before ZeRO, which then shards this rank's stages only
+        units = _split_stages(model, plan, units, optimizer)
     _prepare_model(model, mesh, plan.compute_dtype)
     if profile.precision.compute == "fp16" and mesh.device.type == "cpu":
         warn_once('[precision] compute = "fp16" on CPU: torch runs fp16 matmuls on most CPUs through a slow '
@@ -110,7 +114,8 @@ def _apply(model: nn.Module, plan: Plan, units: Sequence[nn.Module] | None, exam
         if recomputed is not None:  # a refused wrap leaves the model as it was
             mrecompute.remove(recomputed)
         raise
-    # 4. pipeline parallel: [parallel] pp > 1 is refused by validate() until the PP engine lands
+    if plan.pp_split is not None:  # 4. pipeline parallel: the schedule drives this rank's stages
+        engine = _pipeline(model, plan, engine)
     if plan.compute_dtype is not None:  # an fp32 batch (images, features) meets the compute-dtype weights: cast,
         cast_forward_inputs(model, plan.compute_dtype)  # as FSDP2 does
     if tp_ctx is not None:
@@ -122,6 +127,41 @@ def _apply(model: nn.Module, plan: Plan, units: Sequence[nn.Module] | None, exam
     _wrap_saved_tensors(model, profile, mesh)  # last: its hooks are the outermost around the root's forward
     if mesh.device.type == "cpu" and profile.zero.host_mmap_threshold_mb > 0:  # only once nothing can fail
         mdist.configure_host_memory(mmap_threshold=int(profile.zero.host_mmap_threshold_mb * 2**20))
+    return engine
+
+
+def _split_stages(model: nn.Module, plan: Plan, units: Sequence[nn.Module] | None,
+                  optimizer: torch.optim.Optimizer | None) -> list[nn.Module]:
+    """Strip the modules of the stages this rank does not hold (memsave/pp/split.py), drop their parameters from
+    the optimizer's groups, and return the units with parameters left (ZeRO's and recompute's)."""
+    from memsave.models.units import default_units
+    from memsave.pp.split import strip_atoms
+
+    split, mesh = plan.pp_split, plan.mesh
+    pp, rank = mesh.degree("pp"), mesh.axis_rank("pp")
+    chosen = list(units) if units is not None else default_units(model)
+    local = [s for s in range(split.n_stages) if s % pp == rank]
+    gone = {id(p) for p in strip_atoms(model, split, local, dtype=plan.compute_dtype)}
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) not in gone]
+    return [u for u in chosen if any(True for _ in u.parameters())]
+
+
+def _pipeline(model: nn.Module, plan: Plan, inner: Engine) -> Engine:
+    from memsave.engines.pipeline import PipelineEngine
+    from memsave.pp.runtime import StageRunner
+
+    mesh, par = plan.mesh, plan.profile.parallel
+    group = mesh.group("pp")
+    runner = StageRunner(model, plan.pp_split, pp_rank=mesh.axis_rank("pp"), pp_size=mesh.degree("pp"),
+                         peer=lambda r: mdist.global_rank(group, r), pp_group=group, device=mesh.device)
+    runner.install()
+    engine = PipelineEngine(inner, runner, plan.pp_split, schedule=par.schedule, virtual=par.virtual,
+                            gather=par.gather)
+    for name, value in (("memsave_engine", engine), ("pipeline_step", engine.pipeline_step),
+                        ("pipeline_loss", engine.pipeline_loss)):
+        setattr(model, name, value)  # (plain attributes: nn.Module keeps non-tensor values in __dict__)
     return engine
 
 
@@ -187,7 +227,7 @@ def wrap(
     profile = load_profile(profile)
     mesh = mesh if mesh is not None else default_mesh()
     plan = validate(profile, mesh, model, units=units, optimizer=optimizer, example_inputs=example_inputs)
-    engine = _apply(model, plan, units, example_inputs, tp_plan)
+    engine = _apply(model, plan, units, example_inputs, tp_plan, optimizer)
     nonfinite = NonfiniteGuard(profile.precision.nonfinite, profile.precision.max_skipped)
     return model, MemsaveOptimizer(optimizer, engine, mixed_precision=plan.mixed, scaler=plan.scaler,
                                    offload=plan.offload, nonfinite=nonfinite)

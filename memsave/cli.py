@@ -90,10 +90,16 @@ def _demo_rank(opts: DemoOptions, mesh: mdist.Mesh) -> dict[str, Any]:
     wrapped, mopt = wrap(model, optimizer, opts.profile, mesh=mesh, example_inputs=data["train"].batch(0))
     if mesh.is_main:
         layout = f" (dp={mesh.dp_size} x tp={mesh.degree('tp')})" if mesh.degree("tp") > 1 else ""
+        if mesh.degree("pp") > 1:
+            par = opts.profile.parallel
+            layout = (f" (pp={mesh.degree('pp')} x dp={mesh.dp_size}, schedule {par.schedule}"
+                      + (f", {par.virtual} stages per rank" if par.virtual > 1 else "") + ")")
         print(f"memsave demo: GPT {opts.size} ({num_params:,} parameters), profile {opts.profile.name}, "
               f"{mesh.world_size} processes on {mesh.device.type}{layout}; {cfg.steps} steps x {cfg.micro_batches} "
               f"micro-batches x {cfg.batch_size} rows x {cfg.seq_len} tokens per rank; {opt_cfg.name} "
               f"lr {opt_cfg.lr:g}", flush=True)
+        if mesh.degree("pp") > 1:  # which stage holds which modules
+            print(wrapped.memsave_engine.split.to_text(), flush=True)  # type: ignore[union-attr]
         # memsave.recompute.apply leaves its plan on the model it was given (memsave/recompute/plan.py: PLAN_ATTR)
         plan = getattr(model, PLAN_ATTR, None) or getattr(wrapped, PLAN_ATTR, None)
         if plan is not None and plan.policy.kind == "budget":
@@ -129,7 +135,9 @@ def _add_demo(sub: Any) -> None:
     p.add_argument("--nproc", type=int, default=None,
                    help="local processes (default: the number of GPUs, else 2); under torchrun or accelerate "
                         "launch, each process is one rank of theirs and this is left out")
-    p.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps (default: 1)")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="gradient accumulation steps; with --parallel.pp=N, the micro-batches of each step's "
+                        "pipeline schedule (default: 1)")
     p.add_argument("--batch-size", type=int, default=8, help="rows per process per micro-batch (default: 8)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per row (default: min(block size, 128))")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the profile's)")

@@ -326,11 +326,19 @@ class ParallelConfig(_Checked):
         "build the mesh with it; memsave.wrap cuts the model's layers by a plan (memsave.tp).",
         "a positive integer; tp * pp divides the world size"))
     pp: int = field(default=1, metadata=_doc(
-        "Pipeline-parallel degree: the size of the mesh's pp axis, whose ranks each hold a stage of the "
-        "model's units (GPipe, Huang et al., 2019). Read like tp; memsave.wrap refuses pp > 1 "
-        "(NotImplementedError) until the pipeline schedules are built.",
+        "Pipeline-parallel degree: the size of the mesh's pp axis; the model's layer list is cut into pp x virtual stages "
+        "(GPipe; embeddings first, head last), and a step runs as model.pipeline_step(micro_batches). Read like tp.",
         "a positive integer; tp * pp divides the world size"))
-
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zero-bubble"] = field(default="1f1b", metadata=_doc(
+        "Pipeline schedule over a step's micro-batches (pp > 1): gpipe, 1f1b (PipeDream-flush), interleaved "
+        "(virtual stages, Megatron), zero-bubble (ZB-H1: backward split into input- and weight-gradient passes)."))
+    virtual: int = field(default=1, metadata=_doc(
+        "Stages per pp rank (stage s on pp rank s % pp).", "a positive integer; 1 unless schedule = interleaved"))
+    split: tuple[str, ...] = field(default=(), metadata=_doc('Module names where stages 1, 2, ... begin (["layers.4"]); '
+        "empty: the blocks divided evenly by count.", "pp x virtual - 1 names of blocks or of modules beside them, in order"))
+    gather: Literal["step", "micro-batch"] = field(default="step", metadata=_doc(
+        "ZeRO-3 with pp > 1: gather a stage's units once per step (its full parameters held through the step), or "
+        "around each micro-batch's forward and backward (ZeRO-3's memory; two all-gathers per unit per micro-batch)."))
     sequence: bool = field(default=False, metadata=_doc(
         "Sequence parallelism (Korthikanti et al., 2022) with tp > 1: norms, dropout and the residual stream "
         "between blocks run on each tp rank's slice of the sequence (an all-gather before each column-parallel "
@@ -342,9 +350,11 @@ class ParallelConfig(_Checked):
 
     def __post_init__(self) -> None:
         self._check_fields()
-        for key in ("tp", "pp"):
+        for key in ("tp", "pp", "virtual"):
             if getattr(self, key) < 1:
                 raise _bad(f"parallel.{key}", getattr(self, key), "a positive integer")
+        if self.virtual > 1 and self.schedule != "interleaved":
+            raise _bad("parallel.virtual", self.virtual, f'1 with schedule = {self.schedule!r} (or "interleaved")')
 
 
 def _check_type(key: str, value: Any, annotation: Any) -> Any:
@@ -364,8 +374,10 @@ def _check_type(key: str, value: Any, annotation: Any) -> Any:
         raise _bad(key, value, " or ".join(getattr(a, "__name__", str(a)) for a in typing.get_args(annotation)))
     if origin is tuple:
         args = typing.get_args(annotation)
+        if args[-1] is Ellipsis and isinstance(value, list | tuple):  # a list of any length
+            return tuple(_check_type(key, v, args[0]) for v in value)
         if not isinstance(value, list | tuple) or len(value) != len(args):
-            raise _bad(key, value, f"a list of {len(args)} values")
+            raise _bad(key, value, "a list" if args[-1] is Ellipsis else f"a list of {len(args)} values")
         return tuple(_check_type(key, v, a) for v, a in zip(value, args))
     if annotation is bool:
         if not isinstance(value, bool):

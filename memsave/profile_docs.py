@@ -217,7 +217,7 @@ def _type_name(annotation: Any) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(annotation))
     if origin is tuple:
         args = typing.get_args(annotation)
-        return f"list of {len(args)} {_type_name(args[0])}s"
+        return f"list of {_type_name(args[0])}s" if args[-1] is Ellipsis else f"list of {len(args)} {_type_name(args[0])}s"
     names = {bool: "boolean", int: "integer", float: "number", str: "string"}
     if annotation not in names:
         raise ValueError(f"profile_docs: no TOML type name for the annotation {annotation!r}")

@@ -1,8 +1,8 @@
 """``memsave.Trainer``: the core training loop over a wrapped model and optimizer.
 
 One optimizer step is ``micro_batches`` forward/backward passes (all but the last under ``model.no_sync()``,
-each loss divided by ``micro_batches``), an optional global gradient clip, the learning-rate schedule, the
-optimizer step and ``zero_grad``. Losses are averaged over the dp group with one small all-reduce per logging
+each loss divided by ``micro_batches``; under pipeline parallelism one ``model.pipeline_step`` schedule over
+them), an optional global gradient clip, the learning-rate schedule, the optimizer step and ``zero_grad``. Losses are averaged over the dp group with one small all-reduce per logging
 interval (not per step), through ``memsave.dist``. Logging, progress and ``on_log`` happen on rank 0 only; every
 collective (loss reduction, clip norm, evaluation, report) runs on every rank alike. Progress is a tqdm bar on a
 terminal; where stderr is not one (CI logs, ``torchrun`` with its output redirected) a bar would write a
@@ -216,6 +216,14 @@ class Trainer:
                              f"{self.config.micro_batches}")
         if not self._checked_shape:
             self._check_shape(batches[0])
+        pipeline_step = getattr(self.model, "pipeline_step", None)
+        if pipeline_step is not None:  # pp > 1: the step's forwards and backwards run as one pipeline schedule
+            mean = pipeline_step([self._to_device(b) for b in batches])
+            for batch in batches:
+                ids = batch.get("input_ids")
+                self._tokens += ids.numel() if ids is not None else 0
+            self._finish_step()
+            return float(mean)
         total = torch.zeros((), device=self.mesh.device)
         for i, batch in enumerate(batches):
             last = i == len(batches) - 1
@@ -224,6 +232,11 @@ class Trainer:
                 total += self._forward_backward(self._to_device(batch)).float()
             ids = batch.get("input_ids")
             self._tokens += ids.numel() if ids is not None else 0
+        self._finish_step()
+        return total.item() / len(batches)
+
+    def _finish_step(self) -> None:
+        """Clip, the learning rate, the optimizer step."""
         clip = self.config.grad_clip
         if clip is not None:
             self.last_grad_norm = self.optimizer.clip_grad_norm(float(clip))
@@ -234,7 +247,6 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad()
         self.step += 1
-        return total.item() / len(batches)
 
     # -- evaluation ----------------------------------------------------------------------------------------
     def evaluate(self) -> float:
@@ -247,8 +259,11 @@ class Trainer:
                 if self.eval_data is None:
                     raise ValueError("evaluate() needs eval_data or eval_fn; pass one to the Trainer")
                 total = torch.zeros(1, device=self.mesh.device)
+                pipeline_loss = getattr(self.model, "pipeline_loss", None)
                 for i in range(self.config.eval_batches):
-                    total += _loss_of(self.model(**self._to_device(self.eval_data.batch(i)))).float()
+                    batch = self._to_device(self.eval_data.batch(i))
+                    total += (pipeline_loss([batch]) if pipeline_loss is not None
+                              else _loss_of(self.model(**batch))).float()
                 mdist.all_reduce(total, self.mesh.dp_group)
                 return total.item() / (self.config.eval_batches * mdist.group_size(self.mesh.dp_group))
         finally:

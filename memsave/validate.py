@@ -48,6 +48,7 @@ class Plan:
     scaler: LossScaler | None  # fp16: dynamic loss scaling
     offload: OffloadConfig | None  # the [offload] settings that move something here (None: nothing moves)
     recompute: bool
+    pp_split: Any = None  # pp > 1: the StageSplit (memsave/pp/split.py): which stage owns which module
 
 
 def validate(profile: Profile, mesh: Mesh, model: nn.Module, *, units: Sequence[nn.Module] | None = None,
@@ -94,14 +95,21 @@ def validate(profile: Profile, mesh: Mesh, model: nn.Module, *, units: Sequence[
         )
     if recompute and profile.zero.stage == 3:
         check_not_nested(model, units if units is not None else default_units(model))
+    pp_split = None
+    if mesh.degree("pp") > 1:
+        from memsave.pp.split import plan_split  # layer 3; loaded only with a pipeline
+
+        par = profile.parallel
+        pp_split = plan_split(model, mesh.degree("pp") * par.virtual, par.split)
     return Plan(profile=profile, mesh=mesh, mixed=mixed, compute_dtype=compute_dtype(prec) if mixed else None,
-                reduce_dtype=reduce_dtype_for(prec), scaler=scaler, offload=offload, recompute=recompute)
+                reduce_dtype=reduce_dtype_for(prec), scaler=scaler, offload=offload, recompute=recompute,
+                pp_split=pp_split)
 
 
 def check_parallel(profile: Profile, mesh: Mesh, optimizer: torch.optim.Optimizer | None = None) -> None:
     """No mesh axis is silently ignored. ``tp``: the mesh decides the degree (``[parallel] tp`` asks for it through
     ``memsave.init(profile=...)``; a profile asking for another degree than the mesh has is a contradiction).
-    ``pp`` above 1 is refused until the pipeline engine lands."""
+    ``pp`` likewise (the mesh decides); a pipeline refuses what its stages cannot compose with yet."""
     want, have = profile.parallel.tp, mesh.degree("tp")
     if want > 1 and want != have:
         raise ValueError(
@@ -111,11 +119,20 @@ def check_parallel(profile: Profile, mesh: Mesh, optimizer: torch.optim.Optimize
         warn_once(f"profile {profile.name!r}: [parallel] sequence = true with tp = 1: there is no tp axis to cut "
                   "the sequence over, so sequence parallelism does nothing here")
     want, have = profile.parallel.pp, mesh.degree("pp")
-    if want > 1 or have > 1:
-        where = f"the mesh has pp = {have}" if have > 1 else f"[parallel] pp = {want}"
+    if want > 1 and want != have:
+        raise ValueError(
+            f"profile {profile.name!r}: [parallel] pp = {want} but the mesh has pp = {have}; build the mesh with "
+            "memsave.init(profile=...) (or Mesh.build(pp=...)) so the two agree")
+    if have == 1:
+        if profile.parallel.schedule != "1f1b" or profile.parallel.split or profile.parallel.virtual != 1:
+            warn_once(f"profile {profile.name!r}: [parallel] schedule / split / virtual set with pp = 1: there is no "
+                      "pipeline, so they do nothing here")
+        return
+    if mesh.degree("tp") > 1:
         raise NotImplementedError(
-            f"profile {profile.name!r}: {where} (pipeline parallelism), which is not implemented yet: set pp = 1 "
-            "rather than have the axis ignored")
+            f"profile {profile.name!r}: tensor parallelism inside pipeline stages (tp = {mesh.degree('tp')} x pp = "
+            f"{have}) is not implemented yet: the stage runner does not cut a stage's layers over tp; use tp = 1 "
+            "with pp, or pp = 1 with tp")
 
 
 def check_profile(profile: Profile) -> None:

@@ -28,6 +28,7 @@ from memsave.dist.host_memory import (
 )
 from memsave.dist.init import default_device, init, launch_env
 from memsave.dist.mesh import AXES, Mesh, validate_degrees
+from memsave.dist.p2p import P2P, PeerFailed, announce_failure, global_rank, new_subgroups
 from memsave.dist.placement import (
     DATA_AXES,
     AgreeOver,
@@ -51,7 +52,9 @@ __all__ = [
     "Handle",
     "HostMemoryPolicy",
     "Mesh",
+    "P2P",
     "Partial",
+    "PeerFailed",
     "Placement",
     "ProcessGroup",
     "ReduceOp",
@@ -62,17 +65,20 @@ __all__ = [
     "all_gather_object",
     "all_reduce",
     "all_reduce_over",
+    "announce_failure",
     "barrier",
     "broadcast",
     "configure_host_memory",
     "default_device",
     "doing",
     "expect_every_rank",
+    "global_rank",
     "group_rank",
     "group_size",
     "host_memory_policy",
     "init",
     "launch_env",
+    "new_subgroups",
     "param_placement",
     "reduce_scatter_into",
     "shutdown",

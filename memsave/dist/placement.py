@@ -82,6 +82,10 @@ class Placement:
     # axes over which the *gradient* of a parameter so placed is a partial sum to be added up (a norm weight
     # replicated over tp but used on sequence shards: sequence parallelism)
     partial_grad: tuple[str, ...] = ()
+    # a copy of a parameter that an earlier pipeline stage also holds (an embedding tied to the LM head of the last
+    # stage): its gradient is summed over the holders, and sums over parameters (the global norm) count it on
+    # the first holder only
+    tie_copy: bool = False
 
     def __post_init__(self) -> None:
         for axis in _AXES:
@@ -133,6 +137,7 @@ class Placement:
 
     def __str__(self) -> str:
         grad = f", partial_grad={self.partial_grad}" if self.partial_grad else ""
+        grad += ", tie_copy=True" if self.tie_copy else ""
         return "(" + ", ".join(f"{a}={self.along(a)!r}" for a in _AXES) + grad + ")"
 
 

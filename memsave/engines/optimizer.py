@@ -62,6 +62,8 @@ class MemsaveOptimizer(WrappedOptimizer):
         self._full_of: dict[torch.Tensor, nn.Parameter] = {}  # what the inner optimizer steps -> the parameter
         for group in optimizer.param_groups:
             full = group["params"]
+            if hasattr(engine, "pipeline_step"):  # pp: the other stages' parameters left this rank (parallelize)
+                full = [p for p in full if p in stepped]
             group["params"] = [stepped[p] for p in full]
             self._full_of.update(zip(group["params"], full))
         # Decisions from local gradients are agreed over the axes along which they differ ([Note: placements] in
@@ -93,6 +95,8 @@ class MemsaveOptimizer(WrappedOptimizer):
             whole = {p: getattr(tp_param(p), "full_shape", None) or p.shape for p in self._opt_full.values()}
             optimizer.shard(lambda t, axes: mdist.all_reduce_over(t, mesh.groups_for(axes)),  # (the shape before tp)
                             {s: layout_of(self._placement[s], s.dim(), whole[p]) for s, p in self._opt_full.items()})
+        if hasattr(engine, "scale_loss") and self.mp is not None:  # the pipeline engine runs the backwards itself
+            engine.scale_loss = self.mp.scale
         self.offloaded: OffloadedState | None = None
         self.param_offload: ParamOffload | None = None
         self.overlap = False
@@ -140,6 +144,9 @@ class MemsaveOptimizer(WrappedOptimizer):
             self.offloaded.settle()
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        if hasattr(self.engine, "pipeline_step"):
+            raise RuntimeError("under pipeline parallelism (pp > 1) model.pipeline_step(micro_batches, ...) runs the "
+                               "forwards and backwards of a step; call optimizer.step() after it, not backward()")
         self.settle()  # the reduce-scatters write the gradient buffers a background step may still read
         before = self.engine.num_syncs
         self.engine.in_scaled_backward = True
@@ -198,7 +205,7 @@ class MemsaveOptimizer(WrappedOptimizer):
         # one part per set of sharded axes, on every rank alike (empty ones too: the reductions must match)
         parts: dict[tuple[str, ...], list[torch.Tensor]] = {pl.sharded_axes(): [] for pl in self._placement.values()}
         for t, g in pairs:
-            if g.numel():
+            if g.numel() and not self._placement[t].tie_copy:  # a tied copy counts on its first stage only
                 parts[self._placement[t].sharded_axes()].append(g)
         zero = torch.zeros((), device=device)
         if math.isinf(norm_type):

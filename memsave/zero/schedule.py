@@ -100,6 +100,7 @@ class Stage3Schedule:
         self.keep_gathered = False  # a create_graph backward ran: free nothing until a backward without it ends
         self.creating_graph = False  # the backward running now creates a graph (create_graph=True)
         self.gather_order: list[Unit] = self.units  # the order the next gathers come in (for disk reads ahead)
+        self.keep_root = False  # a pipeline step: the root unit stays gathered across its micro-batches
 
     def _enter(self, state: TrainingState) -> None:
         if state not in _TRANSITIONS[self.state]:
@@ -296,6 +297,10 @@ class Stage3Schedule:
             return
         self.keep_gathered = False
         self._enter(TrainingState.IDLE)
+        # a next backward without a forward in between (a pipeline runs several forwards, then their backwards)
+        # gathers again what this one frees
+        self.backward = _Pass(list(reversed(self.units[1:])))
         for u in self.units:
             u.open_calls = u.blind_calls = 0
-            u.reshard()
+            if not (u.is_root and self.keep_root):
+                u.reshard()

@@ -94,6 +94,9 @@ class Unit:
         self.fresh: list[bool | None] = [None] * len(self.trainable)
         # stage 3: what a read of a sharded parameter does (the engine gathers or raises; [Note: guarded reads])
         self.on_sharded_read: Callable[[Unit, int, str], None] | None = None
+        # a pipeline step holds its stage's units gathered across its micro-batches (memsave/engines/pipeline.py):
+        # the stage-3 schedule's frees are skipped while pinned
+        self.pinned = False
         self._read_guards = [self._make_read_guard(i) for i in range(len(self.params))]
         with torch.no_grad():
             if stage == 3:
@@ -180,7 +183,7 @@ class Unit:
 
     def reshard(self) -> None:
         """Free the full parameters (see [Note: stage-3 storage]); a gather in flight is completed and dropped."""
-        if self.stage != 3 or self.state is UnitState.SHARDED:
+        if self.stage != 3 or self.state is UnitState.SHARDED or self.pinned:
             return
         if self.state is UnitState.GATHERING:
             self._complete_gather()

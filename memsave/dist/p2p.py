@@ -1,0 +1,237 @@
+"""Point-to-point sends and receives between pipeline stages: ordered plain ``isend`` / ``irecv``.
+
+Never ``batch_isend_irecv``: it has no stable gloo implementation and can hang there (pytorch/PiPPy#1130, #989;
+pytorch/pytorch#132644). Each message is one tensor with a *tag* that names it (micro-batch, direction, channel),
+so on gloo a receive pairs with its send whatever order the two ranks post them in; a send is not waited for
+until its buffer must be reused or the step ends (:meth:`Mailbox.drain`), so the order of a schedule's actions
+cannot deadlock on a send.
+
+[Note: failure while waiting] A rank whose stage raises writes its error to the store (:func:`announce_failure`,
+under a key of the current pipeline step: :func:`set_failure_scope`); a peer waiting for one of its messages
+(its wait runs in a helper thread, since gloo completes a send or receive only inside ``wait()``) watches that
+key and raises :class:`PeerFailed` with the error within ``MEMSAVE_PP_POLL_S`` (0.2 s), instead of waiting for
+the backend's timeout (600 s or more) and ending in its generic message.
+
+Counted in :data:`~memsave.dist.COMM_STATS` as ``pp_send`` / ``pp_recv`` (the bytes of each tensor once, on the
+side that moves it), device-checked as the collectives are.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from memsave.dist.collectives import COMM_STATS, ProcessGroup, _check_device, _doing, _failed, _label, _nbytes
+
+__all__ = ["P2P", "PeerFailed", "announce_failure", "arrive", "global_rank", "new_subgroups", "set_failure_scope"]
+
+
+class PeerFailed(RuntimeError):
+    """A peer of this pipeline raised; this rank stops with its error ([Note: failure while waiting])."""
+
+
+_scope = ["0"]  # what a failure ends: one pipeline step (set by the runner on every rank alike)
+
+
+def set_failure_scope(scope: str) -> None:
+    """Failures announced from now on (and the ones waited for) belong to ``scope`` (the pipeline and its step):
+    an error every rank raised alike (a refused step) does not end the next step's waits."""
+    _scope[0] = scope
+
+
+def _fail_key() -> str:
+    return f"memsave/pp/failed/{_scope[0]}"
+
+
+def announce_failure(message: str) -> None:
+    """Tell every pipeline peer (through the store) that this rank failed, with ``message``; first one wins."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    try:
+        store.compare_set(_fail_key(), "", f"rank {dist.get_rank()}: {message}")
+    except RuntimeError:
+        pass
+
+
+def _peer_failure() -> str | None:
+    store = dist.distributed_c10d._get_default_store()
+    key = _fail_key()
+    if store.check([key]):
+        return store.get(key).decode()
+    return None
+
+
+class _Pending:
+    """One posted send or receive, waited for by polling (so a peer's failure is seen: see the module note)."""
+
+    __slots__ = ("kind", "peer", "tensor", "where", "work")
+
+    def __init__(self, work: Any, tensor: torch.Tensor, kind: str, peer: int) -> None:
+        self.work, self.tensor, self.kind, self.peer = work, tensor, kind, peer
+        self.where = _doing[0]
+
+    def wait(self, poll_s: float) -> torch.Tensor:
+        if self.work is None:
+            return self.tensor
+        try:
+            if poll_s > 0:
+                self._wait_polling(poll_s)
+            else:
+                self.work.wait()
+        except RuntimeError as exc:
+            if isinstance(exc, PeerFailed):
+                raise
+            failed = _peer_failure() if dist.is_initialized() else None
+            if failed is not None:
+                raise PeerFailed(f"memsave: pipeline stopped: {failed}") from exc
+            raise _failed(_label(f"{self.kind} with global rank {self.peer}", None, self.where), exc) from exc
+        self.work = None
+        return self.tensor
+
+    def _wait_polling(self, poll_s: float) -> None:
+        """Gloo's send/recv work completes only inside ``wait()`` (``is_completed()`` stays False until then, and a
+        ``wait(timeout)`` that expires closes the connection), so a helper thread waits while this one watches the
+        store for a failed peer."""
+        done = threading.Event()
+        error: list[BaseException] = []
+
+        def waiter() -> None:
+            try:
+                self.work.wait()
+            except BaseException as exc:  # handed to the caller
+                error.append(exc)
+            done.set()
+
+        threading.Thread(target=waiter, daemon=True, name="memsave-p2p-wait").start()
+        while not done.wait(poll_s):
+            failed = _peer_failure()
+            if failed is not None:
+                raise PeerFailed(f"memsave: pipeline stopped: {failed}")
+        if error:
+            raise error[0]
+
+
+class P2P:
+    """Tagged sends and receives with this rank's pipeline peers, addressed by *global* rank.
+
+    ``send`` posts at once and keeps the work until :meth:`drain`; ``recv`` posts at once and returns a key whose
+    :meth:`wait` gives the tensor. The device check and the byte counts are those of the collectives."""
+
+    def __init__(self, device: torch.device, *, poll_s: float | None = None) -> None:
+        self.device = device
+        self.poll_s = float(os.environ.get("MEMSAVE_PP_POLL_S", "0.2")) if poll_s is None else poll_s
+        self._sends: list[_Pending] = []
+        self._freeing: list[tuple[threading.Event, list[BaseException]]] = []
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int, *, free_after: bool = False) -> None:
+        """Post the send of ``tensor``. ``free_after``: free its storage (``resize_(0)``) once the send completed,
+        from a helper thread (the caller vouches that nothing reads the values again: [Note: freed sends] in
+        memsave/pp/runtime.py)."""
+        tensor = tensor.contiguous()
+        _check_device("pp_send", None, tensor)
+        COMM_STATS.add("pp_send", _nbytes(tensor))
+        pending = _Pending(dist.isend(tensor, dst=peer, tag=tag), tensor, "pp_send", peer)
+        if not free_after:
+            self._sends.append(pending)
+            return
+        done = threading.Event()
+        error: list[BaseException] = []
+
+        def wait_then_free() -> None:
+            try:
+                pending.wait(0)
+                tensor.untyped_storage().resize_(0)
+            except BaseException as exc:  # raised by drain()
+                error.append(exc)
+            done.set()
+
+        threading.Thread(target=wait_then_free, daemon=True, name="memsave-p2p-free").start()
+        self._freeing.append((done, error))
+
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, peer: int, tag: int) -> _Pending:
+        tensor = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+        _check_device("pp_recv", None, tensor)
+        COMM_STATS.add("pp_recv", _nbytes(tensor))
+        return _Pending(dist.irecv(tensor, src=peer, tag=tag), tensor, "pp_recv", peer)
+
+    def wait(self, pending: _Pending) -> torch.Tensor:
+        return pending.wait(self.poll_s)
+
+    def drain(self) -> None:
+        """Wait for every send posted so far (the end of a step: their buffers may then be freed)."""
+        sends, self._sends = self._sends, []
+        for s in sends:
+            s.wait(self.poll_s)
+        freeing, self._freeing = self._freeing, []
+        for done, error in freeing:
+            while not done.wait(self.poll_s or None):
+                failed = _peer_failure()
+                if failed is not None:
+                    raise PeerFailed(f"memsave: pipeline stopped: {failed}")
+            if error:
+                raise error[0]
+
+    @property
+    def sends_in_flight(self) -> int:
+        return len(self._sends) + len(self._freeing)
+
+
+_arrivals: dict[str, int] = {}
+
+
+def arrive(what: str, group: ProcessGroup | None, timeout_s: float = 600.0) -> None:
+    """Wait, through the store, until every rank of ``group`` reached this call (before a collective): a peer
+    that failed before it ([Note: failure while waiting]) ends this rank with its error instead of a hang."""
+    if group is None or dist.get_world_size(group) <= 1:
+        return
+    ranks = dist.get_process_group_ranks(group)
+    name = f"memsave/pp/arrive/{what}/{'-'.join(map(str, ranks))}"
+    _arrivals[name] = _arrivals.get(name, 0) + 1
+    key = f"{name}/{_arrivals[name]}"
+    store = dist.distributed_c10d._get_default_store()
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add(key, 0) < len(ranks):
+        failed = _peer_failure()
+        if failed is not None:
+            raise PeerFailed(f"memsave: pipeline stopped: {failed}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"memsave: {what}: not every pipeline rank of {ranks} arrived within {timeout_s:.0f} s")
+        time.sleep(0.005)
+
+
+def global_rank(group: ProcessGroup | None, group_rank: int) -> int:
+    """The global rank of the member ``group_rank`` of ``group``."""
+    if group is None or not dist.is_initialized():
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def new_subgroups(mesh: Any, axis: str, member_sets: Sequence[Sequence[int]]) -> list[ProcessGroup | None]:
+    """For each set of ``axis`` coordinates, the group of those ranks in this rank's slice (ranks that agree on
+    every other axis); None where this rank is not a member or the set has one rank. Collective over the world."""
+    from memsave.dist.mesh import AXES
+
+    ranks = mesh.device_mesh.mesh
+    dim = AXES.index(axis)
+    slices = ranks.movedim(dim, -1).reshape(-1, ranks.size(dim)).tolist()
+    me = dist.get_rank()
+    out: list[ProcessGroup | None] = []
+    for coords in member_sets:
+        mine = None
+        for row in slices:
+            members = [row[c] for c in sorted(set(coords))]
+            if len(members) < 2:
+                continue
+            group = dist.new_group(members)
+            if me in members:
+                mine = group
+        out.append(mine)
+    return out

@@ -1,0 +1,192 @@
+"""The probe: one forward (no gradients) at the first step of each input shape, that finds what crosses stages.
+
+[Note: the probe] Every rank runs the user's whole forward (and loss) once, under a ``TorchFunctionMode`` that
+tags each tensor with the atom calls ([Note: atoms] in memsave/pp/split.py) it was computed from, propagating the
+tags through every op of the user's code between atoms. An atom's output is tagged with that call alone. So the
+tags of an atom call's inputs name the earlier atom calls whose outputs it reads, and the tags of the loss name
+what the last stage reads: a stage receives exactly the outputs of earlier-stage atom calls that its own atoms
+(or, on the last stage, its loss) read, each straight from the stage that produced it (a skip connection from
+stage 0 to stage 2 is not relayed through stage 1, as torchgpipe's portals). Atoms held elsewhere run on the
+meta device (their parameters are meta tensors) and hand zeros of the right shape on; local ones run for real.
+The probe also records each atom call's output structure (the shapes and dtypes a receiver allocates, and the
+placeholders a stage uses for earlier atoms it does not read), so nothing about shapes is exchanged per
+micro-batch. The ranks then check that they found the same structure (one all-gather per input shape).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+__all__ = ["CallKey", "Layout", "Probe", "Structure"]
+
+CallKey = tuple[str, int]  # (atom name, how many times it was called before in this forward)
+OUTPUT: CallKey = ("<output>", 0)  # the loss, read by the last stage
+_TAG = "_memsave_pp_tag"
+
+
+@dataclasses.dataclass(frozen=True)
+class Structure:
+    """An atom call's output: its pytree spec and, per leaf, ``("t", shape, dtype)`` or ``("v", value)``."""
+
+    spec: Any
+    leaves: tuple[tuple[Any, ...], ...]
+
+    def tensor_meta(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        return [(leaf[1], leaf[2]) for leaf in self.leaves if leaf[0] == "t"]
+
+    def build(self, tensors: list[torch.Tensor]) -> Any:
+        """The output with ``tensors`` at the tensor leaves (in order)."""
+        it = iter(tensors)
+        leaves = [next(it) if leaf[0] == "t" else leaf[1] for leaf in self.leaves]
+        return tree_unflatten(leaves, self.spec)
+
+    def placeholder(self, device: torch.device) -> Any:
+        """Zeros of the right shapes, costing one element each (expanded views)."""
+        return self.build([torch.zeros((), dtype=dt, device=device).expand(shape) for shape, dt in self.tensor_meta()])
+
+    def describe(self) -> list[tuple[Any, ...]]:
+        return [(leaf[0], tuple(leaf[1]), str(leaf[2])) if leaf[0] == "t" else ("v", repr(leaf[1]))
+                for leaf in self.leaves]
+
+
+def _structure(out: Any) -> Structure:
+    leaves, spec = tree_flatten(out)
+    return Structure(spec, tuple(("t", tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else ("v", t)
+                                 for t in leaves))
+
+
+def _tags_of(*trees: Any) -> frozenset[CallKey]:
+    out: set[CallKey] = set()
+    for tree in trees:
+        for t in tree_flatten(tree)[0]:
+            if isinstance(t, torch.Tensor):
+                out.update(getattr(t, _TAG, ()))
+    return frozenset(out)
+
+
+def _tag(tree: Any, tags: frozenset[CallKey]) -> None:
+    for t in tree_flatten(tree)[0]:
+        if isinstance(t, torch.Tensor):
+            try:
+                setattr(t, _TAG, tags)
+            except (AttributeError, RuntimeError):
+                pass
+
+
+class _Tagging(TorchFunctionMode):
+    """Propagates the tags of [Note: the probe] through every op outside the atoms."""
+
+    def __init__(self, probe: Probe) -> None:
+        super().__init__()
+        self.probe = probe
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.probe.depth == 0:
+            tags = _tags_of(args, kwargs)
+            if tags:
+                _tag(out, tags)
+        return out
+
+
+@dataclasses.dataclass
+class Layout:
+    """What the probe found for one input shape: the atom calls in order, their stages and structures, and which
+    stage reads which earlier call's output."""
+
+    order: list[CallKey]
+    stage_of: dict[CallKey, int]
+    structure: dict[CallKey, Structure]
+    reads: dict[int, list[CallKey]]  # stage -> the earlier-stage calls it receives, in call order
+    readers: dict[CallKey, list[int]]  # call -> the later stages that receive it
+    last_call: dict[int, CallKey]  # stage -> its last atom call (where its forward stops)
+
+    def index(self, key: CallKey) -> int:
+        return self.order.index(key)
+
+    def digest(self) -> list[Any]:
+        return [(k, self.stage_of[k], self.structure[k].describe(), self.readers.get(k, [])) for k in self.order]
+
+
+class Probe:
+    """Runs [Note: the probe]; the runner's atom wrappers call :meth:`call` while :attr:`active`."""
+
+    def __init__(self, stage_of_atom: dict[str, int], local: Callable[[str], bool], device: torch.device) -> None:
+        self.stage_of_atom, self.local, self.device = stage_of_atom, local, device
+        self.depth = 0
+        self.active = False
+        self.counts: dict[str, int] = {}
+        self.deps: dict[CallKey, frozenset[CallKey]] = {}
+        self.structure: dict[CallKey, Structure] = {}
+        self.order: list[CallKey] = []
+
+    def call(self, name: str, forward: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        idx = self.counts.get(name, 0)
+        self.counts[name] = idx + 1
+        key = (name, idx)
+        self.deps[key] = _tags_of(args, kwargs)
+        self.depth += 1
+        try:
+            if self.local(name):
+                out = forward(*args, **kwargs)
+            else:
+                meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
+                try:
+                    out_meta = forward(*meta[0], **meta[1])
+                except Exception as exc:
+                    raise NotImplementedError(
+                        f"pipeline split: module {name!r} (held by stage {self.stage_of_atom[name]}) cannot run on "
+                        "the meta device, which the other stages need to learn the shapes of its outputs: "
+                        f"{type(exc).__name__}: {exc}") from exc
+                out = tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=self.device)
+                               if isinstance(t, torch.Tensor) else t, out_meta)
+        finally:
+            self.depth -= 1
+        self.structure[key] = _structure(out)
+        self.order.append(key)
+        _tag(out, frozenset([key]))
+        return out
+
+    def run(self, forward_and_loss: Callable[[], Any], n_stages: int) -> Layout:
+        """``forward_and_loss()`` returns the loss (or the output the last stage reads)."""
+        self.active = True
+        try:
+            devices = [self.device] if self.device.type == "cuda" else []  # the probe draws no random numbers
+            with torch.no_grad(), torch.random.fork_rng(devices=devices), _Tagging(self):
+                out = forward_and_loss()
+                self.deps[OUTPUT] = _tags_of(out)
+        finally:
+            self.active = False
+        return self._layout(n_stages)
+
+    def _layout(self, n_stages: int) -> Layout:
+        stage_of = {k: self.stage_of_atom[k[0]] for k in self.order}
+        stage_of[OUTPUT] = n_stages - 1
+        seen = -1
+        for k in self.order:
+            if stage_of[k] < seen:
+                raise NotImplementedError(
+                    f"pipeline split: the forward calls {k[0]!r} (stage {stage_of[k]}) after a module of stage {seen}; "
+                    "stages must run in order, so a module cannot be called again after later stages began (a "
+                    "module reused at two places of the forward): give [parallel] split points that keep its "
+                    "calls on one stage, or build the model so")
+            seen = stage_of[k]
+        missing = [s for s in range(n_stages) if s not in set(stage_of[k] for k in self.order)]
+        if missing:
+            raise NotImplementedError(f"pipeline split: the forward called no module of stage(s) {missing}")
+        readers: dict[CallKey, set[int]] = {}
+        for consumer, deps in self.deps.items():
+            for p in deps:
+                if p in stage_of and stage_of[p] < stage_of[consumer]:
+                    readers.setdefault(p, set()).add(stage_of[consumer])
+        reads = {s: [k for k in self.order if s in readers.get(k, ())] for s in range(n_stages)}
+        last_call = {stage_of[k]: k for k in self.order}
+        return Layout(list(self.order), stage_of, dict(self.structure), reads,
+                      {k: sorted(v) for k, v in readers.items()}, last_call)

@@ -1,0 +1,392 @@
+"""The pipeline runtime: runs a schedule's actions (memsave/pp/schedule.py) on this rank's stages of an unchanged
+model, with the user's own ``forward``.
+
+[Note: the stage runner] Every rank runs the user's whole ``forward`` for each of its forward actions ``F s.mb``;
+the atom wrappers ([Note: atoms] in memsave/pp/split.py) decide what each atom call does for stage ``s``:
+- an atom of stage ``s`` runs;
+- an atom of an earlier stage whose output stage ``s`` reads ([Note: the probe] in probe.py) returns the tensors
+  received from the stage that ran it (leaves that require grad: their gradients go back in the backward);
+- any other atom of an earlier stage returns a placeholder of the right structure (expanded zeros);
+- after the last atom call of stage ``s`` the forward stops (an internal exception, caught by the root's
+  wrapped forward, so the root's hooks still run); the last stage runs to the end, and its loss is the output.
+
+A backward action ``B s.mb`` runs autograd from what stage ``s`` sent on (with the gradients its readers sent
+back) or from its loss; the zero-bubble split runs ``I`` (``torch.autograd.grad`` to the received tensors only,
+keeping the graph) and later ``W`` (the backward into the parameters). Messages between stages on one rank (a
+virtual stage's neighbour, a skip) are handed over in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from memsave import dist as mdist
+from memsave.dist.p2p import P2P, PeerFailed, announce_failure, arrive, set_failure_scope
+from memsave.pp.probe import CallKey, Layout, Probe
+from memsave.pp.schedule import Schedule
+from memsave.pp.split import StageSplit
+
+__all__ = ["StageRunner"]
+
+
+_RUNNERS = itertools.count()
+
+
+class _StageDone(Exception):
+    """Raised after a stage's last atom call: the rest of the forward belongs to later stages."""
+
+
+@dataclasses.dataclass
+class _Ctx:
+    """The forward action being run."""
+
+    stage: int
+    received: dict[CallKey, Any]
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    produced: dict[CallKey, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
+    done: bool = False
+
+
+@dataclasses.dataclass
+class _Held:
+    """What a forward action keeps until its backward: the tensors it sent on, the tensors it received."""
+
+    produced: dict[CallKey, list[torch.Tensor]]
+    received: dict[CallKey, list[torch.Tensor]]
+    loss: torch.Tensor | None
+    roots: list[torch.Tensor] | None = None  # after an I: what W runs the backward from
+    grads: list[torch.Tensor | None] | None = None
+
+
+def _is_grad_dtype(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+class StageRunner:
+    """Executes schedules for the stages ``local_stages`` of ``model`` ([Note: the stage runner]).
+
+    ``peer(pp_rank)``: the global rank of a pp rank of this rank's slice. Installed once (:meth:`install`)."""
+
+    def __init__(self, model: nn.Module, split: StageSplit, *, pp_rank: int, pp_size: int,
+                 peer: Callable[[int], int], pp_group: Any, device: torch.device) -> None:
+        self.model, self.split, self.device = model, split, device
+        self.pp_rank, self.pp_size, self.peer, self.pp_group = pp_rank, pp_size, peer, pp_group
+        self.n_stages = split.n_stages
+        self.local_stages = [s for s in range(self.n_stages) if s % pp_size == pp_rank]
+        self.p2p = P2P(device)
+        self.ctx: _Ctx | None = None
+        self.probe: Probe | None = None
+        self.layouts: dict[Any, Layout] = {}
+        self.layout: Layout | None = None
+        self._mailbox: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+        self._held: dict[tuple[int, int], _Held] = {}
+        self._originals: list[tuple[nn.Module, Any]] = []
+        self._hooks: list[Any] = []
+        self.last_losses: list[torch.Tensor] = []
+        self.freed_bytes = 0  # sent activations freed ([Note: freed sends])
+        self.max_in_flight = 0  # the most (stage, micro-batch) forwards held for their backward at once
+        self.uid = next(_RUNNERS)  # the same on every rank: pipelines are built in the same order everywhere
+        self.steps = 0
+
+    # -- installation ----------------------------------------------------------------------------------------
+    def install(self) -> None:
+        """Wrap every atom's ``forward`` and the root's ([Note: the stage runner]); :meth:`remove` undoes it."""
+        for name in self.split.atoms:
+            module = self.model.get_submodule(name)
+            self._originals.append((module, module.__dict__.get("forward")))
+            module.forward = self._atom_forward(name, module.forward)
+            self._hooks.append(module.register_forward_hook(self._stop_hook))
+        root = self.model
+        self._originals.append((root, root.__dict__.get("forward")))
+        inner = root.forward
+
+        def root_forward(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return inner(*args, **kwargs)
+            except _StageDone:
+                return None
+
+        root.forward = root_forward
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        for module, forward in reversed(self._originals):
+            if forward is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = forward
+        self._hooks.clear()
+        self._originals.clear()
+
+    def _atom_forward(self, name: str, forward: Callable[..., Any]) -> Callable[..., Any]:
+        stage = self.split.stage_of[name]
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            probe, ctx = self.probe, self.ctx
+            if probe is not None and probe.active:
+                return probe.call(name, forward, args, kwargs)
+            if ctx is None:
+                raise RuntimeError(
+                    "under pipeline parallelism (pp > 1) each rank holds only its stages: run training steps with "
+                    "model.pipeline_step(micro_batches, ...) (or memsave.Trainer), not model(...)")
+            idx = ctx.counts.get(name, 0)
+            ctx.counts[name] = idx + 1
+            key = (name, idx)
+            if stage == ctx.stage:
+                out = forward(*args, **kwargs)
+                assert self.layout is not None
+                if key in self.layout.readers:
+                    ctx.produced[key] = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+                ctx.done = key == self.layout.last_call[ctx.stage] and ctx.stage != self.n_stages - 1
+                return out
+            if stage < ctx.stage:
+                if key in ctx.received:
+                    return ctx.received[key]
+                assert self.layout is not None
+                return self.layout.structure[key].placeholder(self.device)
+            raise AssertionError(f"pipeline runtime: {name!r} of stage {stage} called in the forward of stage "
+                                 f"{ctx.stage} after its last module")
+
+        return run
+
+    def _stop_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        """After the stage's last atom call (and the hooks registered before this one: ZeRO's), end the forward."""
+        ctx = self.ctx
+        if ctx is not None and ctx.done:
+            raise _StageDone()
+
+    # -- the probe -------------------------------------------------------------------------------------------
+    def ensure_layout(self, signature: Any, forward_and_loss: Callable[[], Any]) -> Layout:
+        """The layout for this input signature, probed (and agreed over pp) the first time it is seen. Called at
+        the start of every step: a failure announced in a step ends that step's waits only."""
+        self.steps += 1
+        set_failure_scope(f"{self.uid}/{self.steps}")
+        layout = self.layouts.get(signature)
+        if layout is None:
+            local = set(self.local_stages)
+            self.probe = Probe(self.split.stage_of, lambda n: self.split.stage_of[n] in local, self.device)
+            try:
+                layout = self.probe.run(forward_and_loss, self.n_stages)
+            except BaseException as exc:
+                announce_failure(f"{type(exc).__name__}: {exc}")
+                raise
+            finally:
+                self.probe = None
+            arrive("the pipeline probe", self.pp_group)  # a peer whose probe failed ends this rank too
+            digests = mdist.all_gather_object(repr(layout.digest()), self.pp_group)
+            if any(d != digests[0] for d in digests):
+                bad = [r for r, d in enumerate(digests) if d != digests[0]]
+                raise RuntimeError(f"pipeline probe: pp ranks {bad} found another structure of the stages' outputs "
+                                   "than pp rank 0 (the forward differs across ranks)")
+            self.layouts[signature] = layout
+        self.layout = layout
+        return layout
+
+    # -- messages --------------------------------------------------------------------------------------------
+    def _tag(self, mb: int, key: CallKey, dst_stage: int, leaf: int, backward: bool) -> int:
+        assert self.layout is not None and leaf < 64
+        c = self.layout.index(key)
+        return ((((mb * len(self.layout.order) + c) * self.n_stages + dst_stage) * 64 + leaf) * 2 + int(backward))
+
+    def _rank_of(self, stage: int) -> int:
+        return stage % self.pp_size
+
+    def _send(self, tensors: list[torch.Tensor], src_stage: int, dst_stage: int, mb: int, key: CallKey,
+              backward: bool, free: frozenset[int] = frozenset()) -> None:
+        dst = self._rank_of(dst_stage if not backward else src_stage)
+        if dst == self.pp_rank:
+            self._mailbox[(mb, key, dst_stage, backward)] = [t.detach() for t in tensors]
+            return
+        for j, t in enumerate(tensors):
+            self.p2p.send(t.detach(), self.peer(dst), self._tag(mb, key, dst_stage, j, backward),
+                          free_after=j in free)
+
+    def _freeable(self, stage: int, key: CallKey, tensors: list[torch.Tensor]) -> frozenset[int]:
+        """[Note: freed sends] (Megatron's ``deallocate_output_tensor``) The outputs of a stage's last atom call,
+        sent to one stage on another rank, are needed afterwards only as the roots of this stage's backward, which
+        reads their shape and ``grad_fn``, not their values, unless autograd saved them (an op that saves its
+        result: tanh, sigmoid, ...) or they view other storage. Such outputs are freed once sent: one activation
+        per micro-batch in flight less on every stage but the last."""
+        layout = self.layout
+        assert layout is not None
+        readers = layout.readers[key]
+        if key != layout.last_call[stage] or len(readers) != 1 or self._rank_of(readers[0]) == self.pp_rank:
+            return frozenset()
+        out = set()
+        for j, t in enumerate(tensors):
+            if t.grad_fn is None or t._base is not None or not t.is_contiguous():
+                continue
+            saved = [getattr(t.grad_fn, n, None) for n in dir(t.grad_fn) if n.startswith("_saved_")]
+            if any(isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                   for v in saved):
+                continue
+            out.add(j)
+            self.freed_bytes += t.numel() * t.element_size()
+        return frozenset(out)
+
+    def _recv(self, meta: list[tuple[tuple[int, ...], torch.dtype]], src_stage: int, dst_stage: int, mb: int,
+              key: CallKey, backward: bool) -> list[torch.Tensor]:
+        src = self._rank_of(src_stage if not backward else dst_stage)
+        if src == self.pp_rank:
+            return self._mailbox.pop((mb, key, dst_stage, backward))
+        pending = [self.p2p.recv(shape, dtype, self.peer(src), self._tag(mb, key, dst_stage, j, backward))
+                   for j, (shape, dtype) in enumerate(meta)]
+        return [self.p2p.wait(p) for p in pending]
+
+    # -- actions ---------------------------------------------------------------------------------------------
+    def forward(self, stage: int, mb: int, run: Callable[[], Any], loss_of: Callable[[Any], torch.Tensor], *,
+                keep: bool = True) -> None:
+        layout = self.layout
+        assert layout is not None
+        received: dict[CallKey, Any] = {}
+        leaves: dict[CallKey, list[torch.Tensor]] = {}
+        for key in layout.reads[stage]:
+            structure = layout.structure[key]
+            got = self._recv(structure.tensor_meta(), layout.stage_of[key], stage, mb, key, backward=False)
+            got = [t.detach().requires_grad_(_is_grad_dtype(t)) for t in got]
+            leaves[key] = got
+            received[key] = structure.build(got)
+        ctx = self.ctx = _Ctx(stage, received)
+        try:
+            mdist.doing(0, f"pipeline forward of stage {stage}, micro-batch {mb}")
+            out = run()
+        finally:
+            self.ctx = None
+        loss = None
+        if stage == self.n_stages - 1:
+            loss = loss_of(out)
+            self.last_losses.append(loss.detach().float())
+        elif not ctx.done:
+            raise AssertionError(f"pipeline runtime: the forward of stage {stage} did not reach its last module")
+        for key, tensors in ctx.produced.items():
+            free = self._freeable(stage, key, tensors) if keep else frozenset()
+            for dst in layout.readers[key]:
+                self._send(tensors, stage, dst, mb, key, backward=False, free=free)
+        if keep:
+            self._held[(stage, mb)] = _Held(ctx.produced, leaves, loss)
+            self.max_in_flight = max(self.max_in_flight, len(self._held))
+
+    def _roots(self, stage: int, mb: int, held: _Held, scale: Callable[[torch.Tensor], torch.Tensor]
+               ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """What the backward of (stage, mb) runs from: its loss, or what it sent on, with the readers' gradients."""
+        if held.loss is not None:
+            return [scale(held.loss)], [None]
+        layout = self.layout
+        assert layout is not None
+        roots: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
+        for key, tensors in held.produced.items():
+            total: list[torch.Tensor] | None = None
+            graded = [t for t in tensors if _is_grad_dtype(t)]  # the receivers send a gradient for each of these
+            for dst in layout.readers[key]:
+                got = self._recv([(tuple(t.shape), t.dtype) for t in graded], stage, dst, mb, key, backward=True)
+                total = got if total is None else [a + b for a, b in zip(total, got)]
+            for t, g in zip(graded, total or []):
+                if t.requires_grad:
+                    roots.append(t)
+                    grads.append(g)
+        return roots, grads
+
+    def _send_input_grads(self, stage: int, mb: int, held: _Held, grads: dict[CallKey, list[torch.Tensor]]
+                          ) -> None:
+        layout = self.layout
+        assert layout is not None
+        for key, tensors in held.received.items():
+            out = [g if g is not None else torch.zeros_like(t) for t, g in zip(
+                [t for t in tensors if t.requires_grad], grads[key])]
+            self._send(out, layout.stage_of[key], stage, mb, key, backward=True)
+
+    def backward(self, kind: str, stage: int, mb: int, scale: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """``B`` (full), ``I`` (to the received tensors only) or ``W`` (into the parameters, after an ``I``)."""
+        mdist.doing(0, f"pipeline backward ({kind}) of stage {stage}, micro-batch {mb}")
+        held = self._held[(stage, mb)]
+        if kind == "W":
+            assert held.roots is not None, f"W{stage}.{mb} before its I"
+            if held.roots:
+                torch.autograd.backward(held.roots, held.grads)
+            del self._held[(stage, mb)]
+            return
+        roots, grads = self._roots(stage, mb, held, scale)
+        inputs = [t for ts in held.received.values() for t in ts if t.requires_grad]
+        if kind == "I":
+            got = (torch.autograd.grad(roots, inputs, grads, retain_graph=True, allow_unused=True)
+                   if roots and inputs else [None] * len(inputs))
+            held.roots, held.grads = roots, [g.detach() if g is not None else None for g in grads]
+            self._send_input_grads(stage, mb, held, self._split_by_key(held, list(got)))
+            return
+        if roots:
+            torch.autograd.backward(roots, grads)
+        self._send_input_grads(stage, mb, held, self._split_by_key(held, [t.grad for t in inputs]))
+        del self._held[(stage, mb)]
+
+    @staticmethod
+    def _split_by_key(held: _Held, flat: list[torch.Tensor | None]) -> dict[CallKey, list[Any]]:
+        out: dict[CallKey, list[Any]] = {}
+        i = 0
+        for key, tensors in held.received.items():
+            n = sum(1 for t in tensors if t.requires_grad)
+            out[key] = flat[i: i + n]
+            i += n
+        return out
+
+    # -- a step ----------------------------------------------------------------------------------------------
+    def run_forward(self, micro_batches: int, run_mb: Callable[[int], Any],
+                    loss_of: Callable[[int, Any], torch.Tensor]) -> torch.Tensor | None:
+        """Forwards only, without autograd (an evaluation): each micro-batch through this rank's stages in order.
+        Returns the sum of the losses on the rank holding the last stage (None elsewhere)."""
+        self.last_losses = []
+        try:
+            with torch.no_grad():
+                for mb in range(micro_batches):
+                    for stage in self.local_stages:
+                        self.forward(stage, mb, functools.partial(run_mb, mb), functools.partial(loss_of, mb),
+                                     keep=False)
+            self.p2p.drain()
+        except BaseException as exc:
+            if not isinstance(exc, PeerFailed):
+                announce_failure(f"{type(exc).__name__}: {exc}")
+            self._mailbox.clear()
+            raise
+        return torch.stack(self.last_losses).sum() if self.n_stages - 1 in self.local_stages else None
+
+    def run(self, schedule: Schedule, run_mb: Callable[[int], Any], loss_of: Callable[[int, Any], torch.Tensor],
+            *, backward_ctx: Callable[[bool], contextlib.AbstractContextManager[None]],
+            scale: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+        """Run this rank's actions of ``schedule``; return the sum of the micro-batches' losses on the rank holding
+        the last stage (None elsewhere). ``backward_ctx(last)`` wraps each backward action (the engine's
+        ``no_sync`` for all but this rank's last one)."""
+        actions = schedule.actions[self.pp_rank]
+        last_bwd = max((i for i, a in enumerate(actions) if a.kind in ("B", "W")), default=-1)
+        self.last_losses = []
+        try:
+            for i, a in enumerate(actions):
+                if a.kind == "F":
+                    self.forward(a.stage, a.mb, functools.partial(run_mb, a.mb), functools.partial(loss_of, a.mb))
+                else:
+                    with backward_ctx(i == last_bwd):
+                        self.backward(a.kind, a.stage, a.mb, scale)
+            self.p2p.drain()
+        except BaseException as exc:
+            if not isinstance(exc, PeerFailed):
+                announce_failure(f"{type(exc).__name__}: {exc}")
+            self._held.clear()
+            self._mailbox.clear()
+            raise
+        if self._held or self._mailbox:
+            left = sorted(self._held)
+            self._held.clear()
+            self._mailbox.clear()
+            raise RuntimeError(f"pipeline schedule {schedule.name!r} left forwards without a backward: {left}")
+        if self.n_stages - 1 in self.local_stages:
+            return torch.stack(self.last_losses).sum()
+        return None
