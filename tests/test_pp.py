@@ -252,8 +252,10 @@ PP2_CASES: dict[str, Case] = {
     "llama-untied-gpipe": _train("llama-untied", schedule="gpipe"),
     "sequential-1f1b": _train("seq"),
     "gpt-virtual-2": _train("gpt", schedule="interleaved", virtual=2, hand="looped"),
+    "gpt-interleaved-2": _train("gpt", schedule="interleaved", virtual=2),  # memsave.pp.interleaved
     "llama-virtual-2-interleaved": _train("llama-untied", schedule="interleaved", virtual=2, hand="greedy"),
     "llama-iw-split": _train("llama", schedule="zero-bubble", hand="iw"),
+    "llama-zero-bubble": _train("llama", schedule="zero-bubble"),  # memsave.pp.zero_bubble (ZB-H1)
     "eval": _eval,
     "trainer": _trainer,
     "overflow": _overflow_on_one_stage,
@@ -263,6 +265,7 @@ PP2_CASES: dict[str, Case] = {
 PP4_CASES: dict[str, Case] = {
     "unet-skip-1f1b": _train("unet"),
     "gpt-1f1b-fewer-micro-batches-than-stages": _train("gpt", micro=2),
+    "seq-zero-bubble": _train("seq", schedule="zero-bubble"),
 }
 DP2PP2_CASES: dict[str, Case] = {
     "gpt-zero1": _train("gpt", base="zero1"),
