@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+import memsave
 from tests.ckpt_cases import FP32_TOL, Layout, rel, resume_run, save_run
 from tests.harness import run_ranks
 
@@ -184,3 +186,48 @@ def test_read_metadata_refuses_a_pickle_that_would_run_code(tmp_path: Path) -> N
     (tmp_path / ".metadata").write_bytes(b"\x80\x05garbage")
     with pytest.raises(CheckpointFormatError, match="cannot be read as DCP metadata"):
         read_metadata(tmp_path)
+
+
+# -- pipeline parallelism: pp=2 <-> pp=1 --------------------------------------------------------------------------------
+def _pp_run(mode: str, pp: int, path: str) -> list[float]:
+    """The tied HF Llama of tests/pp_cases.py, 4 micro-batches a step, AdamW: ``save``: one step, save, one more;
+    ``load``: load, then that second step. Under pp a stage holds the tied embedding / LM head under its own
+    module's name; the checkpoint keeps it under the whole model's first name and merges the stages' optimizers."""
+    from tests import pp_cases as pc
+
+    kind = pc.KINDS["llama"]
+    model = kind.build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mesh = memsave.init(pp=pp) if pp > 1 else memsave.init()
+    model, mopt = memsave.wrap(model, opt, memsave.load_profile("ddp", [f"parallel.pp={pp}"]), mesh=mesh)
+    data = kind.data()
+
+    def step(batch: torch.Tensor) -> float:
+        mbs, _ = pc.micro(kind, batch, 4)
+        if pp > 1:
+            loss = float(model.pipeline_step(mbs))
+        else:
+            loss = 0.0
+            for mb in mbs:
+                part = model(**mb).loss / len(mbs)
+                mopt.backward(part)
+                loss += float(part)
+        mopt.step()
+        mopt.zero_grad()
+        return loss
+
+    if mode == "save":
+        step(data[0])
+        memsave.save(path, model, mopt)
+    else:
+        memsave.load(path, model, mopt)
+    return [step(data[1])]
+
+
+def test_a_pipeline_checkpoint_loads_at_another_pp(tmp_path: Path) -> None:
+    """pp=2 -> pp=1 and pp=1 -> pp=2: the next step's loss equals the uninterrupted run's (fp32, 1e-6)."""
+    a, b = str(tmp_path / "pp2"), str(tmp_path / "pp1")
+    uninterrupted = run_ranks(_pp_run, 2, "save", 2, a, timeout=120)[0]
+    assert run_ranks(_pp_run, 1, "load", 1, a, timeout=120)[0] == pytest.approx(uninterrupted, rel=1e-6)
+    assert run_ranks(_pp_run, 1, "save", 1, b, timeout=120)[0] == pytest.approx(uninterrupted, rel=1e-6)
+    assert run_ranks(_pp_run, 2, "load", 2, b, timeout=120)[0] == pytest.approx(uninterrupted, rel=1e-6)

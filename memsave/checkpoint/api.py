@@ -18,6 +18,7 @@ from memsave.checkpoint import commit as _commit
 from memsave.checkpoint.encode import capture_rng, decode, encode, restore_rng
 from memsave.checkpoint.state import (
     Target,
+    merge_stage_metas,
     model_rects,
     optimizer_load,
     optimizer_meta,
@@ -75,6 +76,8 @@ def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer | None,
             "mesh": {a: t.mesh.degree(a) for a in ("dp", "tp", "pp")}, "stage": t.stage,
             "optimizer": optimizer_meta(t, t.optimizer) if t.optimizer is not None else None,
             "torch": torch.__version__}
+    if t.mesh.degree("pp") > 1 and meta["optimizer"] is not None:  # each stage steps its own parameters
+        meta["optimizer"] = merge_stage_metas(mdist.all_gather_object(meta["optimizer"]))
     rects = model_rects(t, for_load=False)
     if t.optimizer is not None:
         rects += optimizer_rects(t, t.optimizer)
@@ -172,6 +175,8 @@ def _check_model_keys(t: Target, keys: dict[str, Any]) -> None:
     names = {f"model/{h.name}" for h in t.held.values()}
     saved = {k for k in keys if k.startswith("model/")}
     missing, unexpected = sorted(names - saved), sorted(saved - names)
+    if t.mesh.degree("pp") > 1:  # a pipeline rank loads its stages' parameters: the others are the other ranks'
+        unexpected = []
     if missing or unexpected:
         raise ValueError(f"memsave.load: the checkpoint's parameters differ from the model's: missing "
                          f"{[k[6:] for k in missing][:8]}, unexpected {[k[6:] for k in unexpected][:8]}")

@@ -105,11 +105,21 @@ def follow_mask(optimizer: torch.optim.Optimizer, key: str, shape: Sequence[int]
     return (False,) * n
 
 
+def _canonical(model: nn.Module) -> dict[str, str]:
+    """Under pp, a weight tied across stages (an input embedding and the LM head) is held by each stage under the
+    name of the module it has there (stage 0 ``model.embed_tokens.weight``, the last ``lm_head.weight``); it is
+    saved and loaded under its name in the whole model, the first of the tie (memsave/pp/split.py ``ties``), so
+    the checkpoint reads the same at any pp."""
+    split = getattr(getattr(model, "memsave_engine", None), "split", None)
+    return {n: names[0] for names, _ in getattr(split, "ties", ()) for n in names[1:]}
+
+
 def held_params(model: nn.Module, mesh: Mesh, stage: int, stepped: dict[nn.Parameter, torch.Tensor]) -> list[Held]:
     """Every parameter of ``model`` (tied ones once, under their first name) as this rank holds it."""
     tp_size, tp_rank = mesh.degree("tp"), mesh.axis_rank("tp")
     out = []
     for name, p in model.named_parameters():
+        name = _canonical(model).get(name, name)
         lay = tp_param(p)
         full = tuple(lay.full_shape) if lay is not None and lay.dim is not None else tuple(p.shape)
         s = stepped.get(p)

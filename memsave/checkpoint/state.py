@@ -194,6 +194,22 @@ def _like(value: Any, current: Any) -> Any:
     return value
 
 
+def merge_stage_metas(metas: list[dict[str, Any]]) -> dict[str, Any]:
+    """The optimizer metadata of every pp rank (each steps its own stages) as one: each param group's names in
+    stage order, a weight tied across stages once (under its whole-model name), every parameter's scalars."""
+    merged = dict(metas[0])
+    groups = []
+    for i, g in enumerate(metas[0]["param_groups"]):
+        names: dict[str, None] = {}
+        for m in metas:
+            names.update(dict.fromkeys(m["param_groups"][i]["params"]))
+        groups.append({**g, "params": list(names)})
+    merged["param_groups"] = groups
+    merged["scalars"] = {k: v for m in metas for k, v in m["scalars"].items()}
+    merged["pipeline"] = True
+    return merged
+
+
 def optimizer_load(t: Target, opt: MemsaveOptimizer, meta: dict[str, Any],
                    keys: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> OptimizerLoad:
     """Check the checkpoint's optimizer against this one and create the tensors its state is read into."""
@@ -203,7 +219,11 @@ def optimizer_load(t: Target, opt: MemsaveOptimizer, meta: dict[str, Any],
                          f"{type(inner).__name__}; load with the same optimizer class")
     mine = [[t.held[opt.full_of(s)].name for s in g["params"]] for g in inner.param_groups]
     theirs = [g["params"] for g in meta["param_groups"]]
-    if mine != theirs:
+    # under pp a rank's optimizer steps its stages' parameters only: each of its groups is part of the saved one
+    staged = (t.mesh.degree("pp") > 1 or meta.get("pipeline", False)) and len(mine) == len(theirs)
+    if staged and all(set(a) <= set(b) for a, b in zip(mine, theirs)):
+        pass
+    elif mine != theirs:
         raise ValueError(f"memsave.load: the optimizer's param groups differ from the checkpoint's (by parameter "
                          f"name): this one has {[len(g) for g in mine]} parameters per group, the checkpoint "
                          f"{[len(g) for g in theirs]}; first difference: "
