@@ -210,6 +210,11 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
         raise ValueError(f"world_size = {world_size!r} is not allowed; expected a positive integer")
     if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
         raise ValueError(f"micro_batches = {micro_batches!r} is not allowed; expected a positive integer")
+    if prof.parallel.pp > 1:  # refused, not estimated as if the whole model were on every rank
+        raise NotImplementedError(
+            f"memsave.estimate: [parallel] pp = {prof.parallel.pp} is not modelled yet (a stage's parameters and "
+            "its schedule's in-flight activations); the simulator memsave.pp.simulate predicts each stage's "
+            "activation peak from measured per-stage bytes")
     tp = prof.parallel.tp
     if world_size % tp:
         raise ValueError(f"world_size = {world_size} is not divisible by [parallel] tp = {tp}; the ranks are dp x tp")
