@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import torch
 
 
@@ -25,3 +28,12 @@ def assert_close_norm(a: torch.Tensor, b: torch.Tensor, what: str, rtol: float) 
     """``||a - b|| <= rtol * ||b||``: agreement of a whole tensor, robust to single near-zero elements."""
     err, scale = (a.double() - b.double()).norm().item(), b.double().norm().item()
     assert err <= rtol * scale + 1e-12, f"{what}: relative error {err / max(scale, 1e-30):.3g} > {rtol}"
+
+
+def rel(a: Any, b: Any) -> float:
+    """max |a - b| / max |b| (0 when both are 0)."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    assert a.shape == b.shape, f"shape {a.shape} != {b.shape}"
+    scale = np.abs(b).max() if b.size else 0.0
+    err = np.abs(a - b).max() if b.size else 0.0
+    return float(err / scale) if scale else float(err)

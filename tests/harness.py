@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -20,7 +23,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "run_ranks"]
+__all__ = ["free_port", "run_ranks", "torchrun"]
 
 
 class LogRecords(logging.Handler):
@@ -51,15 +54,17 @@ def _child(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    ok = False
     try:
         result = fn(*args)
         queue.put((rank, True, result))
-        if dist.is_initialized():  # rank 0 hosts the store: it must not leave while another rank still uses it
-            dist.barrier()
+        ok = True
     except BaseException as exc:  # surfaced in the parent
         queue.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
         if dist.is_initialized():
+            if ok:
+                _leave_together(dist)
             dist.destroy_process_group()
 
 
@@ -74,6 +79,16 @@ def _context() -> Any:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
+
+
+def _leave_together(dist: Any) -> None:
+    """Rank 0 hosts the store: after its result is handed over it waits for the others before leaving, so a rank
+    still using the store (a late ``new_group``) does not find it gone. A rank that failed or hangs is the test's
+    outcome already: the wait gives up quietly on an error, and the parent kills what is left."""
+    try:
+        dist.barrier()
+    except Exception:  # (reported already, or not this rank's)
+        pass
 
 
 def run_ranks(
@@ -116,3 +131,24 @@ def run_ranks(
                 p.kill()
                 p.join()
     return [results[r] for r in range(world_size)]
+
+
+def torchrun(root: Any, script: str, *args: str, nproc: int = 2, max_restarts: int = 1,
+             timeout: float = 150) -> tuple[str, str]:
+    """``torchrun --nproc-per-node nproc --max-restarts max_restarts script args`` from ``root`` in a session of its
+    own (killed whole on timeout), with none of this process's launcher variables; its (stdout, stderr), after
+    asserting it exited 0."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "RANK", "WORLD_SIZE",
+                                                                     "LOCAL_", "MASTER_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(root), MEMSAVE_TIMEOUT_S="60")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--max-restarts",
+           str(max_restarts), "--monitor-interval", "0.2", "--master-port", str(free_port()), script, *args]
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{out}\n--- stderr\n{err[-3000:]}"
+    return out, err

@@ -18,6 +18,7 @@ from torch import nn
 
 import memsave
 from memsave.config import Profile, load_profile
+from tests.compare import rel
 
 STEPS = 2
 BATCH, SEQ, MICRO = 8, 8, 4  # the global batch: BATCH rows of SEQ tokens, in MICRO micro-batches per step
@@ -238,12 +239,6 @@ def pipelined(kind: Kind, mesh: memsave.Mesh, prof: Profile, n: int = MICRO, sch
     return Run(losses, norms, {k: v.detach().float().clone().numpy() for k, v in model.state_dict().items()}), model, opt
 
 
-def rel(a: Any, b: Any) -> float:
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    assert a.shape == b.shape, f"shape {a.shape} != {b.shape}"
-    scale = np.abs(b).max() if b.size else 0.0
-    err = np.abs(a - b).max() if b.size else 0.0
-    return float(err / scale) if scale else float(err)
 
 
 def compare(run: Run, ref: Run) -> dict[str, tuple[float, str]]:

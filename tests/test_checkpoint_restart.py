@@ -4,36 +4,18 @@ losses from the step after it equal the uninterrupted run's bit for bit (fp32 CP
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.harness import free_port
+from tests.harness import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _torchrun(ckpt: Path) -> tuple[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "RANK", "WORLD_SIZE",
-                                                                     "LOCAL_", "MASTER_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), MEMSAVE_TIMEOUT_S="60")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-           "--monitor-interval", "0.2", "--master-port", str(free_port()), "tests/scripts/ckpt_restart.py",
-           str(ckpt)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{out}\n--- stderr\n{err[-3000:]}"
-    return out, err
+    return torchrun(ROOT, "tests/scripts/ckpt_restart.py", str(ckpt))
 
 
 def _losses(out: str, tag: str) -> dict[int, list[str]]:

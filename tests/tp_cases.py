@@ -20,6 +20,7 @@ from torch import nn
 import memsave
 from memsave import dist as mdist
 from memsave.config import Profile, load_profile
+from tests.compare import rel
 
 STEPS = 3
 BATCH, SEQ = 4, 16  # the global batch: (BATCH, SEQ) tokens; each dp rank takes BATCH / dp rows
@@ -151,13 +152,6 @@ def _dp_mean(loss: torch.Tensor, mesh: memsave.Mesh) -> float:
     return mean.item() / mesh.degree("dp")
 
 
-def rel(a: Any, b: Any) -> float:
-    """max |a - b| / max |b| (0 when both are 0)."""
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    assert a.shape == b.shape, f"shape {a.shape} != {b.shape}"
-    scale = np.abs(b).max() if b.size else 0.0
-    err = np.abs(a - b).max() if b.size else 0.0
-    return float(err / scale) if scale else float(err)
 
 
 def compare(run: Run, ref: Run) -> dict[str, tuple[float, str]]:
