@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["KINDS", "Action", "Schedule", "gpipe", "one_f_one_b"]
+__all__ = ["KINDS", "SCHEDULES", "Action", "Schedule", "build", "check", "gpipe", "interleaved", "one_f_one_b",
+           "zero_bubble", "zero_bubble_h1"]
 
 KINDS = ("F", "B", "I", "W")  # forward; full backward; input-gradient backward; weight-gradient backward
 
@@ -117,20 +118,43 @@ def interleaved(pp: int, micro_batches: int, virtual: int) -> Schedule:
     return Schedule("interleaved", pp, micro_batches, tuple(acts), virtual)
 
 
+def zero_bubble_h1(pp: int, micro_batches: int) -> Schedule:
+    """ZB-H1 (Qi et al., 2024): 1F1B with each backward split into the input-gradient pass ``I``, sent upstream at
+    once, and the weight-gradient pass ``W``, which stage ``r`` runs ``r`` micro-batches late: the later stages,
+    which warm up with fewer forwards, fill their bubbles with ``W`` passes while the ``I`` passes travel up.
+    Every stage holds at most ``pp`` micro-batches (forward done, ``W`` not), 1F1B's peak; the bubble is
+    ``(p-1)(T_F + T_I - T_W)``, with equal costs a third of 1F1B's: idle fraction ``(p-1)/(3m+p-1)``."""
+    _check_sizes(pp, micro_batches, 1)
+    acts = []
+    for r in range(pp):
+        warm = min(pp - 1 - r, micro_batches)
+        seq = [Action("F", r, f) for f in range(warm)]
+        w = 0
+        for i in range(micro_batches):  # one forward (while any is left), then one input-gradient pass
+            if warm + i < micro_batches:
+                seq.append(Action("F", r, warm + i))
+            seq.append(Action("I", r, i))
+            if i + 1 - w > r:  # the W of the micro-batch r places back
+                seq.append(Action("W", r, w))
+                w += 1
+        seq += [Action("W", r, mb) for mb in range(w, micro_batches)]
+        acts.append(tuple(seq))
+    return Schedule("zero-bubble", pp, micro_batches, tuple(acts))
+
+
 def zero_bubble(pp: int, micro_batches: int, *, in_flight: str = "h1") -> Schedule:
     """Zero-bubble pipeline (Qi et al., 2024): each backward split into the input-gradient pass ``I`` (what the
     previous stage waits for) and the weight-gradient pass ``W`` (which nobody waits for), and the ``W`` passes
-    moved into what would be bubbles.
-
-    The order is built by running the pipeline with equal costs (F = I = W) and, on each rank whenever it is free,
-    taking an ``I`` that is ready first, then a forward if the rank's activations allow one more micro-batch in
-    flight (forward done, ``W`` not done), then a pending ``W``. ``in_flight="h1"`` allows every stage ``pp``
-    micro-batches, the peak of 1F1B (whose first stage holds ``pp``): ZB-H1, about a third of 1F1B's bubble;
-    ``"h2"`` allows ``2 pp - 1`` (ZB-H2: almost no bubble, about twice the activations)."""
+    moved into what would be bubbles. ``in_flight="h1"``: :func:`zero_bubble_h1`. ``"h2"`` (ZB-H2: almost no
+    bubble, ``2 pp - 1`` micro-batches in flight): the order found by running the pipeline with equal costs and
+    taking, on each rank whenever it is free, an ``I`` that is ready first, then a forward if fewer than
+    ``2 pp - 1`` micro-batches are in flight, then a pending ``W``."""
     _check_sizes(pp, micro_batches, 1)
     if in_flight not in ("h1", "h2"):
         raise ValueError(f"zero_bubble in_flight={in_flight!r} is not allowed; expected 'h1' or 'h2'")
-    limit = pp if in_flight == "h1" else 2 * pp - 1
+    if in_flight == "h1":
+        return zero_bubble_h1(pp, micro_batches)
+    limit = 2 * pp - 1
     done: dict[tuple[str, int, int], int] = {}  # (kind, stage, mb) -> finish time
     seqs: list[list[Action]] = [[] for _ in range(pp)]
     free = [0] * pp
@@ -163,8 +187,7 @@ def zero_bubble(pp: int, micro_batches: int, *, in_flight: str = "h1") -> Schedu
         t += 1
         if t > 10 * 3 * micro_batches * pp:  # cannot happen for these rules; a guard, not a fallback
             raise AssertionError("zero_bubble: the greedy construction did not finish")
-    name = "zero-bubble" if in_flight == "h1" else "zero-bubble-h2"
-    return Schedule(name, pp, micro_batches, tuple(tuple(s) for s in seqs))
+    return Schedule("zero-bubble-h2", pp, micro_batches, tuple(tuple(s) for s in seqs))
 
 
 def _ready(done: dict[tuple[str, int, int], int], key: tuple[str, int, int], t: int) -> bool:
