@@ -9,7 +9,8 @@ One mode a run, chosen by the command line (this module is the only one that imp
 - ``fit`` (``--fit``, CUDA only): the largest model each configuration trains within a device-memory cap;
 - ``memory`` (``--memory``): the memory tracker and the estimator per profile, and torch's ``MemTracker``;
 - ``tp`` (``--tp``): memsave's tensor parallelism against the formulas (parameter and activation bytes per rank)
-  and against one process and torch's DTensor TP (step time).
+  and against one process and torch's DTensor TP (step time);
+- ``pp`` (``--pp``): the pipeline schedules' measured idle fraction against the bubble formulas and the simulator.
 ``common`` holds what they share: :class:`BenchOptions`, :func:`run_each`, :class:`ConfigFailed` and the
 results' table and JSON file.
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from memsave.bench import fit, memory, offload, optimizers, recompute, steptime, tp
+from memsave.bench import fit, memory, offload, optimizers, pp, recompute, steptime, tp
 from memsave.bench.common import BenchOptions, ConfigFailed, run_each, show_results
 from memsave.bench.fit import FitOptions
 from memsave.bench.optimizers import OPTIMIZERS, format_optim_table, run_optim_bench
@@ -105,6 +106,10 @@ def add_parser(sub: Any) -> None:
                    help="instead: memsave's tensor parallelism, tp = --nproc ranks (memsave/bench/tp.py): parameter "
                         "and activation bytes per rank against the formulas (Korthikanti et al., 2022), step time "
                         "against one process and torch's DTensor TP (default --size medium)")
+    p.add_argument("--pp", action="store_true",
+                   help="instead: the pipeline schedules, pp = --nproc ranks (memsave/bench/pp.py): measured idle "
+                        "fraction per rank against the bubble formulas and memsave.pp.simulate, for gpipe, 1f1b, "
+                        "interleaved and zero-bubble at m = 4, 8, 16 micro-batches")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
 
 
@@ -122,6 +127,8 @@ def run_command(args: Any, extra: Any) -> int:
                                                     seq_len=args.seq_len, steps=args.fit_steps), args.json)
     if args.tp:
         return tp.run_command(opts, args.json)
+    if args.pp:
+        return pp.run_command(opts, args.json)
     if args.memory:
         return memory.run_command(args.memory, opts, args.json)
     if args.offload:
