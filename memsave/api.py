@@ -188,6 +188,7 @@ def wrap(
     units: Sequence[nn.Module] | None = None,
     example_inputs: Any = None,
     tp_plan: Mapping[str, str] | None = None,
+    budget: str | int | None = None,
 ) -> tuple[nn.Module, MemsaveOptimizer]:
     """Wrap ``model`` and its ``optimizer`` for training under ``profile``: :func:`parallelize`, then the one
     :class:`~memsave.engines.MemsaveOptimizer` over its engine.
@@ -197,13 +198,17 @@ def wrap(
             class swapped for a subclass that adds ``no_sync()``) and returned.
         optimizer: the user's optimizer instance over ``model``'s parameters (any ``torch.optim.Optimizer``,
             any param groups).
-        profile: a preset name (``"ddp"``, ``"zero3"``, ...), a path to a TOML file, or a :class:`Profile`.
+        profile: a preset name (``"ddp"``, ``"zero3"``, ...), a path to a TOML file, or a :class:`Profile`;
+            ``"auto"``: the fastest ZeRO stage, recomputation and offload whose estimated peak fits ``budget``
+            (:func:`memsave.plan.auto.auto_profile`; needs ``example_inputs``).
         mesh: the layout from :func:`memsave.init`; ``None`` means dp over the whole default process group.
         units: the modules that communicate, and are recomputed, together (later: offloaded); default: the
             blocks of the model's largest ``nn.ModuleList`` plus the root (the root is never recomputed).
         example_inputs: for a ``[recompute] policy = "budget:<size>"`` only: one batch like the training
             ones (dict of keyword arguments, tuple of positional ones, or a tensor) or a callable running one
             forward; each rank measures the activations of its own (see :func:`memsave.recompute.apply`).
+            With ``profile="auto"``: the micro-batch each candidate's activations are estimated on.
+        budget: with ``profile="auto"`` only: bytes per rank (an int, or ``"16GiB"``).
 
     Returns:
         ``(model, optimizer)``: the same model object and a :class:`~memsave.engines.MemsaveOptimizer` with
@@ -223,6 +228,13 @@ def wrap(
             "build it over model.parameters() before calling memsave.wrap"
         )
     check_optimizer_not_wrapped(optimizer)
+    if isinstance(profile, str) and profile == "auto":
+        from memsave.plan.auto import auto_profile  # layer 5
+
+        profile = auto_profile(model, optimizer, mesh if mesh is not None else default_mesh(), budget=budget,
+                               example_inputs=example_inputs)
+    elif budget is not None:
+        raise ValueError(f'budget = {budget!r} is only allowed with profile = "auto", not {profile!r}')
     check_arguments(profile, mesh)
     profile = load_profile(profile)
     mesh = mesh if mesh is not None else default_mesh()

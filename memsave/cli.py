@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from memsave import bench, cli_estimate, cli_export
+from memsave import bench, cli_estimate, cli_export, cli_plan
 from memsave import dist as mdist
 from memsave._launch import LaunchError, spawn_local
 from memsave.api import wrap
@@ -338,6 +338,8 @@ _COMMANDS: list[Command] = [
     ("report", _add_report, _run_report),
     ("estimate", cli_estimate.add_parser, cli_estimate.run_command),
     ("export", cli_export.add_parser, cli_export.run_command),
+    ("plan", cli_plan.add_parser, cli_plan.run_command),
+    ("calibrate", cli_plan.add_calibrate_parser, cli_plan.run_calibrate),
 ]
 
 

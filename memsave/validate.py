@@ -100,6 +100,15 @@ def validate(profile: Profile, mesh: Mesh, model: nn.Module, *, units: Sequence[
         from memsave.pp.split import plan_split  # layer 3; loaded only with a pipeline
 
         par = profile.parallel
+        if par.schedule == "zero-bubble" and recompute and profile.recompute.policy != "full":
+            from memsave.recompute.checkpoint import split_backward_supported  # layer 3
+
+            if not split_backward_supported():
+                raise NotImplementedError(
+                    f"profile {profile.name!r}: [parallel] schedule = \"zero-bubble\" with [recompute] policy = "
+                    f"{profile.recompute.policy!r} needs torch >= 2.9 (its selective checkpoint read twice, by the "
+                    f"input- and the weight-gradient pass); this is torch {torch.__version__}: use policy = \"full\" "
+                    "or schedule = \"1f1b\"")
         pp_split = plan_split(model, mesh.degree("pp") * par.virtual, par.split)
     return Plan(profile=profile, mesh=mesh, mixed=mixed, compute_dtype=compute_dtype(prec) if mixed else None,
                 reduce_dtype=reduce_dtype_for(prec), scaler=scaler, offload=offload, recompute=recompute,

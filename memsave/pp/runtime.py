@@ -34,6 +34,7 @@ from memsave.dist.p2p import P2P, PeerFailed, announce_failure, arrive, set_fail
 from memsave.pp.probe import CallKey, Layout, Probe
 from memsave.pp.schedule import Schedule
 from memsave.pp.split import StageSplit
+from memsave.recompute.checkpoint import split_backward
 
 __all__ = ["StageRunner"]
 
@@ -367,11 +368,16 @@ class StageRunner:
         ``no_sync`` for all but this rank's last one)."""
         actions = schedule.actions[self.pp_rank]
         last_bwd = max((i for i, a in enumerate(actions) if a.kind in ("B", "W")), default=-1)
+        # a split backward (I, then W) goes through each forward's graph twice: recomputed units keep what their
+        # selective recompute cached for the second pass (memsave/recompute/checkpoint.py)
+        twice = split_backward if any(a.kind == "W" for a in actions) else contextlib.nullcontext
         self.last_losses = []
         try:
             for i, a in enumerate(actions):
                 if a.kind == "F":
-                    self.forward(a.stage, a.mb, functools.partial(run_mb, a.mb), functools.partial(loss_of, a.mb))
+                    with twice():
+                        self.forward(a.stage, a.mb, functools.partial(run_mb, a.mb),
+                                     functools.partial(loss_of, a.mb))
                 else:
                     with backward_ctx(i == last_bwd):
                         self.backward(a.kind, a.stage, a.mb, scale)

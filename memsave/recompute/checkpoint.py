@@ -31,21 +31,58 @@ from another random state. An empty tensor per such device is passed along for i
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import types
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
+import torch.utils.checkpoint as torch_checkpoint
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 from memsave.models.units import attributes, output_tensors
 from memsave.recompute.measure import note_held
 from memsave.recompute.policy import SelectivePolicy
 
-__all__ = ["RecomputedForward", "is_recomputed", "recompute_unit", "restore_unit"]
+__all__ = ["RecomputedForward", "is_recomputed", "recompute_unit", "restore_unit", "split_backward",
+           "split_backward_supported"]
+
+
+# [Note: selective recomputation under a split backward] A zero-bubble schedule runs a micro-batch's backward
+# twice over the same graph: ``I`` (the input gradients, the graph retained) and later ``W`` (the weights).
+# Each pass recomputes a recomputed unit; under selective recomputation the recompute reads the ops' outputs
+# that forward cached, and torch marks each entry consumed at its first read ("Trying to backward an extra
+# time"). Forwards run inside :func:`split_backward` get a storage that keeps its entries: the second recompute
+# reads the same cached tensors (freed with the graph after ``W``). torch >= 2.9 indexes the entries per op call
+# (``_CONSUMED``); an older layout is refused (see :func:`split_backward_supported`).
+_SPLIT_BACKWARD: contextvars.ContextVar[bool] = contextvars.ContextVar("memsave_split_backward", default=False)
+
+
+class _KeptEntries(dict):  # type: ignore[type-arg]
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if value is getattr(torch_checkpoint, "_CONSUMED", None) and key in self:
+            return  # kept for the second pass
+        super().__setitem__(key, value)
+
+
+def split_backward_supported() -> bool:
+    """Whether this torch's selective checkpoint can be kept for a second backward (see the Note above)."""
+    return hasattr(torch_checkpoint, "_CONSUMED") and hasattr(torch_checkpoint, "_CachedTorchDispatchMode")
+
+
+@contextlib.contextmanager
+def split_backward() -> Iterator[None]:
+    """Forwards run inside are backpropagated twice (input gradients, then weight gradients)."""
+    token = _SPLIT_BACKWARD.set(True)
+    try:
+        yield
+    finally:
+        _SPLIT_BACKWARD.reset(token)
 
 
 class RecomputedForward:
@@ -62,7 +99,12 @@ class RecomputedForward:
     def _context_fn(self) -> tuple[Any, Any]:
         if self.selective is None:
             return noop_context_fn()
-        return create_selective_checkpoint_contexts(self.selective)
+        contexts = create_selective_checkpoint_contexts(self.selective)
+        if _SPLIT_BACKWARD.get():  # [Note: selective recomputation under a split backward]
+            storage: defaultdict[Any, _KeptEntries] = defaultdict(_KeptEntries)
+            for mode in contexts:
+                mode.storage = storage
+        return contexts
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         forward = self.original if self.original is not None else types.MethodType(type(self.module).forward,

@@ -1,0 +1,184 @@
+"""``memsave plan`` and ``memsave calibrate``: the cheapest configuration that fits, before the first run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memsave.cli_args import UsageError, split_overrides
+from memsave.cli_estimate import _estimate_model
+from memsave.config import load_profile
+from memsave.memory.schema import format_bytes
+from memsave.plan import Candidate, PlanError, calibrate, exact_peak, from_hf_config, from_module, load_hardware
+from memsave.plan import plan as make_plan
+from memsave.plan import price, to_toml
+from memsave.plan.spec import from_gpt
+from memsave.recompute.policy import parse_size
+
+__all__ = ["add_calibrate_parser", "add_parser", "run_calibrate", "run_command"]
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "plan", help="the cheapest configuration that fits a memory budget, with the why",
+        description="Enumerate dp x tp x pp, the ZeRO stage, precision, recomputation, offload, the micro-batch "
+        "split and the pipeline schedule; price each (bytes per rank by category, step seconds by term, on this "
+        "machine's calibrated rates or a vendor's); print the fastest that fit, and why the other families do "
+        "not.")
+    p.add_argument("--model", default="gpt:bench", metavar="gpt:SIZE | CONFIG.json | MODULE:FUNCTION",
+                   help="the reference GPT (gpt:bench,n_layer=48,...), a Hugging Face config.json (no weights), or "
+                        "MODULE:FUNCTION returning a model (or (model, batch)), built on the meta device")
+    p.add_argument("--world", type=int, default=2, help="devices (default: 2)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="devices per node; tp stays within one (default: 8)")
+    p.add_argument("--device-memory", required=False, default=None, metavar="SIZE",
+                   help="budget per device, e.g. 16GiB (default: the hardware's memory)")
+    p.add_argument("--host-memory", default=None, metavar="SIZE", help="host memory per device for offload")
+    p.add_argument("--disk", default="0B", metavar="SIZE", help="disk per device for offload (default: none)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: 256)")
+    p.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step (default: 16)")
+    p.add_argument("--hardware", default="local", help="local (calibrated here), a100, h100, h200, or a "
+                   ".toml/.json file of rates (default: local)")
+    p.add_argument("--top", type=int, default=5, help="candidates to print (default: 5)")
+    p.add_argument("--exact", choices=("auto", "on", "off"), default="auto",
+                   help="check each pp = 1 candidate's memory with memsave.estimate on the model itself (auto: on "
+                        "for gpt: and MODULE:FUNCTION, off for config.json)")
+    p.add_argument("--write", type=Path, default=None, metavar="PROFILE.toml", help="write the winner as a profile")
+    p.add_argument("--explain", default=None, metavar="PROFILE",
+                   help="instead of searching: the full breakdown of one profile (with --micro-batch, "
+                        "--micro-batches)")
+    p.add_argument("--micro-batch", type=int, default=None, help="with --explain: rows per micro-batch")
+    p.add_argument("--micro-batches", type=int, default=1, help="with --explain: micro-batches per step")
+    p.add_argument("--json", type=Path, default=None, help="also write the plan here")
+
+
+def add_calibrate_parser(sub: Any) -> None:
+    p = sub.add_parser("calibrate", help="measure this machine's rates for memsave plan (cached)",
+                       description="Measure matmul FLOP/s, memory, host, disk and collective bandwidth once (a few "
+                       "seconds) and cache them for memsave plan --hardware local.")
+    p.add_argument("--refresh", action="store_true", help="measure again even if cached")
+    p.add_argument("--dir", type=Path, default=None, help="where to measure disk bandwidth (default: temp dir)")
+
+
+def _size(flag: str, text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        return float(parse_size(text))
+    except ValueError as exc:
+        raise UsageError(f"{flag} {text!r}: {exc}") from None
+
+
+def _model(spec: str, seq: int) -> tuple[Any, torch.nn.Module | None, Any]:
+    """(ModelSpec, the meta model or None, an example batch or None)."""
+    if spec.endswith(".json"):
+        path = Path(spec)
+        if not path.is_file():
+            raise UsageError(f"--model {spec!r}: no such file")
+        try:
+            return from_hf_config(path), None, None
+        except (ValueError, KeyError) as exc:
+            raise UsageError(f"--model {spec!r}: {exc}") from None
+    model, batch = _estimate_model(spec, 1, seq)
+    if spec.startswith("gpt:"):
+        return from_gpt(model.config, name=spec), model, batch
+    try:
+        return from_module(model, name=spec), model, batch
+    except ValueError as exc:
+        raise UsageError(f"--model {spec!r}: {exc}") from None
+
+
+def _rows(batch: Any, rows: int) -> Any:
+    """The example batch with ``rows`` rows (every tensor's first dimension), on the meta device."""
+    if isinstance(batch, torch.Tensor):
+        return torch.zeros((rows, *batch.shape[1:]), dtype=batch.dtype, device="meta") if batch.dim() else batch
+    if isinstance(batch, dict):
+        return {k: _rows(v, rows) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_rows(v, rows) for v in batch)
+    return batch
+
+
+def _breakdown(p: Any) -> str:
+    dev = ", ".join(f"{k} {format_bytes(int(v))}" for k, v in sorted(p.device.items(), key=lambda kv: -kv[1]) if v)
+    off = "".join(f", {k} {format_bytes(int(v))}" for k, v in (("host", p.host), ("disk", p.disk)) if v)
+    times = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in sorted(p.time.items(), key=lambda kv: -kv[1]))
+    return (f"  memory per rank{' (memsave.estimate)' if p.exact else ''}: {format_bytes(int(p.peak))} = {dev}{off}\n"
+            f"  step {p.step_time * 1e3:.1f} ms = {times}; bottleneck: {p.bottleneck}")
+
+
+def run_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
+    overrides = split_overrides(extra, hint="")
+    spec, model, batch = _model(args.model, args.seq_len)
+    try:
+        hw = load_hardware(args.hardware)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    budget = _size("--device-memory", args.device_memory) or hw.memory
+    use_exact = model is not None and batch is not None and args.exact != "off"
+    exact = None
+    if use_exact:
+        cache: dict[Any, dict[str, int]] = {}
+
+        def exact(c: Candidate) -> dict[str, int]:
+            key = (c.dp, c.tp, c.stage, c.precision, c.recompute, c.offload, c.micro_batch, c.micro_batches)
+            if key not in cache:
+                cache[key] = exact_peak(model, c, _rows(batch, c.micro_batch), device=hw.device)
+            return cache[key]
+    print(f"memsave plan: {spec.name}, {spec.num_params:,} parameters; {args.world} device(s) of {hw.name} "
+          f"({hw.source}); budget {format_bytes(int(budget))} per device; {args.global_batch} x {args.seq_len} "
+          "tokens per step")
+    if args.explain:
+        prof = load_profile(args.explain, overrides)
+        dp = args.world // (prof.parallel.tp * prof.parallel.pp)
+        mb = args.micro_batch or max(1, args.global_batch // (dp * args.micro_batches))
+        off = ("none" if prof.offload.optimizer == "none" else "optimizer"
+               + ("+params" if prof.offload.params != "none" else "")
+               + (":disk" if prof.offload.optimizer == "disk" else ""))
+        c = Candidate(dp=dp, tp=prof.parallel.tp, pp=prof.parallel.pp, stage=prof.zero.stage,
+                      precision=prof.precision.compute, recompute=prof.recompute.policy, offload=off,
+                      micro_batch=mb, micro_batches=args.micro_batches, schedule=prof.parallel.schedule,
+                      virtual=prof.parallel.virtual, sequence=prof.parallel.sequence, optimizer=prof.optimizer.name)
+        p = price(spec, c, hw, args.seq_len, gpus_per_node=args.gpus_per_node)
+        print(f"{args.explain}: {c.label()}\n{_breakdown(p)}")
+        print("fits" if p.peak <= budget else f"does not fit: {format_bytes(int(p.peak))} > {format_bytes(int(budget))}")
+        return 0
+    try:
+        result = make_plan(spec, hw, world=args.world, global_batch=args.global_batch, seq=args.seq_len,
+                           budget=budget, host_budget=_size("--host-memory", args.host_memory),
+                           disk_budget=_size("--disk", args.disk) or 0.0, gpus_per_node=args.gpus_per_node,
+                           exact=exact)
+    except PlanError as exc:
+        print(f"memsave plan: {exc}")
+        return 1
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    print(f"{result.considered} configurations considered, {len(result.ranked)} fit; the fastest:")
+    for i, p in enumerate(result.ranked[: args.top]):
+        print(f"{i + 1}. {p.candidate.label()}\n{_breakdown(p)}")
+    print(f"binding constraint of the choice: {result.binding()}")
+    for fam, why in result.rejected.items():
+        print(f"rejected {fam}: {why}")
+    if args.write is not None:
+        args.write.write_text(to_toml(result.best.candidate, why=f"binding: {result.binding()}"))
+        print(f"profile written to {args.write}")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"schema": "memsave.plan/1", "model": args.model, "hardware": hw.to_dict(),
+                                         "budget": budget, "ranked": [p.to_dict() for p in result.ranked[:50]],
+                                         "rejected": result.rejected, "binding": result.binding()}, indent=1) + "\n")
+    return 0
+
+
+def run_calibrate(args: argparse.Namespace, extra: Sequence[str]) -> int:
+    if extra:
+        raise UsageError(f"memsave calibrate: unexpected arguments {list(extra)}")
+    hw = calibrate(folder=args.dir, refresh=args.refresh)
+    rates = hw.to_dict()
+    print(f"{hw.name}: {hw.source}")
+    for k in ("flops", "mem_bw", "intra_bw", "host_bw", "disk_bw", "memory"):
+        print(f"  {k}: {rates[k]}")
+    return 0

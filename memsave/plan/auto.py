@@ -1,0 +1,100 @@
+"""``memsave.wrap(..., profile="auto", budget="16GiB", example_inputs=batch)``: the planner, in the process.
+
+The mesh is already chosen (``memsave.init``), and so are the model, the optimizer and the micro-batch (the
+example inputs): what is left to choose is the ZeRO stage, recomputation and offload. Each candidate's memory is
+:func:`memsave.estimate` on the model itself with the example batch (validated against the tracker per
+category); the fastest that fits ``budget`` with 5% headroom wins, priced on this machine's calibrated rates
+(``memsave calibrate``, cached). Precision is never changed behind the user's back: the profile computes in
+fp32 as the model was built. Rank 0 decides and every rank takes its choice, so the ranks cannot disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from memsave.config import Profile
+from memsave.dist import Mesh, all_gather_object
+from memsave.memory.schema import OFF_DEVICE, format_bytes
+from memsave.plan.cost import Candidate, price
+from memsave.plan.hardware import calibrate
+from memsave.plan.profile import exact_peak, to_profile
+from memsave.plan.search import PlanError
+from memsave.plan.spec import from_module
+from memsave.recompute.policy import parse_size
+
+__all__ = ["HEADROOM", "auto_profile"]
+
+HEADROOM = 0.05  # the estimator's validated error on the peak, kept free
+
+
+def _optimizer_name(optimizer: torch.optim.Optimizer) -> str:
+    name = type(optimizer).__name__.lower()
+    return name if name in ("adamw", "adam", "sgd", "adafactor") else "adamw"
+
+
+def auto_profile(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh, *, budget: str | int | None,
+                 example_inputs: Any) -> Profile:
+    """The profile ``wrap(profile="auto")`` trains with (module docstring); ``ValueError`` without a budget or
+    example inputs, :class:`memsave.plan.PlanError` (naming the smallest budget that would fit) when none fits."""
+    if budget is None:
+        raise ValueError('profile = "auto" needs budget= (bytes per rank, e.g. "16GiB"); allowed: an int or a size '
+                         'string in B, KiB, MiB, GiB or TiB')
+    limit = float(parse_size(budget) if isinstance(budget, str) else budget)
+    if not limit > 0:
+        raise ValueError(f"budget = {budget!r} is not allowed; expected a positive size")
+    if example_inputs is None:
+        raise ValueError('profile = "auto" needs example_inputs= (one micro-batch like the training ones) to '
+                         "measure the activations of each candidate")
+    tp, pp = mesh.degree("tp"), mesh.degree("pp")
+    if pp > 1:
+        raise NotImplementedError('profile = "auto" under [parallel] pp > 1 is not implemented: the estimator does '
+                                  "not model pipeline stages yet; run `memsave plan` and pass its profile")
+    choice: tuple[Candidate, dict[str, int]] | str | None = None
+    if mesh.rank == 0:
+        choice = _choose(model, optimizer, mesh, tp, limit, example_inputs)
+    choice = all_gather_object(choice)[0]
+    if isinstance(choice, str):
+        raise PlanError(choice)
+    assert choice is not None
+    return to_profile(choice[0], name="auto")
+
+
+def _choose(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh, tp: int, limit: float,
+            batch: Any) -> tuple[Candidate, dict[str, int]] | str:
+    device = mesh.device.type
+    dp = mesh.dp_size
+    rows = next((v.shape[0] for v in (batch.values() if isinstance(batch, dict) else
+                                      batch if isinstance(batch, (tuple, list)) else [batch])
+                 if isinstance(v, torch.Tensor) and v.dim()), 1)
+    seq = next((v.shape[1] for v in (batch.values() if isinstance(batch, dict) else [batch])
+                if isinstance(v, torch.Tensor) and v.dim() > 1), 1)
+    spec = from_module(model)
+    hw = calibrate(device=device, collectives=False)
+    offloads = ("none", "optimizer", "optimizer+params") if device == "cuda" else ("none",)
+    fits, smallest = [], None
+    for stage in (0, 1, 2, 3):
+        for off in offloads:
+            if (off != "none" and stage == 0) or (off == "optimizer+params" and stage != 3):
+                continue
+            for rec in ("none", "selective", "full"):
+                c = Candidate(dp=dp, tp=tp, pp=1, stage=stage, precision="fp32", recompute=rec, offload=off,
+                              micro_batch=rows, micro_batches=1, optimizer=_optimizer_name(optimizer))
+                held = exact_peak(model, c, batch, device=device)
+                peak = sum(v for k, v in held.items() if k not in OFF_DEVICE)
+                priced = dataclasses.replace(price(spec, c, hw, seq), device={k: float(v) for k, v in held.items()
+                                                                               if k not in OFF_DEVICE}, exact=True)
+                if peak * (1 + HEADROOM) <= limit:
+                    fits.append((priced.step_time, peak, c, held))
+                elif smallest is None or peak < smallest[0]:
+                    smallest = (peak, c)
+    if not fits:
+        assert smallest is not None
+        return (f'profile = "auto": nothing fits {format_bytes(int(limit))} per rank; the smallest is '
+                f"{smallest[1].label()} at {format_bytes(int(smallest[0] * (1 + HEADROOM)))} with {HEADROOM:.0%} "
+                "headroom: raise budget= to that, or lower the micro-batch")
+    fits.sort(key=lambda f: (f[0], f[1]))
+    return fits[0][2], fits[0][3]

@@ -1,0 +1,221 @@
+"""One configuration priced: per-rank bytes by category and step seconds by term, from closed forms.
+
+[Note: the planner's memory model] Per pipeline stage (the busiest is the peak), on one rank:
+- model states as memsave's engines hold them (the ZeRO formula, memsave/plan/formulas.py, per stage and per
+  tensor-parallel slice): parameters in the compute dtype (stage 3: a 1/dp shard, and two gathered units at a
+  time, the one running and the one prefetched), gradients in the compute dtype (full at stages 0-1, a shard at
+  2-3), fp32 masters under mixed precision and the optimizer's state (sharded at stages 1-3); offloaded ones
+  move to the host or the disk;
+- activations: Korthikanti et al.'s per-layer bytes with the model's own constants (dtype, dropout, a fused
+  attention kernel), times the stage's layers, times the micro-batches its schedule keeps in flight (from
+  :func:`memsave.pp.simulate`: 1F1B ``p - stage``, GPipe ``m``), plus the logits and their gradient on the last
+  stage; under full recomputation one layer's activations are rebuilt at a time on top.
+
+[Note: the planner's time model] Step seconds are a sum of terms, each bytes or FLOPs over a rate of
+:class:`memsave.plan.hardware.Hardware`: compute (FLOPs, Narayanan et al.'s count, recomputation included,
+spread over every rank) stretched by the schedule's bubble; tensor-parallel all-reduces (four per layer and
+micro-batch, six with full recomputation), never hidden; data-parallel reduction (2 (n-1)/n of the gradients,
+3 (n-1)/n at stage 3 with the gathers), hidden behind the backward up to the hardware's ``overlap``; pipeline
+sends; the optimizer step (every byte of state read and written once) on the device or, offloaded, on the host
+with the gradients down and the parameters back up; the offload tier's reads and writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+from memsave.plan.formulas import LayerActivations, gpt_step_flops, layer_activation_bytes
+from memsave.plan.hardware import Hardware
+from memsave.plan.spec import ModelSpec
+
+__all__ = ["Candidate", "Priced", "in_flight", "price"]
+
+_ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}
+_STATE = {"adamw": 8.0, "adam": 8.0, "sgd": 4.0}  # bytes per parameter (Adafactor: its factored rows and columns)
+DEVICE_CATEGORIES = ("params", "grads", "master", "optimizer_state", "params_gathered", "activations")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One configuration: the mesh, the ZeRO stage, precision, recomputation, offload and the batch split.
+    ``micro_batch``: rows per micro-batch on each data-parallel rank; ``micro_batches``: per step (the pipeline's
+    ``m``, or gradient accumulation without one)."""
+
+    dp: int
+    tp: int
+    pp: int
+    stage: int
+    precision: str
+    recompute: str
+    offload: str  # "none", "optimizer" or "optimizer+params" to the host; with ":disk", to the disk
+    micro_batch: int
+    micro_batches: int
+    schedule: str = "1f1b"
+    virtual: int = 1
+    sequence: bool = False
+    optimizer: str = "adamw"
+
+    @property
+    def family(self) -> str:
+        return f"zero{self.stage}" + ("" if self.offload == "none" else f"+offload {self.offload}")
+
+    def label(self) -> str:
+        mesh = f"dp{self.dp}" + (f" tp{self.tp}" + (" sp" if self.sequence else "") if self.tp > 1 else "") + (
+            f" pp{self.pp} {self.schedule}" + (f" v{self.virtual}" if self.virtual > 1 else "") if self.pp > 1 else "")
+        return (f"{mesh} {self.family} {self.precision} recompute={self.recompute} "
+                f"mb={self.micro_batch}x{self.micro_batches}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Priced:
+    candidate: Candidate
+    device: dict[str, float]  # bytes per category on the busiest rank
+    host: float
+    disk: float
+    time: dict[str, float]  # seconds per term
+    stage: int  # the busiest pipeline stage
+    exact: bool = False  # device bytes from memsave.estimate on the model itself, not the closed forms
+
+    @property
+    def peak(self) -> float:
+        return sum(self.device.values())
+
+    @property
+    def step_time(self) -> float:
+        return sum(self.time.values())
+
+    @property
+    def bottleneck(self) -> str:
+        return max(self.time, key=self.time.__getitem__)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.candidate.label(), **dataclasses.asdict(self.candidate), "device": self.device,
+                "peak": self.peak, "host": self.host, "disk": self.disk, "time": self.time,
+                "step_time": self.step_time, "bottleneck": self.bottleneck}
+
+
+@functools.lru_cache(maxsize=4096)
+def in_flight(schedule: str, pp: int, m: int, virtual: int = 1) -> tuple[float, ...]:
+    """Per rank: the most micro-batches' activations of a whole stage held at once under the schedule (with
+    ``virtual`` chunks per rank, each a 1/virtual share), from the simulator's memory walk."""
+    if pp == 1:
+        return (1.0,)
+    from memsave.pp import Costs, build, simulate  # layer 3
+
+    n = pp * virtual
+    res = simulate(build(schedule, pp, m, virtual), Costs.uniform(n, 1.0, 1.0, 1.0, 1.0 / virtual))
+    return tuple(res.peak_bytes)
+
+
+def _state_bytes(spec: ModelSpec, params: float, optimizer: str) -> float:
+    if optimizer == "adafactor":  # row and column statistics of each h-wide matrix, ~ 2 / h of the elements
+        return 4.0 * params * 2 / max(spec.hidden, 1) + 4.0 * spec.hidden * spec.layers
+    return _STATE[optimizer] * params
+
+
+def price(spec: ModelSpec, c: Candidate, hw: Hardware, seq: int, *, gpus_per_node: int = 8) -> Priced:
+    """:class:`Priced` figures of ``c`` for ``spec`` at sequence length ``seq`` on ``hw``
+    ([Note: the planner's memory model], [Note: the planner's time model])."""
+    elem = _ELEM[c.precision]
+    mixed = c.precision != "fp32"
+    consts = LayerActivations.for_model(elem, spec.dropout, fused_attention=True)
+    full_layer = layer_activation_bytes(seq, c.micro_batch, spec.hidden, spec.heads, c.tp, sequence=c.sequence,
+                                        consts=consts)
+    if c.recompute == "selective":  # memsave's: the matmuls' and the fused attention's outputs are kept
+        sel = LayerActivations(split=8 * elem, replicated=3 * elem, scores=0.0, layer_input=elem)
+        layer_act = layer_activation_bytes(seq, c.micro_batch, spec.hidden, spec.heads, c.tp, sequence=c.sequence,
+                                           consts=sel)
+    else:
+        layer_act = layer_activation_bytes(seq, c.micro_batch, spec.hidden, spec.heads, c.tp, sequence=c.sequence,
+                                           recompute=c.recompute, consts=consts)
+    flights = in_flight(c.schedule, c.pp, c.micro_batches, c.virtual) if c.pp > 1 else (1.0,)
+    dp = c.dp
+    best: tuple[float, dict[str, float], float, float, int] | None = None
+    for s in range(c.pp):
+        psi = spec.stage_params(c.pp, s, c.tp)
+        params = elem * psi / (dp if c.stage >= 3 else 1)
+        grads = elem * psi / (dp if c.stage >= 2 else 1)
+        if c.micro_batches > 1 and c.stage >= 1 and c.pp == 1:
+            grads = elem * psi  # accumulated locally until the last micro-batch
+        master = (4.0 * psi if mixed else 0.0) / (dp if c.stage >= 1 else 1)
+        state = _state_bytes(spec, psi, c.optimizer) / (dp if c.stage >= 1 else 1)
+        layer_w = elem * (spec.layer_split / c.tp + spec.layer_params - spec.layer_split)
+        gathered = 2 * layer_w if c.stage >= 3 else 0.0
+        layers = spec.stage_layers(c.pp, s)
+        acts = layer_act * layers * flights[min(s, len(flights) - 1)]
+        logits = 2 * 4.0 * c.micro_batch * seq * spec.vocab / c.tp if s == c.pp - 1 else 0.0  # fp32, and gradient
+        # full recomputation: one layer rebuilt at a time in backward, once the logits are gone
+        acts += max(logits, full_layer) if c.recompute == "full" else logits
+        tier = {"host": 0.0, "disk": 0.0}
+        where = "disk" if c.offload.endswith(":disk") else "host"
+        if c.offload.startswith("optimizer"):
+            tier[where] += master + state
+            master = state = 0.0
+        if c.offload.startswith("optimizer+params"):
+            tier[where] += params
+            params = 0.0
+        host, disk = tier["host"], tier["disk"]
+        # the peak: the end of forward (stages 1-3: no gradients yet, zero_grad freed them) or the step (the
+        # gradients, no activations), whichever is larger
+        device = {"params": params, "grads": 0.0 if c.stage >= 1 else grads, "master": master,
+                  "optimizer_state": state, "params_gathered": gathered, "activations": acts}
+        at_step = dict(device, grads=grads, activations=0.0, params_gathered=0.0)
+        if sum(at_step.values()) > sum(device.values()):
+            device = at_step
+        total = sum(device.values())
+        if best is None or total > best[0]:
+            best = (total, device, host, disk, s)
+    assert best is not None
+    _, device, host, disk, busiest = best
+    return Priced(c, device, host, disk, _time(spec, c, hw, seq, elem, gpus_per_node), busiest)
+
+
+def _time(spec: ModelSpec, c: Candidate, hw: Hardware, seq: int, elem: int, gpus_per_node: int) -> dict[str, float]:
+    world = c.dp * c.tp * c.pp
+    rows = c.dp * c.micro_batch * c.micro_batches
+    if spec.heads and spec.vocab:
+        flops = gpt_step_flops(rows, seq, spec.layers, spec.hidden, spec.vocab, recompute=c.recompute)
+    else:
+        flops = (8 if c.recompute == "full" else 6) * spec.num_params * rows * seq
+    compute = flops / world / hw.rate(c.precision)
+    if c.pp > 1:
+        from memsave.pp import bubble_formula  # layer 3
+
+        compute /= 1 - bubble_formula(c.schedule, c.pp, c.micro_batches, c.virtual)
+    eff = hw.bw_efficiency
+    if hw.layer_overhead:  # per layer and micro-batch on the busiest stage; a forward more under full recompute
+        compute += hw.layer_overhead * spec.stage_layers(c.pp, 0) * c.micro_batches * (4 / 3 if c.recompute == "full"
+                                                                                       else 1)
+    t: dict[str, float] = {"compute": compute}
+    if c.tp > 1:
+        per = c.micro_batch * seq * spec.hidden * elem
+        count = 6 if c.recompute == "full" else 4
+        one = 2 * (c.tp - 1) / c.tp * per / (hw.intra_bw * eff) + hw.latency
+        t["tp comm"] = spec.stage_layers(c.pp, 0) * c.micro_batches * count * one
+    psi = max(spec.stage_params(c.pp, s, c.tp) for s in range(c.pp))
+    if c.dp > 1:
+        bw = (hw.inter_bw if world > gpus_per_node else hw.intra_bw) * eff
+        volume = (3 if c.stage >= 3 else 2) * (c.dp - 1) / c.dp * psi * elem
+        if c.stage >= 3 and c.micro_batches > 1 and c.pp == 1:
+            volume *= c.micro_batches  # gathered again for every micro-batch's forward and backward
+        comm = volume / bw + 2 * spec.layers / c.pp * hw.latency
+        t["dp comm"] = max(comm - hw.overlap * compute * 2 / 3, (1 - hw.overlap) * comm)
+    if c.pp > 1:
+        per = c.micro_batch * seq * spec.hidden * elem
+        bw = (hw.inter_bw if c.tp * c.pp > gpus_per_node else hw.intra_bw) * eff
+        t["pp p2p"] = 2 * (c.micro_batches + c.pp - 1) * (per / bw + hw.latency)
+    shard = psi / (c.dp if c.stage >= 1 else 1)
+    state_bytes = shard * (elem + (4 if c.precision != "fp32" else 0)) + _state_bytes(spec, shard, c.optimizer)
+    if c.offload == "none":
+        t["optimizer"] = 2 * (state_bytes + shard * elem) / (hw.mem_bw * eff)
+    else:
+        t["optimizer"] = 2 * (state_bytes + shard * 4) / (hw.mem_bw * eff if hw.device == "cpu" else 20e9)
+        tier_bw = (hw.disk_bw if c.offload.endswith(":disk") else hw.host_bw) * eff
+        t["offload"] = 2 * shard * elem / (hw.host_bw * eff)  # gradients down, parameters back up
+        if c.offload.endswith(":disk"):
+            t["offload"] += 2 * state_bytes / tier_bw  # the state read and written back
+        if c.offload.startswith("optimizer+params"):  # each gather reads the shard from its tier
+            t["offload"] += 2 * psi / c.dp * elem * c.micro_batches / tier_bw
+    return t

@@ -1,0 +1,229 @@
+"""The machine the planner prices a configuration on: measured here by ``memsave calibrate``, or given.
+
+:func:`calibrate` measures this machine once, a second or so per term, and caches the result
+(``$MEMSAVE_CACHE_DIR`` or ``~/.cache/memsave``, one file per host, device and torch version):
+- matrix-multiply FLOP/s in fp32 and bf16 on the device trained on;
+- device memory bandwidth (a large copy), which prices the optimizer step;
+- host-device bandwidth (pinned copies; on CPU, the memory bandwidth);
+- disk write and read bandwidth (a file written with ``fsync``) in the offload folder;
+- the collective bus bandwidth of two local ranks (an all-reduce), the data-parallel and tensor-parallel
+  link when every rank is on this machine;
+- a small reference GPT's forward and backward at two batch sizes: the share of the matmul rate a training
+  step reaches (``efficiency``) and the fixed cost per layer and micro-batch (``layer_overhead``).
+
+For hardware that is not here, :data:`VENDOR` holds A100, H100 and H200 (SXM, 8 per node) from their vendors'
+data sheets, labelled as such; a TOML or JSON file with the same keys gives any other
+(:func:`load_hardware`). Vendor figures are peaks: a training step reaches a fraction of them, ``efficiency``
+and ``bw_efficiency`` (assumptions, stated with the entry).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["VENDOR", "Hardware", "calibrate", "load_hardware"]
+
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """Rates of one device kind and its links, bytes and FLOPs per second (already the achievable figures for
+    measured entries; vendor peaks are multiplied by ``efficiency`` in the cost model).
+
+    ``overlap``: the fraction of data-parallel communication the engines hide behind the backward (gradient
+    buckets reduced while later layers still compute), from ``memsave bench`` on this hardware."""
+
+    name: str
+    source: str
+    device: str
+    memory: float  # bytes per device
+    flops: dict[str, float]  # compute dtype -> FLOP/s
+    mem_bw: float
+    intra_bw: float  # collective bus bandwidth within a node, per rank
+    inter_bw: float  # across nodes, per rank
+    host_bw: float  # device <-> host, per direction
+    disk_bw: float
+    host_memory: float = 0.0
+    efficiency: float = 1.0  # of the matmul rate a training step's FLOPs reach
+    bw_efficiency: float = 1.0  # of the bandwidths a collective or copy reaches
+    overlap: float = 0.5
+    latency: float = 20e-6  # per collective
+    layer_overhead: float = 0.0  # seconds per layer and micro-batch besides its FLOPs (kernel launches, Python)
+
+    def rate(self, dtype: str) -> float:
+        return self.flops.get(dtype, self.flops.get("fp32", 0.0)) * self.efficiency
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_VENDOR_NOTE = ("vendor data sheet (dense tensor-core peak, HBM, NVLink per direction, one 400 Gb/s NIC per GPU); "
+                "efficiency 0.5 of the FLOPs and 0.8 of the bandwidths are assumptions, not measurements")
+VENDOR: dict[str, Hardware] = {
+    "a100": Hardware(name="A100-SXM4-80GB", source=_VENDOR_NOTE.replace("400 Gb/s", "200 Gb/s"), device="cuda",
+                     memory=80 * 2**30, flops={"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, mem_bw=2039 * GB,
+                     intra_bw=300 * GB, inter_bw=25 * GB, host_bw=25 * GB, disk_bw=2 * GB, host_memory=1024 * 2**30,
+                     efficiency=0.5, bw_efficiency=0.8, overlap=0.8),
+    "h100": Hardware(name="H100-SXM5-80GB", source=_VENDOR_NOTE, device="cuda", memory=80 * 2**30,
+                     flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, mem_bw=3350 * GB, intra_bw=450 * GB,
+                     inter_bw=50 * GB, host_bw=55 * GB, disk_bw=4 * GB, host_memory=2048 * 2**30, efficiency=0.5,
+                     bw_efficiency=0.8, overlap=0.8),
+    "h200": Hardware(name="H200-SXM-141GB", source=_VENDOR_NOTE, device="cuda", memory=141 * GB,
+                     flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, mem_bw=4800 * GB, intra_bw=450 * GB,
+                     inter_bw=50 * GB, host_bw=55 * GB, disk_bw=4 * GB, host_memory=2048 * 2**30, efficiency=0.5,
+                     bw_efficiency=0.8, overlap=0.8),
+}
+
+
+def load_hardware(spec: str | Path) -> Hardware:
+    """A :data:`VENDOR` name (``a100``, ``h100``, ``h200``), ``local`` (this machine, calibrated or from the cache),
+    or a TOML/JSON file with :class:`Hardware`'s keys."""
+    if str(spec).lower() in VENDOR:
+        return VENDOR[str(spec).lower()]
+    if str(spec) == "local":
+        return calibrate()
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"--hardware {spec!r} is not allowed; expected one of {sorted(VENDOR)}, local, or a "
+                         ".toml/.json file")
+    data = tomllib.loads(path.read_text()) if path.suffix == ".toml" else json.loads(path.read_text())
+    fields = {f.name for f in dataclasses.fields(Hardware)}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise ValueError(f"{path}: unknown key(s) {unknown}; allowed are {sorted(fields)}")
+    data.setdefault("name", path.stem)
+    data.setdefault("source", f"given in {path}")
+    try:
+        return Hardware(**data)
+    except TypeError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+def _cache_file(device: str) -> Path:
+    root = Path(os.environ.get("MEMSAVE_CACHE_DIR") or Path.home() / ".cache" / "memsave")
+    kind = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
+    key = f"{platform.node()}-{device}-{kind}-torch{torch.__version__}".replace(" ", "_").replace("/", "_")
+    return root / f"calibration-{key}.json"
+
+
+def _timed(fn: Any, min_s: float = 0.3) -> float:
+    """Seconds per call of ``fn``: the best of repeated calls over at least ``min_s``."""
+    fn()
+    best, spent = float("inf"), 0.0
+    while spent < min_s:
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        best, spent = min(best, dt), spent + dt
+    return best
+
+
+def _matmul_flops(device: str, dtype: torch.dtype) -> float:
+    n = 4096 if device == "cuda" else 1024
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    return 2 * n**3 / _timed(lambda: torch.mm(a, b))
+
+
+def _disk(folder: Path, nbytes: int) -> tuple[float, float]:
+    data = os.urandom(nbytes)
+    with tempfile.NamedTemporaryFile(dir=folder, prefix="memsave-calibrate-") as f:
+        t0 = time.perf_counter()
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+        write = nbytes / (time.perf_counter() - t0)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # read from the disk, not the page cache
+        t0 = time.perf_counter()
+        with open(f.name, "rb") as r:
+            while r.read(1 << 24):
+                pass
+        read = nbytes / (time.perf_counter() - t0)
+    return write, read
+
+
+def _allreduce_worker(nbytes: int) -> float:
+    """Run in each of two spawned ranks: the bus bandwidth of an all-reduce of ``nbytes`` (2 (n-1)/n bytes per
+    rank over the time)."""
+    import memsave
+    from memsave import dist as mdist
+
+    memsave.init()
+    t = torch.ones(nbytes // 4)
+    group = None
+    n = mdist.group_size(group)
+    seconds = _timed(lambda: mdist.all_reduce(t, group), min_s=0.5)
+    return 2 * (n - 1) / n * nbytes / seconds
+
+
+def _step_rates(device: str, peak: float) -> tuple[float, float]:
+    """(efficiency, layer_overhead): a small reference GPT's forward and backward at 1 and 8 rows, fitted to
+    ``time = flops / (peak * efficiency) + layers * overhead``."""
+    from memsave.models import GPT, gpt_config  # layer 0
+    from memsave.plan.formulas import gpt_step_flops
+
+    cfg = gpt_config("small", n_layer=2, d_model=256, n_head=4)
+    model = GPT(cfg).to(device)
+    seconds, flops = [], []
+    for rows in (1, 8):
+        ids = torch.randint(0, cfg.vocab_size, (rows, cfg.block_size), device=device)
+
+        def step() -> None:
+            model(ids, labels=ids).loss.backward()
+
+        seconds.append(_timed(step, min_s=0.5))
+        flops.append(gpt_step_flops(rows, cfg.block_size, cfg.n_layer, cfg.d_model, cfg.vocab_size))
+    rate = (flops[1] - flops[0]) / max(seconds[1] - seconds[0], 1e-9)
+    overhead = max(0.0, (seconds[0] - flops[0] / rate) / cfg.n_layer)
+    return min(1.0, rate / peak), overhead
+
+
+def calibrate(*, device: str | None = None, folder: str | Path | None = None, refresh: bool = False,
+              collectives: bool = True) -> Hardware:
+    """This machine's :class:`Hardware`, measured (a few seconds) or read from the cache."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cache = _cache_file(device)
+    if cache.is_file() and not refresh:
+        return Hardware(**json.loads(cache.read_text()))
+    import psutil
+
+    flops = {"fp32": _matmul_flops(device, torch.float32), "bf16": _matmul_flops(device, torch.bfloat16)}
+    flops["fp16"] = _matmul_flops(device, torch.float16) if device == "cuda" else flops["bf16"]
+    x = torch.empty(32 * 2**20, device=device)
+    y = torch.empty_like(x)
+    mem_bw = 2 * x.numel() * 4 / _timed(lambda: y.copy_(x))
+    if device == "cuda":
+        host = torch.empty(x.numel(), pin_memory=True)
+        host_bw = x.numel() * 4 / _timed(lambda: host.copy_(x))
+        memory = float(torch.cuda.get_device_properties(0).total_memory)
+    else:
+        host_bw, memory = mem_bw, float(psutil.virtual_memory().total)
+    del x, y
+    write, _read = _disk(Path(folder or tempfile.gettempdir()), 64 * 2**20)
+    bus = mem_bw
+    if collectives:
+        from memsave._launch import spawn_local
+
+        bus = min(spawn_local(_allreduce_worker, 2, (16 * 2**20,), timeout_s=120))
+    efficiency, overhead = _step_rates(device, flops["fp32"])
+    hw = Hardware(name=f"{platform.node()} ({device})", source=f"measured by memsave calibrate on "
+                  f"{time.strftime('%Y-%m-%d')}", device=device, memory=memory, flops=flops, mem_bw=mem_bw,
+                  intra_bw=bus, inter_bw=bus, host_bw=host_bw, disk_bw=write,
+                  host_memory=float(psutil.virtual_memory().total), efficiency=efficiency,
+                  layer_overhead=overhead, overlap=0.0 if device == "cpu" else 0.8)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(hw.to_dict(), indent=1) + "\n")
+    return hw

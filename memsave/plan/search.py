@@ -1,0 +1,170 @@
+"""``memsave plan``: every configuration that fits, ranked by predicted step time, and why the others do not.
+
+:func:`plan` enumerates the mesh (every dp x tp x pp factorization of the world: tp within a node and dividing
+the heads, pp at most the layers), the ZeRO stage, precision, recomputation, offload, the micro-batch split of
+the global batch and, under pp, the schedule; prices each (:func:`memsave.plan.cost.price`); keeps those whose
+busiest rank fits the device, host and disk budgets; and ranks them by step time. A family (ZeRO stage and
+offload) with no fitting member is reported with the reason of its smallest member ("zero2: optimizer state
+41.0 GiB ... > budget 16.0 GiB"). With no fitting configuration at all, the error names the smallest budget that
+would fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+
+from memsave.memory.schema import OFF_DEVICE, format_bytes
+from memsave.plan.cost import Candidate, Priced, price
+from memsave.plan.hardware import Hardware
+from memsave.plan.spec import ModelSpec
+
+__all__ = ["Plan", "PlanError", "candidates", "plan"]
+
+_NAMES = {"params": "parameters", "grads": "gradients", "master": "fp32 masters", "optimizer_state":
+          "optimizer state", "params_gathered": "gathered parameters", "activations": "activations"}
+
+
+class PlanError(ValueError):
+    """No configuration fits; the message names the smallest budget that would."""
+
+
+@dataclasses.dataclass
+class Plan:
+    ranked: list[Priced]  # the fitting configurations, fastest first
+    rejected: dict[str, str]  # family -> why none of its members fits
+    budget: float
+    host_budget: float
+    disk_budget: float
+    considered: int
+
+    @property
+    def best(self) -> Priced:
+        return self.ranked[0]
+
+    def binding(self, p: Priced | None = None) -> str:
+        """Which limit of ``p`` (default: the choice) would break first: the resource nearest its budget and the
+        largest term in it."""
+        p = p or self.best
+        uses = [("device memory", p.peak, self.budget, p.device)]
+        if p.host:
+            uses.append(("host memory", p.host, self.host_budget, {}))
+        if p.disk:
+            uses.append(("disk", p.disk, self.disk_budget, {}))
+        name, used, limit, cats = max(uses, key=lambda u: u[1] / u[2] if u[2] else 0.0)
+        largest = max(cats, key=cats.__getitem__) if cats else ""
+        detail = f", the largest term {_NAMES.get(largest, largest)} {format_bytes(int(cats[largest]))}" if cats else ""
+        return f"{name}: {format_bytes(int(used))} of {format_bytes(int(limit))} ({used / limit:.0%}){detail}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(spec: ModelSpec, world: int, global_batch: int, *, gpus_per_node: int, precisions: Sequence[str],
+               offloads: Sequence[str], recomputes: Sequence[str] = ("none", "selective", "full"),
+               schedules: Sequence[str] = ("1f1b", "interleaved", "zero-bubble"), max_micro_batches: int = 64,
+               optimizer: str = "adamw") -> Iterator[Candidate]:
+    for tp in _divisors(world):
+        if tp > gpus_per_node or (spec.heads and spec.heads % tp):
+            continue
+        for pp in _divisors(world // tp):
+            if pp > spec.layers or (tp > 1 and pp > 1):
+                continue  # tp inside pipeline stages is refused by memsave.wrap (NotImplementedError)
+            dp = world // (tp * pp)
+            if global_batch % dp:
+                continue
+            rows = global_batch // dp
+            for mb in _divisors(rows):
+                m = rows // mb
+                if m > max_micro_batches or (pp > 1 and m < pp):
+                    continue
+                scheds = [("", 1)] if pp == 1 else [
+                    (s, 2 if s == "interleaved" else 1) for s in schedules
+                    if s != "interleaved" or (m % pp == 0 and spec.layers % (2 * pp) == 0)]
+                for sched, v in scheds:
+                    for stage in (0, 1, 2, 3):
+                        for off in offloads:
+                            if off.startswith("optimizer+params") and stage != 3:
+                                continue  # parameters are offloaded as ZeRO-3 shards
+                            if off != "none" and stage == 0:
+                                continue  # offload streams ZeRO's shards
+                            if dp == 1 and stage and (off == "none" or stage not in (1, 3)):
+                                continue  # one rank: a stage only to offload (1: the optimizer, 3: parameters)
+                            for prec in precisions:
+                                for rec in recomputes:
+                                    yield Candidate(dp=dp, tp=tp, pp=pp, stage=stage, precision=prec,
+                                                    recompute=rec, offload=off, micro_batch=mb, micro_batches=m,
+                                                    schedule=sched or "1f1b", virtual=v, sequence=tp > 1,
+                                                    optimizer=optimizer)
+
+
+def plan(spec: ModelSpec, hw: Hardware, *, world: int, global_batch: int, seq: int, budget: float,
+         host_budget: float | None = None, disk_budget: float = 0.0, gpus_per_node: int = 8,
+         precisions: Sequence[str] | None = None, offloads: Sequence[str] | None = None,
+         recomputes: Sequence[str] = ("none", "selective", "full"), optimizer: str = "adamw",
+         exact: Callable[[Candidate], dict[str, int]] | None = None, headroom: float = 0.05,
+         analytic_headroom: float = 0.10) -> Plan:
+    """Every configuration of ``spec`` on ``world`` devices of ``hw`` for ``global_batch`` sequences of ``seq``
+    tokens per step, ranked ([module docstring]). ``exact``: bytes per category of a candidate from the model
+    itself (:func:`memsave.plan.profile.exact_peak`), used instead of the closed forms where it answers (pp = 1).
+    A candidate fits when its peak plus ``headroom`` (of the exact figure; ``analytic_headroom`` of the closed
+    forms) is within ``budget``: the validated error of each, kept free."""
+    for key, value in (("world", world), ("global_batch", global_batch), ("seq", seq)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key} = {value!r} is not allowed; expected a positive integer")
+    if not budget > 0:
+        raise ValueError(f"budget = {budget!r} is not allowed; expected a positive number of bytes")
+    if spec.max_seq and seq > spec.max_seq:
+        raise ValueError(f"seq = {seq} is not allowed; the model takes at most {spec.max_seq} positions")
+    host_budget = hw.host_memory if host_budget is None else host_budget
+    precisions = precisions or (("bf16",) if hw.device == "cuda" else ("fp32",))
+    if offloads is None:  # what memsave implements on the device (host offload on a CPU moves nothing)
+        offloads = ("none", "optimizer", "optimizer+params") if hw.device == "cuda" else (
+            ("none", "optimizer:disk", "optimizer+params:disk") if disk_budget else ("none",))
+    fits: list[Priced] = []
+    smallest: dict[str, Priced] = {}
+    n = 0
+    for c in candidates(spec, world, global_batch, gpus_per_node=gpus_per_node, precisions=precisions,
+                        offloads=offloads, recomputes=recomputes, optimizer=optimizer):
+        n += 1
+        p = price(spec, c, hw, seq, gpus_per_node=gpus_per_node)
+        if exact is not None and c.pp == 1:
+            measured = exact(c)
+            host, disk = measured.get("offload_host", 0), measured.get("offload_disk", 0)
+            device = {k: float(v) for k, v in measured.items() if k not in OFF_DEVICE}
+            p = dataclasses.replace(p, device=device, host=host or p.host, disk=disk or p.disk, exact=True)
+        if p.peak * (1 + (headroom if p.exact else analytic_headroom)) <= budget and p.host <= host_budget and \
+                p.disk <= disk_budget:
+            fits.append(p)
+        else:
+            fam = c.family
+            if fam not in smallest or _over(p, budget, host_budget, disk_budget) < _over(
+                    smallest[fam], budget, host_budget, disk_budget):
+                smallest[fam] = p
+    fits.sort(key=lambda p: (p.step_time, p.peak))
+    fitting_families = {p.candidate.family for p in fits}
+    rejected = {fam: _why(p, budget, host_budget, disk_budget) for fam, p in sorted(smallest.items())
+                if fam not in fitting_families}
+    if not fits:
+        need = min(smallest.values(), key=lambda p: (p.host > host_budget or p.disk > disk_budget, p.peak))
+        raise PlanError(f"no configuration of {spec.name} fits {format_bytes(int(budget))} per device on {world} "
+                        f"device(s): the smallest that would fit needs "
+                        f"{format_bytes(int(need.peak * (1 + (headroom if need.exact else analytic_headroom))) + 1)} "
+                        "per device "
+                        f"({need.candidate.label()}); " + "; ".join(f"{k}: {v}" for k, v in rejected.items()))
+    return Plan(fits, rejected, budget, host_budget, disk_budget, n)
+
+
+def _over(p: Priced, budget: float, host: float, disk: float) -> float:
+    return max(p.peak / budget, p.host / host if host else 0.0, p.disk / disk if disk else (2.0 if p.disk else 0.0))
+
+
+def _why(p: Priced, budget: float, host: float, disk: float) -> str:
+    if p.host > host:
+        return f"host memory {format_bytes(int(p.host))} > host budget {format_bytes(int(host))} ({p.candidate.label()})"
+    if p.disk > disk:
+        return f"disk {format_bytes(int(p.disk))} > disk budget {format_bytes(int(disk))} ({p.candidate.label()})"
+    largest = max(p.device, key=p.device.__getitem__)
+    return (f"{_NAMES.get(largest, largest)} {format_bytes(int(p.device[largest]))} of {format_bytes(int(p.peak))} per device > "
+            f"budget {format_bytes(int(budget))} at best ({p.candidate.label()})")

@@ -1,0 +1,144 @@
+"""What the planner knows of a model: its shape as a decoder transformer, and its parameter counts by part.
+
+A :class:`ModelSpec` comes from the reference GPT's config (:func:`from_gpt`), from a Hugging Face
+``config.json`` with no weights (:func:`from_hf_config`: Llama-family and GPT-2 keys), or from any module built on
+the meta device (:func:`from_module`: the blocks memsave's units would be, their parameters counted). The counts
+are exact (each ``nn.Linear``, bias and norm), so the model-state figures the planner derives are those of the
+estimator, and of the tracker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from memsave.models import GPTConfig
+
+__all__ = ["ModelSpec", "from_gpt", "from_hf_config", "from_module"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A decoder transformer's shape. ``layer_params``: one block's parameters, of which ``layer_split`` are in
+    matrices tensor parallelism cuts (the rest, norms and row-parallel biases, are replicated); ``embed_params``:
+    token and position embeddings (the token table vocab-parallel under tp); ``head_params``: the LM head when it
+    is not tied to the embedding; ``final_params``: the final norm. ``module``: the meta-device model, when the
+    spec was made from one (the planner then checks its memory with :func:`memsave.estimate`)."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    max_seq: int
+    layer_params: int
+    layer_split: int
+    embed_params: int
+    head_params: int
+    final_params: int
+    tied: bool
+    dropout: bool = False
+    module: nn.Module | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def num_params(self) -> int:
+        return self.layers * self.layer_params + self.embed_params + self.head_params + self.final_params
+
+    def stage_params(self, pp: int, stage: int, tp: int = 1) -> float:
+        """Parameters held by pipeline ``stage`` of ``pp`` on one tensor-parallel rank of ``tp``: its share of the
+        layers (the first stages take the remainder), the embedding on the first stage, the final norm and head on
+        the last (a tied head: a copy of the embedding there, as memsave's pipeline keeps it)."""
+        base, extra = divmod(self.layers, pp)
+        n = base + (1 if stage < extra else 0)
+        layer = self.layer_split / tp + (self.layer_params - self.layer_split)
+        held = n * layer
+        token = self.vocab * self.hidden
+        embed = token / tp + (self.embed_params - token)
+        if stage == 0:
+            held += embed
+        if stage == pp - 1:
+            held += self.final_params + (self.head_params / tp if not self.tied else (token / tp if pp > 1 else 0))
+        return held
+
+    def stage_layers(self, pp: int, stage: int) -> int:
+        base, extra = divmod(self.layers, pp)
+        return base + (1 if stage < extra else 0)
+
+
+def from_gpt(cfg: GPTConfig, name: str = "gpt") -> ModelSpec:
+    """The reference GPT (memsave.models.GPT): per block two LayerNorms, qkv (h x 3h), attn_proj (h x h),
+    mlp_fc (h x 4h), mlp_proj (4h x h), biases with ``cfg.bias``; token and position embeddings; final norm."""
+    h, bias = cfg.d_model, int(cfg.bias)
+    split = 3 * h * h + 3 * h * bias + h * h + 4 * h * h + 4 * h * bias + 4 * h * h  # column-parallel biases cut
+    replicated = 2 * (h + h * bias) + h * bias + h * bias  # two norms; attn_proj's and mlp_proj's biases
+    embed = cfg.vocab_size * h + cfg.block_size * h
+    return ModelSpec(name=name, layers=cfg.n_layer, hidden=h, heads=cfg.n_head, vocab=cfg.vocab_size,
+                     max_seq=cfg.block_size, layer_params=split + replicated, layer_split=split, embed_params=embed,
+                     head_params=0 if cfg.tie_weights else cfg.vocab_size * h, final_params=h + h * bias,
+                     tied=cfg.tie_weights, dropout=cfg.dropout > 0)
+
+
+def from_hf_config(config: dict[str, Any] | str | Path, name: str | None = None) -> ModelSpec:
+    """A Hugging Face ``config.json`` (a dict or its path), weights never read: Llama-family keys (``llama``,
+    ``mistral``, ``qwen2``: RMSNorm, SwiGLU MLP, grouped KV heads, rotary positions) or GPT-2's."""
+    cfg = json.loads(Path(config).read_text()) if not isinstance(config, dict) else config
+    kind = cfg.get("model_type", "")
+    label = name or kind or "hf"
+    if kind == "gpt2":
+        h, layers, vocab = cfg["n_embd"], cfg["n_layer"], cfg["vocab_size"]
+        ffn = cfg.get("n_inner") or 4 * h
+        split = 3 * h * h + 3 * h + h * h + h * ffn + ffn + ffn * h
+        replicated = 4 * h + h + h  # two LayerNorms (weight + bias), c_proj's two biases
+        return ModelSpec(name=label, layers=layers, hidden=h, heads=cfg["n_head"], vocab=vocab,
+                         max_seq=cfg.get("n_positions", 1024), layer_params=split + replicated, layer_split=split,
+                         embed_params=vocab * h + cfg.get("n_positions", 1024) * h,
+                         head_params=0 if cfg.get("tie_word_embeddings", True) else vocab * h, final_params=2 * h,
+                         tied=cfg.get("tie_word_embeddings", True), dropout=cfg.get("resid_pdrop", 0.0) > 0)
+    if kind in ("llama", "mistral", "qwen2") or "intermediate_size" in cfg:
+        h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+        heads = cfg["num_attention_heads"]
+        kv = cfg.get("num_key_value_heads") or heads
+        head_dim = cfg.get("head_dim") or h // heads
+        ffn = cfg["intermediate_size"]
+        attn_bias = int(bool(cfg.get("attention_bias", kind == "qwen2")))
+        q, kvd = heads * head_dim, kv * head_dim
+        split = h * q + 2 * h * kvd + q * h + attn_bias * (q + 2 * kvd) + 3 * h * ffn
+        tied = bool(cfg.get("tie_word_embeddings", False))
+        return ModelSpec(name=label, layers=layers, hidden=h, heads=heads, vocab=vocab,
+                         max_seq=cfg.get("max_position_embeddings", 4096), layer_params=split + 2 * h,
+                         layer_split=split, embed_params=vocab * h, head_params=0 if tied else vocab * h,
+                         final_params=h, tied=tied, dropout=cfg.get("attention_dropout", 0.0) > 0)
+    raise ValueError(f"config.json model_type = {kind!r} is not allowed; expected llama, mistral, qwen2 or gpt2 "
+                     "(or give the model as MODULE:FUNCTION)")
+
+
+def from_module(model: nn.Module, name: str | None = None) -> ModelSpec:
+    """Any module (on the meta device is best): its blocks are memsave's units (the largest ``nn.ModuleList``,
+    else ``nn.Sequential`` children), the hidden size the width of the first block's first ``nn.Linear`` input.
+    Parameters outside the blocks count as the embedding (those before the first block) and the head."""
+    from memsave.models.units import choose_units  # layer 0
+
+    units = [u for u in choose_units(model).modules if u is not model]
+    if not units:
+        raise ValueError(f"{type(model).__name__}: no repeated blocks (nn.ModuleList, nn.Sequential children) to plan "
+                         "over; pass units= or plan with a config")
+    counts = [sum(p.numel() for p in u.parameters()) for u in units]
+    linears = [m for m in units[0].modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        raise ValueError(f"{type(model).__name__}: its block {type(units[0]).__name__} has no nn.Linear to read the "
+                         "hidden size from")
+    h = linears[0].in_features
+    in_blocks = {id(p) for u in units for p in u.parameters()}
+    outside = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)
+    split = sum(m.weight.numel() for m in units[0].modules() if isinstance(m, nn.Linear))
+    embeds = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    vocab = max((e.num_embeddings for e in embeds), default=0)
+    heads = next((int(v) for v in (getattr(units[0], k, None) for k in ("n_head", "num_heads", "num_attention_heads"))
+                  if isinstance(v, int)), 1)
+    return ModelSpec(name=name or type(model).__name__, layers=len(units), hidden=h, heads=heads, vocab=vocab,
+                     max_seq=0, layer_params=max(counts), layer_split=split, embed_params=outside, head_params=0,
+                     final_params=0, tied=False, module=model)
