@@ -75,9 +75,14 @@ class Estimate:
         return sum(v for k, v in self.bytes.items() if k not in OFF_DEVICE)
 
     def to_report_dict(self) -> dict[str, Any]:
-        """The ``estimate`` entry of a ``memsave.report/2`` dict."""
-        return {"world_size": self.world_size, "bytes": {k: int(v) for k, v in self.bytes.items() if v},
-                "peak_total": int(self.peak_total), "notes": list(self.notes)}
+        """The ``estimate`` entry of a ``memsave.report/2`` dict (under pp: the busiest rank's, and ``stages``, each
+        pipeline rank's bytes and peak)."""
+        out: dict[str, Any] = {"world_size": self.world_size, "bytes": {k: int(v) for k, v in self.bytes.items() if v},
+                               "peak_total": int(self.peak_total), "notes": list(self.notes)}
+        if self.stages:
+            out["stages"] = [{"pp_rank": e.pp_rank, "bytes": {k: int(v) for k, v in e.bytes.items() if v},
+                              "peak_total": int(e.peak_total)} for e in self.stages]
+        return out
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -220,7 +225,10 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
 
         stages = estimate_stages(model, prof, world_size=world_size, batch=batch, units=units, device=device_type,
                                  micro_batches=micro_batches, schedule=schedule)
-        return dataclasses.replace(max(stages, key=lambda e: e.peak_total), stages=tuple(stages))
+        busiest = max(stages, key=lambda e: e.peak_total)
+        others = tuple(e.notes[0] for e in stages if e is not busiest)  # which stages each rank holds
+        return dataclasses.replace(busiest, stages=tuple(stages),
+                                   notes=(busiest.notes[0], *others, *busiest.notes[1:]))
     if schedule is not None:
         raise ValueError("schedule= is for [parallel] pp > 1 only; this profile has pp = 1")
     tp = prof.parallel.tp
@@ -359,11 +367,14 @@ def _total(b: Mapping[str, int]) -> int:
 
 
 def format_estimates(estimates: Sequence[Estimate]) -> str:
-    """One line per estimate: bytes per category at the estimated peak, the model state and the peak."""
-    cats = [c for c in CATEGORIES if any(e.bytes.get(c) for e in estimates)]
+    """One line per estimate (under pp: per pipeline rank): bytes per category at the estimated peak, the model
+    state and the peak."""
+    rows_of = [(e, s) for e in estimates for s in (e.stages or (e,))]
+    cats = [c for c in CATEGORIES if any(s.bytes.get(c) for _, s in rows_of)]
     head = ["profile", "ranks", *cats, "model state", "peak"]
-    rows = [[e.profile, str(e.world_size), *(format_bytes(e.bytes.get(c, 0)) for c in cats),
-             format_bytes(e.model_state), format_bytes(e.peak_total)] for e in estimates]
+    rows = [[e.profile, f"{s.world_size}" + (f" pp {s.pp_rank}" if s.pp > 1 else ""),
+             *(format_bytes(s.bytes.get(c, 0)) for c in cats), format_bytes(s.model_state),
+             format_bytes(s.peak_total)] for e, s in rows_of]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
@@ -371,5 +382,6 @@ def format_estimates(estimates: Sequence[Estimate]) -> str:
         e = estimates[0]
         lines.append(f"{e.model}: {e.num_params:,} parameters; per rank (rank 0: the most rows), at the estimated "
                      "peak; model state as the ZeRO formula counts it (full gradients at stages 0-1)")
-        lines += [u for u in dict.fromkeys(e.units for e in estimates) if u]
+        lines += [u for u in dict.fromkeys(e.units for e in estimates if not e.stages) if u]
+        lines += list(dict.fromkeys(s.notes[0] for _, s in rows_of if s.pp > 1))  # which stages, what in flight
     return "\n".join(lines)
