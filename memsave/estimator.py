@@ -309,7 +309,6 @@ def peak_bytes(held: dict[str, int], states: dict[str, Any], prof: Profile, per_
         # stage 0 beside the buckets, which adopt them at the synchronizing backward)
         accumulated = sum(states["unit_grad_full"])
         held["grads"] += accumulated
-        persistent_grads += accumulated if stage >= 2 else 0
         notes.append(f"{micro_batches} micro-batches: the full gradients accumulate locally until the last backward")
     # [Note: the estimated peak]: walk backward unit by unit
     base = dict(held)
