@@ -45,7 +45,7 @@ def _meta() -> GPT:
         return GPT(gpt_config("small", dropout=0.0))
 
 
-def _measure(cases: tuple[str, ...]) -> list[dict[str, Any]]:
+def _measure(cases: tuple[str, ...], m: int = M) -> list[dict[str, Any]]:
     out = []
     for case in cases:
         prof = _profile(case)
@@ -57,7 +57,7 @@ def _measure(cases: tuple[str, ...]) -> list[dict[str, Any]]:
         data = TokenBatches(seq_len=64, batch_size=2, dp_rank=mesh.dp_rank, dp_size=mesh.dp_size)
         with MemoryTracker(model, opt) as tracker:
             for step in range(2):
-                model.pipeline_step([data.batch(step * M + i) for i in range(M)])
+                model.pipeline_step([data.batch(step * m + i) for i in range(m)])
                 opt.clip_grad_norm(1.0)
                 opt.step()
                 opt.zero_grad()
@@ -178,3 +178,24 @@ def test_cli_estimate_prints_one_row_per_pipeline_rank(capsys: pytest.CaptureFix
     assert [r[1:4] for r in rows] == [["4", "pp", "0"], ["4", "pp", "1"]], out
     assert "pipeline rank 0 of 2 (stage 0: wte .. blocks.1" in out and "at most 2 micro-batches" in out
     assert "pipeline rank 1 of 2 (stage 1: blocks.2 .. lm_head" in out and "at most 1 micro-batches" in out
+
+
+def main() -> None:
+    """The table of docs/benchmarks.md (Pipeline parallelism): each rank's measured activation peak in
+    micro-batches' worth (one = what it holds after the first forward of a step) against the estimate."""
+    print("| schedule | m | rank | measured activation peak | one micro-batch | measured / one | estimated | "
+          "estimated / measured |")
+    print("|---|---|---|---|---|---|---|---|")
+    batch = TokenBatches(seq_len=64, batch_size=2).batch(0)
+    for m in (4, 8):
+        cases = ("ddp:1f1b", "ddp:gpipe")
+        for rows in zip(*run_ranks(_measure, 2, cases, m, timeout=600)):
+            for r in rows:
+                est = memsave.estimate(_meta(), _profile(r["case"]), world_size=2, batch=batch, device="cpu",
+                                       micro_batches=m).stages[r["pp_rank"]]
+                print(f"| {r['case'].split(':')[1]} | {m} | {r['pp_rank']} | {r['acts']:,} | {r['one']:,} | "
+                      f"{r['acts'] / r['one']:.2f} | {est.activations:,} | {est.activations / r['acts']:.4f} |")
+
+
+if __name__ == "__main__":
+    main()
