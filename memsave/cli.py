@@ -188,8 +188,6 @@ def _demo_options(args: argparse.Namespace, extra: Sequence[str],
         progress_every_s=args.progress_every, seed=args.seed, track_memory=not args.no_track,
         ckpt_dir=args.ckpt_dir, save_every=args.save_every, keep_last=args.keep_last, resume=args.resume,
     )
-    if profile.parallel.pp > 1:  # memsave.estimate does not model pp yet: no estimate beside the report
-        return DemoOptions(profile=profile, size=args.size, train=train, estimate=None), nproc
     est = _demo_estimate(profile, args.size, train, nproc)
     return DemoOptions(profile=profile, size=args.size, train=train, estimate=est.to_report_dict()), nproc
 

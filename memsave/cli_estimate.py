@@ -35,7 +35,10 @@ def add_parser(sub: Any) -> None:
                         "gpt:bench,tie_weights=false or gpt:bench,n_layer=48,d_model=4096), or MODULE:FUNCTION returning a model or (model, example batch); it is "
                         "called under torch.device('meta') (default: gpt:bench)")
     p.add_argument("--profile", default=None, help="a preset or TOML path (default: every preset)")
-    p.add_argument("--world-size", type=int, default=2, help="data-parallel ranks (default: 2)")
+    p.add_argument("--world-size", type=int, default=2, help="ranks: dp x tp, or dp x pp under --parallel.pp=N "
+                   "(default: 2)")
+    p.add_argument("--micro-batches", type=int, default=1, help="micro-batches per optimizer step (gradient "
+                   "accumulation; under --parallel.pp=N the schedule's, one row per pipeline rank) (default: 1)")
     p.add_argument("--batch-size", type=int, default=4, help="rows per rank per micro-batch (GPT; default: 4)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per row (GPT; default: 256)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="device kind trained on (default: "
@@ -103,14 +106,16 @@ def run_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
     overrides = split_overrides(extra, hint=" and the GPT's fields go in --model, e.g. --model gpt:bench,n_layer=48")
     model, batch = _estimate_model(args.model, args.batch_size, args.seq_len)
     names = [args.profile] if args.profile else list_presets()
-    ests = [estimate(model, load_profile(n, overrides), world_size=args.world_size, batch=batch, device=args.device)
-            for n in names]
+    ests = [estimate(model, load_profile(n, overrides), world_size=args.world_size, batch=batch, device=args.device,
+                     micro_batches=args.micro_batches) for n in names]
     print(format_estimates(ests))
     if batch is None:
         print("no example batch: activations are not estimated (return (model, batch) from the function)")
     if args.json is not None:
         args.json.write_text(json.dumps({"schema": "memsave.estimate/1", "model": args.model, "estimates": [
-            {"profile": e.profile, **e.to_report_dict(), "model_state": e.model_state, "activations": e.activations}
+            {"profile": e.profile, **e.to_report_dict(), "model_state": e.model_state, "activations": e.activations,
+             **({"stages": [{"pp_rank": s.pp_rank, **s.to_report_dict(), "model_state": s.model_state,
+                             "activations": s.activations} for s in e.stages]} if e.stages else {})}
             for e in ests]}, indent=1) + "\n")
         print(f"estimates written to {args.json}")
     return 0

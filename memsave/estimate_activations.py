@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +15,10 @@ from torch import nn
 from memsave.config import Profile
 from memsave.models.units import output_tensors
 
-__all__ = ["activations"]
+if TYPE_CHECKING:
+    from memsave.recompute.measure import SavedBytes
+
+__all__ = ["activations", "measure_activations"]
 
 
 def _run_forward(model: nn.Module, batch: Any) -> Callable[[], Any]:
@@ -71,6 +74,16 @@ def activations(meta: nn.Module, modules: list[nn.Module], prof: Profile, batch:
     """Saved bytes of one forward of the meta model under the recompute policy: total, per unit, the bytes of the
     forward's outputs that backward does not keep (the logits beside the log-softmax cross-entropy saves), and a
     note."""
+    saved, output_bytes, scale, note = measure_activations(meta, modules, prof, batch, device_type)
+    return int(saved.total * scale), list(saved.units), output_bytes, note
+
+
+def measure_activations(meta: nn.Module, modules: list[nn.Module], prof: Profile, batch: Any, device_type: str,
+                        attribute: list[nn.Module] | None = None) -> tuple[SavedBytes, int, float, str]:
+    """One forward of the meta model with the recompute policy applied to ``modules``, its saved bytes attributed
+    to ``attribute`` (default: ``modules``; a pipeline's atoms for ``memsave.estimate`` under pp): the
+    measurement, the bytes of the outputs backward does not keep, the factor compression applies to the saved
+    bytes (1.0 without), and a note."""
     from memsave import recompute
     from memsave.recompute.measure import measure_saved_bytes
 
@@ -90,18 +103,16 @@ def activations(meta: nn.Module, modules: list[nn.Module], prof: Profile, batch:
                                    example_inputs=run if prof.recompute.policy.startswith("budget:") else None)
     try:
         with _fused_attention_on_meta(device_type):
-            saved = measure_saved_bytes(run, modules, model=meta)
+            saved = measure_saved_bytes(run, modules if attribute is None else attribute, model=meta)
     finally:
         if plan is not None:
             recompute.remove(plan, model=meta)
-    total = saved.total
     kept = {k for keys in (*saved._unit_keys, saved._outside_keys or {}) for k in keys}
     output_bytes = sum(n for k, n in outputs.items() if k not in kept)
     note = f"activations: one forward on the meta device, recompute policy {prof.recompute.policy}"
+    scale = 1.0
     if prof.recompute.compress != "none":  # Gist-like compression stores fp32 activations at 2 (bf16) or 1 byte
         keep = 2 if prof.recompute.compress == "bf16" else 1
-        total = int(total * keep / 4) if prof.precision.compute == "fp32" else total
+        scale = keep / 4 if prof.precision.compute == "fp32" else 1.0
         note += f", compressed to {prof.recompute.compress} (estimated as {keep}/4 of the fp32 bytes)"
-    return total, list(saved.units), output_bytes, note
-
-
+    return saved, output_bytes, scale, note

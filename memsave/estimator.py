@@ -34,10 +34,9 @@ from torch import nn
 from memsave.config import Profile, load_profile
 from memsave.dist.placement import Placement, Shard
 from memsave.estimate_activations import activations
+from memsave.estimate_offload import offload_states
 from memsave.memory.schema import CATEGORIES, OFF_DEVICE, format_bytes
 from memsave.models.units import REDUCES_IN_FLIGHT, choose_units, unit_parameters
-from memsave.offload.chunks import MASTER_BYTES, plan, row_pieces, window_bytes
-from memsave.offload.tiers import round_up
 from memsave.precision import compute_dtype, reduce_dtype_for
 from memsave.wrapped import user_class
 
@@ -67,15 +66,23 @@ class Estimate:
     notes: tuple[str, ...] = ()
     units: str = ""
     tp: int = 1  # tensor-parallel degree: world_size / tp data-parallel ranks
+    pp: int = 1  # pipeline degree: world_size / pp data-parallel ranks per stage
+    pp_rank: int = 0  # under pp > 1: the pipeline rank this estimate is for (memsave/estimate_pp.py)
+    stages: tuple[Estimate, ...] = ()  # under pp > 1: every pipeline rank's estimate; this one is the busiest
 
     @property
     def peak_total(self) -> int:
         return sum(v for k, v in self.bytes.items() if k not in OFF_DEVICE)
 
     def to_report_dict(self) -> dict[str, Any]:
-        """The ``estimate`` entry of a ``memsave.report/2`` dict."""
-        return {"world_size": self.world_size, "bytes": {k: int(v) for k, v in self.bytes.items() if v},
-                "peak_total": int(self.peak_total), "notes": list(self.notes)}
+        """The ``estimate`` entry of a ``memsave.report/2`` dict (under pp: the busiest rank's, and ``stages``, each
+        pipeline rank's bytes and peak)."""
+        out: dict[str, Any] = {"world_size": self.world_size, "bytes": {k: int(v) for k, v in self.bytes.items() if v},
+                               "peak_total": int(self.peak_total), "notes": list(self.notes)}
+        if self.stages:
+            out["stages"] = [{"pp_rank": e.pp_rank, "bytes": {k: int(v) for k, v in e.bytes.items() if v},
+                              "peak_total": int(e.peak_total)} for e in self.stages]
+        return out
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -184,7 +191,7 @@ def _model_states(groups: list[list[nn.Parameter]], order: list[nn.Parameter], p
 
 def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_size: int = 1, batch: Any = None,
              units: Sequence[nn.Module] | None = None, device: str | None = None,
-             micro_batches: int = 1, tp_plan: Mapping[str, str] | None = None) -> Estimate:
+             micro_batches: int = 1, tp_plan: Mapping[str, str] | None = None, schedule: Any = None) -> Estimate:
     """Predict per-rank memory of training ``model`` under ``profile`` on ``world_size`` ranks: ``world_size /
     tp`` data-parallel ranks of ``[parallel] tp`` tensor-parallel ranks each.
 
@@ -200,7 +207,10 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
     accumulate locally until the last one. ``tp_plan``: as for ``memsave.wrap`` under ``[parallel] tp > 1``: the
     copy is cut to ``tp`` rank 0's shapes (:func:`memsave.tp.cut_shapes`), so every figure is per rank with the TP
     split; activations are those of the cut forward without sequence parallelism (with it, an upper bound: the
-    norms' and residuals' share is tp times too big). See [Note: the estimated peak].
+    norms' and residuals' share is tp times too big). See [Note: the estimated peak]. Under ``[parallel] pp > 1``
+    (``world_size / pp`` dp ranks per stage): each pipeline rank's estimate, its stages' states and the activations
+    its schedule holds at once (``micro_batches`` per step; ``schedule``: a :class:`memsave.pp.Schedule` instead
+    of the profile's), in ``.stages``; the one returned is the busiest (:func:`memsave.estimate_pp.estimate_stages`).
     """
     prof = load_profile(profile)
     device_type = device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -210,11 +220,17 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
         raise ValueError(f"world_size = {world_size!r} is not allowed; expected a positive integer")
     if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
         raise ValueError(f"micro_batches = {micro_batches!r} is not allowed; expected a positive integer")
-    if prof.parallel.pp > 1:  # refused, not estimated as if the whole model were on every rank
-        raise NotImplementedError(
-            f"memsave.estimate: [parallel] pp = {prof.parallel.pp} is not modelled yet (a stage's parameters and "
-            "its schedule's in-flight activations); the simulator memsave.pp.simulate predicts each stage's "
-            "activation peak from measured per-stage bytes")
+    if prof.parallel.pp > 1:  # one estimate per pipeline rank; the busiest is returned, with all of them
+        from memsave.estimate_pp import estimate_stages  # (it builds on this module)
+
+        stages = estimate_stages(model, prof, world_size=world_size, batch=batch, units=units, device=device_type,
+                                 micro_batches=micro_batches, schedule=schedule)
+        busiest = max(stages, key=lambda e: e.peak_total)
+        others = tuple(e.notes[0] for e in stages if e is not busiest)  # which stages each rank holds
+        return dataclasses.replace(busiest, stages=tuple(stages),
+                                   notes=(busiest.notes[0], *others, *busiest.notes[1:]))
+    if schedule is not None:
+        raise ValueError("schedule= is for [parallel] pp > 1 only; this profile has pp = 1")
     tp = prof.parallel.tp
     if world_size % tp:
         raise ValueError(f"world_size = {world_size} is not divisible by [parallel] tp = {tp}; the ranks are dp x tp")
@@ -240,108 +256,77 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
         by_name = dict(meta.named_modules())
         meta_units = [by_name[names[id(u)]] for u in units]
     groups, modules, said = _units(meta, meta_units)
-    n, stage = world_size // tp, prof.zero.stage
-    states = _model_states(groups, list(meta.parameters()), prof, n)
-    held: dict[str, int] = dict(states["bytes"])
-    notes = [f"model states: {prof.optimizer.name} state, {prof.precision.compute} parameters"
-             + (", fp32 masters" if mixed else "") + f", zero stage {stage} over {n} rank(s)"
-             + (f" of dp, each cut over tp = {tp} (per-rank shapes of tp rank 0)" if tp > 1 else ""), said]
+    notes: list[str] = []
+    held, states, model_state = held_states(meta, groups, prof, world_size // tp, device_type, notes,
+                                            over=f" of dp, each cut over tp = {tp} (per-rank shapes of tp rank 0)"
+                                            if tp > 1 else "")
+    notes.insert(1, said)
     if tp_note:
         notes.append(tp_note)
     if tp > 1 and prof.parallel.sequence:
         notes.append("activations: sequence parallelism not modelled, the figure is an upper bound")
-    held["buffers"] = sum(b.numel() * b.element_size() for b in meta.buffers())
-    _offload(held, states, prof, device_type, notes)
-    model_state = sum(held.get(c, 0) for c in ("params", "grads", "master", "optimizer_state"))
-    persistent_grads = held["grads"]
-    if stage >= 1:  # zero_grad(set_to_none) frees the full gradients (stage 1) and the reduced rows (every stage):
-        held["grads"] = 0  # backward makes them again, unit by unit
     acts, per_unit, outputs = 0, [0] * len(modules), 0
     if batch is not None:
         acts, per_unit, outputs, note = activations(meta, modules, prof, batch, device_type)
         notes.append(note)
-    if stage == 3:
-        biggest = max(states["unit_full"][1:], default=0)
-        held["params_gathered"] = states["unit_full"][0] + biggest
-    if micro_batches > 1:  # no_sync: every micro-batch after the first holds the full gradients in p.grad (at
-        # stage 0 beside the buckets, which adopt them at the synchronizing backward)
-        accumulated = sum(states["unit_grad_full"])
-        held["grads"] += accumulated
-        persistent_grads += accumulated if stage >= 2 else 0
-        notes.append(f"{micro_batches} micro-batches: the full gradients accumulate locally until the last backward")
-    # [Note: the estimated peak]: walk backward unit by unit
-    base = {k: v for k, v in held.items()}
-    best = dict(base, activations=acts + outputs)  # the end of forward: the outputs are still held
-    if stage >= 1:
-        best = _walk_backward(best, base, states, per_unit, stage, prof.zero.prefetch, persistent_grads)
-    if mixed and reduce_dtype_for(prof.precision) is not torch.float32:
-        # the step: every reduced gradient, and its fp32 copy on the masters (made by the unscale or by
-        # clip_grad_norm, dropped after the step; with fp32 reduction the gradient itself is the master's). Offloaded
-        # masters without clipping or loss scale skip the copy (cast chunk by chunk): counted anyway, as an upper bound
-        step = dict(base, activations=0, grads=persistent_grads + states["bytes"]["master"])
-        best = step if _total(step) > _total(best) else best
+    best = peak_bytes(held, states, prof, per_unit, acts + outputs, micro_batches, notes)
     best = {k: int(v) for k, v in best.items() if v}
     return Estimate(profile=prof.name, world_size=world_size, tp=tp, model=user_class(model).__name__,
                     num_params=sum(p.numel() for p in model.parameters()), bytes=best,
                     model_state=model_state, activations=acts + outputs, notes=tuple(notes), units=said)
 
 
-def _chunks(pieces: list[tuple[int, int, int]], per_elem: int, chunk_bytes: int,
-            fraction: float, offload_last: bool = False) -> tuple[int, int, int]:
-    """The chunk plan of ``memsave.offload.OffloadedState`` from shapes alone (the same
-    :func:`memsave.offload.chunks.plan`): ``pieces`` are ``(unit, local rows, row numel)`` of every trainable shard
-    in step order. Returns the window buffer's bytes, the largest offloaded chunk's elements and the offloaded
-    elements."""
-    chunk_numel = max(1, chunk_bytes // per_elem)
-    cut = [(unit, (stop - start) * row) for unit, rows, row in pieces
-           for start, stop in row_pieces(rows, row, chunk_numel)]
-    sizes = [(sum(cut[i][1] for i in idx), len(idx))
-             for idx, offloaded in plan(cut, chunk_numel, fraction, offload_last=offload_last) if offloaded]
-    window = max((window_bytes(numel, n, per_elem) for numel, n in sizes), default=0)
-    return round_up(window), max((numel for numel, _ in sizes), default=0), sum(numel for numel, _ in sizes)
+def held_states(meta: nn.Module, groups: list[list[nn.Parameter]], prof: Profile, n: int, device_type: str,
+                notes: list[str], over: str = "") -> tuple[dict[str, int], dict[str, Any], int]:
+    """What a rank holds besides activations, from the meta model it holds (its units' parameter ``groups``) over
+    ``n`` dp ranks: the bytes per category with the gradients as after ``zero_grad`` (stages 1-3: none), the
+    per-unit figures of :func:`_model_states`, and the model state as the ZeRO formula counts it."""
+    stage, mixed = prof.zero.stage, prof.precision.compute != "fp32"
+    states = _model_states(groups, list(meta.parameters()), prof, n)
+    held: dict[str, int] = dict(states["bytes"])
+    notes.append(f"model states: {prof.optimizer.name} state, {prof.precision.compute} parameters"
+                 + (", fp32 masters" if mixed else "") + f", zero stage {stage} over {n} rank(s)" + over)
+    held["buffers"] = sum(b.numel() * b.element_size() for b in meta.buffers())
+    offload_states(held, states, prof, device_type, notes)
+    model_state = sum(held.get(c, 0) for c in ("params", "grads", "master", "optimizer_state"))
+    states["persistent_grads"] = held["grads"]
+    if stage >= 1:  # zero_grad(set_to_none) frees the full gradients (stage 1) and the reduced rows (every stage):
+        held["grads"] = 0  # backward makes them again, unit by unit
+    return held, states, model_state
 
 
-def _offload(held: dict[str, int], states: dict[str, Any], prof: Profile, device_type: str, notes: list[str]) -> None:
-    """``[offload]``: the offloaded share of the optimizer state on its tier, and the streaming window that stays
-    in memory: ``prefetch + 2`` window buffers (one without prefetch) as big as the largest offloaded chunk, and
-    on disk as many snapshots of a chunk's parameters (memsave/offload/state.py). Offloaded parameters (stage 3:
-    on disk, or in pinned host memory on CUDA) move the shards there; the shards resident around their use are
-    not modelled."""
-    off = prof.offload
-    if not (off.optimizer == "disk" or (off.optimizer == "cpu" and device_type == "cuda")) or off.fraction == 0:
-        if off.optimizer == "cpu":
-            notes.append('[offload] optimizer = "cpu" on a CPU device: nothing moves')
-        return
-    tier = "offload_disk" if off.optimizer == "disk" else "offload_host"
-    per_elem = max(1, round(sum(states["unit_state"]) / max(sum(states["unit_elems"]), 1)))
-    masters = MASTER_BYTES if held.get("master") else 0  # mixed precision: the fp32 masters move with the state
-    pieces = states["pieces"]
-    moves_params = off.params == "disk" or (off.params == "cpu" and device_type == "cuda")
-    if moves_params or off.overlap:  # stepped unit by unit (a stable sort, as OffloadedState's)
-        pieces = sorted(pieces, key=lambda piece: piece[0])
-    window, chunk_elems, elems = _chunks(pieces, per_elem + masters, int(off.chunk_mb * 2**20), off.fraction,
-                                         offload_last=off.overlap)
-    moved = elems * per_elem
-    moved_masters = min(held.get("master", 0), elems * masters)
-    held[tier] = held.get(tier, 0) + moved + moved_masters
-    held["master"] = held.get("master", 0) - moved_masters
-    buffers = off.prefetch + 2 if off.prefetch else 1
-    held["optimizer_state"] += buffers * window - moved
-    if off.optimizer == "disk":
-        held["comm"] = held.get("comm", 0) + buffers * chunk_elems * states["param_bytes"]
-    if moves_params:
-        held[tier] += held["params"]
-        held["params"] = 0
-    notes.append(f"optimizer offload to {off.optimizer}: {format_bytes(moved)} of state"
-                 + (f" and {format_bytes(moved_masters)} of fp32 masters" if moved_masters else "")
-                 + " off the device; streaming "
-                 f"window {buffers} x {format_bytes(window)}"
-                 + (f"; parameters on {off.params} (resident shards around their use not modelled)"
-                    if moves_params else ""))
+def peak_bytes(held: dict[str, int], states: dict[str, Any], prof: Profile, per_unit: list[int], forward_end: int,
+               micro_batches: int, notes: list[str], *, gathered: int | None = None) -> dict[str, int]:
+    """The estimated peak ([Note: the estimated peak]) from what is held (:func:`held_states`), the activations
+    per unit and at the end of forward (``forward_end``, the outputs included). ``gathered``: ZeRO-3 parameters
+    held gathered throughout (a pipeline stage's ``[parallel] gather = "step"``) instead of root and one unit."""
+    stage = prof.zero.stage
+    held, persistent_grads = dict(held), states["persistent_grads"]
+    if stage == 3:
+        biggest = max(states["unit_full"][1:], default=0)
+        held["params_gathered"] = gathered if gathered is not None else states["unit_full"][0] + biggest
+    if micro_batches > 1:  # no_sync: every micro-batch after the first holds the full gradients in p.grad (at
+        # stage 0 beside the buckets, which adopt them at the synchronizing backward)
+        accumulated = sum(states["unit_grad_full"])
+        held["grads"] += accumulated
+        notes.append(f"{micro_batches} micro-batches: the full gradients accumulate locally until the last backward")
+    # [Note: the estimated peak]: walk backward unit by unit
+    base = dict(held)
+    best = dict(base, activations=forward_end)  # the end of forward: the outputs are still held
+    if stage >= 1:
+        best = _walk_backward(best, base, states, per_unit, stage, prof.zero.prefetch, persistent_grads,
+                              gathered)
+    if prof.precision.compute != "fp32" and reduce_dtype_for(prof.precision) is not torch.float32:
+        # the step: every reduced gradient, and its fp32 copy on the masters (made by the unscale or by
+        # clip_grad_norm, dropped after the step; with fp32 reduction the gradient itself is the master's). Offloaded
+        # masters without clipping or loss scale skip the copy (cast chunk by chunk): counted anyway, as an upper bound
+        step = dict(base, activations=0, grads=persistent_grads + states["bytes"]["master"])
+        best = step if _total(step) > _total(best) else best
+    return best
 
 
 def _walk_backward(best: dict[str, int], base: dict[str, int], states: dict[str, Any], per_unit: list[int],
-                   stage: int, prefetch: int, persistent_grads: int) -> dict[str, int]:
+                   stage: int, prefetch: int, persistent_grads: int, gathered: int | None = None) -> dict[str, int]:
     """The largest total over the samples of backward at stages 1-3 ([Note: the estimated peak]): before and
     after each unit's backward, in backward order (the root's head before, its embedding after the units)."""
     n_units = len(per_unit)
@@ -363,7 +348,9 @@ def _walk_backward(best: dict[str, int], base: dict[str, int], states: dict[str,
             else:  # the reduced rows of the units done so far (beside micro-batches' accumulated full gradients)
                 point["grads"] = base.get("grads", 0) + grads
             comm = sum(reduce_[j] for j in done[-REDUCES_IN_FLIGHT:])
-            if stage == 3:
+            if stage == 3 and gathered is not None:  # every unit gathered for the whole step: no prefetch
+                point["params_gathered"] = gathered
+            elif stage == 3:
                 point["params_gathered"] = full[0] + (0 if after else full[u])
                 if prefetch and k >= 1:  # the gather of the unit before it is in flight
                     comm += staging[u - 1]
@@ -379,11 +366,14 @@ def _total(b: Mapping[str, int]) -> int:
 
 
 def format_estimates(estimates: Sequence[Estimate]) -> str:
-    """One line per estimate: bytes per category at the estimated peak, the model state and the peak."""
-    cats = [c for c in CATEGORIES if any(e.bytes.get(c) for e in estimates)]
+    """One line per estimate (under pp: per pipeline rank): bytes per category at the estimated peak, the model
+    state and the peak."""
+    rows_of = [(e, s) for e in estimates for s in (e.stages or (e,))]
+    cats = [c for c in CATEGORIES if any(s.bytes.get(c) for _, s in rows_of)]
     head = ["profile", "ranks", *cats, "model state", "peak"]
-    rows = [[e.profile, str(e.world_size), *(format_bytes(e.bytes.get(c, 0)) for c in cats),
-             format_bytes(e.model_state), format_bytes(e.peak_total)] for e in estimates]
+    rows = [[e.profile, f"{s.world_size}" + (f" pp {s.pp_rank}" if s.pp > 1 else ""),
+             *(format_bytes(s.bytes.get(c, 0)) for c in cats), format_bytes(s.model_state),
+             format_bytes(s.peak_total)] for e, s in rows_of]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
@@ -391,5 +381,6 @@ def format_estimates(estimates: Sequence[Estimate]) -> str:
         e = estimates[0]
         lines.append(f"{e.model}: {e.num_params:,} parameters; per rank (rank 0: the most rows), at the estimated "
                      "peak; model state as the ZeRO formula counts it (full gradients at stages 0-1)")
-        lines += [u for u in dict.fromkeys(e.units for e in estimates) if u]
+        lines += [u for u in dict.fromkeys(e.units for e in estimates if not e.stages) if u]
+        lines += list(dict.fromkeys(s.notes[0] for _, s in rows_of if s.pp > 1))  # which stages, what in flight
     return "\n".join(lines)

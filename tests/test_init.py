@@ -230,7 +230,7 @@ LAYERS = {
     "zero": 3, "recompute": 3, "tp": 3, "pp": 3,
     "engines": 4,
     "trainer": 5, "trainer_config": 5, "api": 5, "checkpoint": 5, "validate": 5, "estimator": 5,
-    "estimate_activations": 5, "plan": 5,
+    "estimate_activations": 5, "estimate_offload": 5, "estimate_pp": 5, "plan": 5,
     "cli": 6, "cli_args": 6, "cli_estimate": 6, "cli_export": 6, "cli_plan": 6, "bench": 6, "__main__": 6,
 }
 # `from memsave import __version__` (a name of the package root, not a submodule): the root re-exports layers

@@ -162,6 +162,8 @@ def report(*holders: object, profile: str = "", name: str = "", group: mdist.Pro
         present.update(r["current"], r["category_peak"])
     if estimate is not None:
         present.update(estimate["bytes"])
+        for stage in estimate.get("stages", ()):
+            present.update(stage["bytes"])
     model, num_params = _num_params(holders)
     device = "cuda" if any(r["process"]["device_peak"] for r in ranks) else "cpu"
     data = {

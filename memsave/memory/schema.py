@@ -196,8 +196,10 @@ def format_text(data: Mapping[str, Any]) -> str:
             rows.append(["", "max over run", *(format_bytes(r["category_peak"].get(c, 0)) for c in cats), "",
                          *blank])
     if est is not None:
-        rows.append(["est", f"N={est['world_size']}", *(format_bytes(est["bytes"].get(c, 0)) for c in cats),
-                     format_bytes(est["peak_total"]), *blank])
+        for e in est.get("stages") or [est]:  # under pp: one row per pipeline rank
+            label = f"pp {e['pp_rank']}" if "pp_rank" in e else f"N={est['world_size']}"
+            rows.append(["est", label, *(format_bytes(e["bytes"].get(c, 0)) for c in cats),
+                         format_bytes(e["peak_total"]), *blank])
     name = f" {run['name']}" if run["name"] and run["name"] != run["profile"] else ""
     title = f"memory report{name}" + (f" ({run['profile']})" if run["profile"] else "")
     lines = [f"{title}: {run['world_size']} rank(s) on {run['device']}"

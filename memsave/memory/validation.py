@@ -160,12 +160,19 @@ def _rank(value: Any, path: str, cats: tuple[str, ...], world_size: int) -> int:
 def _estimate(value: Any, path: str, cats: tuple[str, ...]) -> None:
     if value is None:
         return
-    est = _keys(value, path, ("world_size", "bytes", "peak_total", "notes"))
+    keys = ("world_size", "bytes", "peak_total", "notes")
+    est = _keys(value, path, (*keys, "stages") if isinstance(value, dict) and "stages" in value else keys)
     _int(est["world_size"], f"{path}.world_size", 1)
     _bytes(est["bytes"], f"{path}.bytes", cats)
     _int(est["peak_total"], f"{path}.peak_total")
     for i, note in enumerate(_list(est["notes"], f"{path}.notes")):
         _str(note, f"{path}.notes[{i}]")
+    for i, stage in enumerate(_list(est.get("stages", []), f"{path}.stages")):  # under pp: one per pipeline rank
+        where = f"{path}.stages[{i}]"
+        _keys(stage, where, ("pp_rank", "bytes", "peak_total"))
+        _int(stage["pp_rank"], f"{where}.pp_rank")
+        _bytes(stage["bytes"], f"{where}.bytes", cats)
+        _int(stage["peak_total"], f"{where}.peak_total")
 
 
 def validate_report(data: Any, *, where: str = "report") -> None:

@@ -81,6 +81,10 @@ class SavedBytes:
     _outside_keys: dict[Hashable, int] | None = field(default=None, repr=False, compare=False)
     # per unit, what it keeps under selective recomputation besides its inputs (set by with_selective)
     _selective_keys: tuple[dict[Hashable, int], ...] = field(default=(), repr=False, compare=False)
+    # the units in the order their forwards started, and per outside storage how many had started when it was
+    # first saved (memsave.estimate under pp: which stage runs the code between two units)
+    _calls: tuple[int, ...] = field(default=(), repr=False, compare=False)
+    _outside_at: dict[Hashable, int] | None = field(default=None, repr=False, compare=False)
 
     def estimate(self, recomputed: set[int] | frozenset[int], selective: set[int] | frozenset[int] = frozenset()) -> int:
         """Total saved bytes if the units at ``recomputed`` indices were fully recomputed, those at ``selective``
@@ -119,6 +123,8 @@ class _Recorder:
         self.units: list[dict[Hashable, int]] = [{} for _ in range(num_units)]
         self.inputs: list[dict[Hashable, int]] = [{} for _ in range(num_units)]
         self.outside: dict[Hashable, int] = {}
+        self.calls: list[int] = []
+        self.outside_at: dict[Hashable, int] = {}
         self.keep: list[torch.Tensor] = []  # saved tensors stay alive while we count: no address is reused
         self.flops = [0.0] * num_units
         self.elements = [0.0] * num_units
@@ -137,7 +143,10 @@ class _Recorder:
 
     def saved(self, obj: Any) -> None:
         target = self.units[self.stack[-1]] if self.stack else self.outside
-        target.update(self._tensors(obj))
+        for key, nbytes in self._tensors(obj):
+            target[key] = nbytes
+            if not self.stack:
+                self.outside_at.setdefault(key, len(self.calls))
 
     def unit_inputs(self, i: int, args: tuple, kwargs: dict) -> None:
         self.inputs[i].update(self._tensors((args, kwargs)))
@@ -156,6 +165,8 @@ class _Recorder:
             _unit_keys=tuple(self.units),
             _input_keys=tuple(self.inputs),
             _outside_keys=self.outside,
+            _calls=tuple(self.calls),
+            _outside_at=self.outside_at,
         )
 
 
@@ -231,6 +242,7 @@ def measure_saved_bytes(run: Callable[[], Any], units: Sequence[nn.Module], *,
     def pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
         i = index[id(module)]
         rec.stack.append(i)
+        rec.calls.append(i)
         rec.unit_inputs(i, args, kwargs)
 
     def post(module: nn.Module, args: tuple, output: Any) -> None:
