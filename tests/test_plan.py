@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -125,7 +126,7 @@ def test_plan_70b_on_1024_devices() -> None:
     spec = from_hf_config(LLAMA_70B)
     pl = plan(spec, VENDOR["h100"], world=1024, global_batch=1024, seq=4096, budget=80 * 2**30)
     best = pl.best
-    assert best.peak * 1.10 <= 80 * 2**30 and pl.considered > 500
+    assert best.peak * 1.10 <= 80 * 2**30 and pl.considered > 300
     assert "device memory" in pl.binding() and "of 80.0 GiB" in pl.binding()
     assert all(p.step_time >= best.step_time for p in pl.ranked)
     small = plan(spec, VENDOR["h100"], world=8, global_batch=8, seq=4096, budget=80 * 2**30)
@@ -168,7 +169,8 @@ def _measure(cases: list[dict[str, Any]], seq: int) -> list[dict[str, Any]]:
 
 def test_the_choice_fits_when_run() -> None:
     """For a grid of budgets on the reference GPT at 2 ranks, the chosen configuration runs and its measured peak
-    per rank is within the budget; the predicted peak is within 10% of the measured one (printed per case)."""
+    per rank is within the budget; the predicted peak (memsave.estimate on the model) is within 5% of the measured
+    one (printed per case)."""
     cfg = gpt_config("small", dropout=0.0)
     with torch.device("meta"):
         meta = GPT(cfg)
@@ -176,19 +178,28 @@ def test_the_choice_fits_when_run() -> None:
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
     batch = {"input_ids": ids, "labels": ids}
     spec = from_gpt(cfg)
-    budgets = [64 * 2**20, 12 * 2**20, 9 * 2**20, 6 * 2**20, 5 * 2**20]
+    # the choices go from pp2 zero-bubble, to it with selective recompute, to dp2 zero2 with full recompute, to tp2;
+    # the last one keeps to data parallelism (zero3)
+    grid = [(16, None), (11, None), (10, None), (9, None), (9.5, (1,))]
+    budgets = [int(mib * 2**20) for mib, _ in grid]
     chosen = []
-    for budget in budgets:
-        pl = plan(spec, CPU, world=2, global_batch=8, seq=seq, budget=budget, disk_budget=2**30,
-                  exact=lambda c: exact_peak(meta, c, _rows(batch, c.micro_batch), device="cpu"))
+
+    @functools.lru_cache(maxsize=None)
+    def exact(c: Candidate) -> dict[str, int]:
+        return exact_peak(meta, c, _rows(batch, c.micro_batch), device="cpu")
+
+    for budget, (_, only) in zip(budgets, grid):
+        pl = plan(spec, CPU, world=2, global_batch=8, seq=seq, budget=budget, disk_budget=2**30, tp_degrees=only,
+                  pp_degrees=only, exact=exact)
         chosen.append(pl.best)
+    assert len({(p.candidate.tp, p.candidate.pp, p.candidate.stage, p.candidate.recompute) for p in chosen}) == 5
     results = run_ranks(_measure, 2, [dataclasses.asdict(p.candidate) for p in chosen], seq, timeout=300)
     for budget, p, *per_rank in zip(budgets, chosen, *results):
         measured = max(r["peak"] for r in per_rank)
         print(f"{budget / 2**20:5.1f} MiB: {p.candidate.label()}: predicted {p.peak / 2**20:.2f} MiB, measured "
               f"{measured / 2**20:.2f} MiB ({p.peak / measured - 1:+.1%})")
         assert measured <= budget, (p.candidate.label(), measured, budget)
-        assert p.peak == pytest.approx(measured, rel=0.10), p.candidate.label()
+        assert p.peak == pytest.approx(measured, rel=0.05), p.candidate.label()
 
 
 def test_cli_plan_write_explain(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -70,9 +70,10 @@ def to_toml(c: Candidate, *, why: str = "", offload_path: str | Path | None = No
 
 
 def exact_peak(model: torch.nn.Module, c: Candidate, batch: Any, *, device: str) -> dict[str, int]:
-    """Bytes per category on the busiest rank from :func:`memsave.estimate` (pp = 1 only)."""
+    """Bytes per category on the busiest rank from :func:`memsave.estimate` (under pp: the busiest stage's rank
+    under the candidate's schedule)."""
     from memsave.estimator import estimate  # layer 5
 
-    est = estimate(model, to_profile(c), world_size=c.dp * c.tp, batch=batch, device=device,
+    est = estimate(model, to_profile(c), world_size=c.dp * c.tp * c.pp, batch=batch, device=device,
                    micro_batches=c.micro_batches)
     return dict(est.bytes)

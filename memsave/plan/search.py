@@ -64,11 +64,14 @@ def _divisors(n: int) -> list[int]:
 def candidates(spec: ModelSpec, world: int, global_batch: int, *, gpus_per_node: int, precisions: Sequence[str],
                offloads: Sequence[str], recomputes: Sequence[str] = ("none", "selective", "full"),
                schedules: Sequence[str] = ("1f1b", "interleaved", "zero-bubble"), max_micro_batches: int = 64,
-               optimizer: str = "adamw") -> Iterator[Candidate]:
+               optimizer: str = "adamw", tp_degrees: Sequence[int] | None = None,
+               pp_degrees: Sequence[int] | None = None) -> Iterator[Candidate]:
     for tp in _divisors(world):
-        if tp > gpus_per_node or (spec.heads and spec.heads % tp):
+        if tp > gpus_per_node or (spec.heads and spec.heads % tp) or (tp_degrees and tp not in tp_degrees):
             continue
         for pp in _divisors(world // tp):
+            if pp_degrees and pp not in pp_degrees:
+                continue
             if pp > spec.layers or (tp > 1 and pp > 1):
                 continue  # tp inside pipeline stages is refused by memsave.wrap (NotImplementedError)
             dp = world // (tp * pp)
@@ -87,8 +90,10 @@ def candidates(spec: ModelSpec, world: int, global_batch: int, *, gpus_per_node:
                         for off in offloads:
                             if off.startswith("optimizer+params") and stage != 3:
                                 continue  # parameters are offloaded as ZeRO-3 shards
-                            if off != "none" and stage == 0:
-                                continue  # offload streams ZeRO's shards
+                            if off != "none" and (stage == 0 or pp > 1 or tp > 1):
+                                # offload streams ZeRO's shards, not yet a pipeline stage's (refused); with tp
+                                # the estimator misses ~30% of the peak (the replicated rows' buffers): not offered
+                                continue
                             if dp == 1 and stage and (off == "none" or stage not in (1, 3)):
                                 continue  # one rank: a stage only to offload (1: the optimizer, 3: parameters)
                             for prec in precisions:
@@ -104,12 +109,14 @@ def plan(spec: ModelSpec, hw: Hardware, *, world: int, global_batch: int, seq: i
          precisions: Sequence[str] | None = None, offloads: Sequence[str] | None = None,
          recomputes: Sequence[str] = ("none", "selective", "full"), optimizer: str = "adamw",
          exact: Callable[[Candidate], dict[str, int]] | None = None, headroom: float = 0.05,
-         analytic_headroom: float = 0.10) -> Plan:
+         analytic_headroom: float = 0.10, tp_degrees: Sequence[int] | None = None,
+         pp_degrees: Sequence[int] | None = None) -> Plan:
     """Every configuration of ``spec`` on ``world`` devices of ``hw`` for ``global_batch`` sequences of ``seq``
     tokens per step, ranked ([module docstring]). ``exact``: bytes per category of a candidate from the model
-    itself (:func:`memsave.plan.profile.exact_peak`), used instead of the closed forms where it answers (pp = 1).
+    itself (:func:`memsave.plan.profile.exact_peak`), used instead of the closed forms.
     A candidate fits when its peak plus ``headroom`` (of the exact figure; ``analytic_headroom`` of the closed
-    forms) is within ``budget``: the validated error of each, kept free."""
+    forms) is within ``budget``: the validated error of each, kept free. ``tp_degrees``, ``pp_degrees``: only
+    these degrees (default: every divisor that fits)."""
     for key, value in (("world", world), ("global_batch", global_batch), ("seq", seq)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{key} = {value!r} is not allowed; expected a positive integer")
@@ -126,10 +133,11 @@ def plan(spec: ModelSpec, hw: Hardware, *, world: int, global_batch: int, seq: i
     smallest: dict[str, Priced] = {}
     n = 0
     for c in candidates(spec, world, global_batch, gpus_per_node=gpus_per_node, precisions=precisions,
-                        offloads=offloads, recomputes=recomputes, optimizer=optimizer):
+                        offloads=offloads, recomputes=recomputes, optimizer=optimizer, tp_degrees=tp_degrees,
+                        pp_degrees=pp_degrees):
         n += 1
         p = price(spec, c, hw, seq, gpus_per_node=gpus_per_node)
-        if exact is not None and c.pp == 1:
+        if exact is not None:
             measured = exact(c)
             host, disk = measured.get("offload_host", 0), measured.get("offload_disk", 0)
             device = {k: float(v) for k, v in measured.items() if k not in OFF_DEVICE}
