@@ -10,7 +10,8 @@ One mode a run, chosen by the command line (this module is the only one that imp
 - ``memory`` (``--memory``): the memory tracker and the estimator per profile, and torch's ``MemTracker``;
 - ``tp`` (``--tp``): memsave's tensor parallelism against the formulas (parameter and activation bytes per rank)
   and against one process and torch's DTensor TP (step time);
-- ``pp`` (``--pp``): the pipeline schedules' measured idle fraction against the bubble formulas and the simulator.
+- ``pp`` (``--pp``): the pipeline schedules' measured idle fraction against the bubble formulas and the simulator;
+- ``plan`` (``--plan``): the planner's predicted peak and step time against measurement, and its speed.
 ``common`` holds what they share: :class:`BenchOptions`, :func:`run_each`, :class:`ConfigFailed` and the
 results' table and JSON file.
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from memsave.bench import fit, memory, offload, optimizers, pp, recompute, steptime, tp
+from memsave.bench import fit, memory, offload, optimizers, plan, pp, recompute, steptime, tp
 from memsave.bench.common import BenchOptions, ConfigFailed, run_each, show_results
 from memsave.bench.fit import FitOptions
 from memsave.bench.optimizers import OPTIMIZERS, format_optim_table, run_optim_bench
@@ -110,6 +111,10 @@ def add_parser(sub: Any) -> None:
                    help="instead: the pipeline schedules, pp = --nproc ranks (memsave/bench/pp.py): measured idle "
                         "fraction per rank against the bubble formulas and memsave.pp.simulate, for gpipe, 1f1b, "
                         "interleaved and zero-bubble at m = 4, 8, 16 micro-batches")
+    p.add_argument("--plan", action="store_true",
+                   help="instead: memsave plan's predictions against measurement (memsave/bench/plan.py): every "
+                        "configuration it offers for the reference GPT on --nproc ranks, predicted vs measured peak "
+                        "and step time, its choice vs the fastest measured; and the time of a 70B plan")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
 
 
@@ -129,6 +134,8 @@ def run_command(args: Any, extra: Any) -> int:
         return tp.run_command(opts, args.json)
     if args.pp:
         return pp.run_command(opts, args.json)
+    if args.plan:
+        return plan.run_command(opts, args.json)
     if args.memory:
         return memory.run_command(args.memory, opts, args.json)
     if args.offload:

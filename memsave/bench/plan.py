@@ -1,0 +1,151 @@
+"""``memsave bench --plan``: the planner's predictions against measurement, and its speed.
+
+1. On this machine (rates from ``memsave calibrate``), every configuration the planner offers for the reference
+   GPT on ``--nproc`` ranks at a global batch, in fresh processes: predicted peak per rank (memsave.estimate) and
+   step time (the cost model) beside the measured ones (the tracker's peak, the median step). The planner's
+   choice for a budget is then compared with the fastest *measured* configuration that fits it.
+2. A full plan for a 70B-parameter Llama over 1,024 H100s (vendor rates): seconds to answer, configurations
+   considered, the choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memsave.bench.common import BenchOptions
+
+__all__ = ["LLAMA_70B", "run_command", "run_plan_bench"]
+
+LLAMA_70B = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+             "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
+             "max_position_embeddings": 8192, "tie_word_embeddings": False}
+
+
+def _measure(cases: list[dict[str, Any]], size: str, seq: int, steps: int, warmup: int) -> list[dict[str, Any]]:
+    """In each rank: every case trained ``steps`` steps; the tracker's peak of a tracked step and the median of
+    the untracked steps after ``warmup``."""
+    import memsave
+    from memsave.memory import MemoryTracker
+    from memsave.models import GPT, TokenBatches, gpt_config
+    from memsave.plan import Candidate, to_profile
+
+    out = []
+    for raw in cases:
+        c = Candidate(**raw)
+        mesh = memsave.init(tp=c.tp, pp=c.pp)
+        torch.manual_seed(0)
+        model = GPT(gpt_config(size, dropout=0.0))
+        prof = to_profile(c, offload_path=f"/tmp/memsave-bench-plan-{mesh.rank}")
+        opt = memsave.optim.build_optimizer(model.parameters(), prof.optimizer)
+        model, opt = memsave.wrap(model, opt, prof, mesh=mesh)
+        data = TokenBatches(seq_len=seq, batch_size=c.micro_batch, dp_rank=mesh.dp_rank, dp_size=mesh.dp_size)
+
+        def step(i: int) -> None:
+            batches = [data.batch(i * c.micro_batches + j) for j in range(c.micro_batches)]
+            if c.pp > 1:
+                model.pipeline_step(batches)
+            else:
+                for j, b in enumerate(batches):
+                    with model.no_sync() if j < len(batches) - 1 else torch.enable_grad():
+                        opt.backward(model(**b).loss / c.micro_batches)
+            opt.step()
+            opt.zero_grad()
+
+        tracker = MemoryTracker(model, opt)
+        step(0)
+        step(1)
+        peak = tracker.peak["total"]
+        tracker.close()
+        times = []
+        for i in range(2, 2 + steps):
+            memsave.dist.barrier(None)
+            t0 = time.perf_counter()
+            step(i)
+            memsave.dist.barrier(None)
+            if i >= 2 + warmup:
+                times.append(time.perf_counter() - t0)
+        out.append({"peak": peak, "step_s": statistics.median(times)})
+    return out
+
+
+def run_plan_bench(opts: BenchOptions, *, global_batch: int = 8, budget_mib: float = 64.0,
+                   timeout_s: float = 1800) -> dict[str, Any]:
+    from memsave._launch import spawn_local
+    from memsave.cli_plan import _rows
+    from memsave.models import GPT, gpt_config
+    from memsave.plan import VENDOR, calibrate, exact_peak, from_gpt, from_hf_config, plan
+
+    hw = calibrate()
+    cfg = gpt_config(opts.size, dropout=0.0)
+    with torch.device("meta"):
+        meta = GPT(cfg)
+    ids = torch.zeros(1, opts.seq_len, dtype=torch.long, device="meta")
+    batch = {"input_ids": ids, "labels": ids}
+
+    @functools.lru_cache(maxsize=None)
+    def exact(c: Any) -> dict[str, int]:
+        return exact_peak(meta, c, _rows(batch, c.micro_batch), device="cpu")
+
+    budget = budget_mib * 2**20
+    result = plan(from_gpt(cfg), hw, world=opts.nproc, global_batch=global_batch, seq=opts.seq_len, budget=budget,
+                  exact=exact, recomputes=("none", "full"))
+    # one of each (mesh, stage, recompute, schedule): the fastest micro-batch split of each
+    seen: dict[Any, Any] = {}
+    for p in result.ranked:
+        c = p.candidate
+        seen.setdefault((c.tp, c.pp, c.stage, c.recompute, c.schedule if c.pp > 1 else ""), p)
+    chosen = list(seen.values())
+    measured = spawn_local(_measure, opts.nproc, ([dataclasses.asdict(p.candidate) for p in chosen], opts.size,
+                                                  opts.seq_len, opts.steps, opts.warmup), timeout_s=timeout_s)
+    rows = []
+    for i, p in enumerate(chosen):
+        peak = max(r[i]["peak"] for r in measured)
+        step = max(r[i]["step_s"] for r in measured)
+        rows.append({"config": p.candidate.label(), "predicted_peak": p.peak, "peak": peak,
+                     "predicted_step_s": p.step_time, "step_s": step, "bottleneck": p.bottleneck})
+    fits = [r for r in rows if r["peak"] <= budget]
+    fastest = min(fits, key=lambda r: r["step_s"]) if fits else None
+    t0 = time.perf_counter()
+    big = plan(from_hf_config(LLAMA_70B), VENDOR["h100"], world=1024, global_batch=1024, seq=4096,
+               budget=80 * 2**30)
+    seconds = time.perf_counter() - t0
+    return {"hardware": hw.to_dict(), "rows": rows, "choice": chosen[0].candidate.label(),
+            "choice_step_s": rows[0]["step_s"], "fastest_measured": fastest["config"] if fastest else None,
+            "fastest_step_s": fastest["step_s"] if fastest else None,
+            "llama70b": {"seconds": seconds, "considered": big.considered, "choice": big.best.candidate.label(),
+                         "binding": big.binding(), "predicted_step_s": big.best.step_time}}
+
+
+def format_plan_table(res: dict[str, Any]) -> str:
+    lines = [f"{'configuration':<52} {'peak MiB':>8} {'pred':>7} {'err':>6}  {'step ms':>8} {'pred':>8} {'err':>6}"]
+    for r in res["rows"]:
+        lines.append(f"{r['config']:<52} {r['peak'] / 2**20:>8.2f} {r['predicted_peak'] / 2**20:>7.2f} "
+                     f"{r['predicted_peak'] / r['peak'] - 1:>+6.1%}  {r['step_s'] * 1e3:>8.1f} "
+                     f"{r['predicted_step_s'] * 1e3:>8.1f} {r['predicted_step_s'] / r['step_s'] - 1:>+6.1%}")
+    lines.append(f"planner's choice: {res['choice']} ({res['choice_step_s'] * 1e3:.1f} ms measured); fastest measured "
+                 f"that fits: {res['fastest_measured']} ({(res['fastest_step_s'] or 0) * 1e3:.1f} ms): the choice is "
+                 f"{res['choice_step_s'] / res['fastest_step_s']:.2f}x the fastest")
+    b = res["llama70b"]
+    lines.append(f"Llama 70B on 1,024 H100 (vendor rates): planned in {b['seconds']:.2f} s over {b['considered']} "
+                 f"configurations: {b['choice']}, predicted step {b['predicted_step_s']:.2f} s; {b['binding']}")
+    return "\n".join(lines)
+
+
+def run_command(opts: BenchOptions, json_path: Path | None) -> int:
+    res = run_plan_bench(opts)
+    hw = res["hardware"]
+    print(f"memsave bench --plan: reference GPT {opts.size}, {opts.nproc} ranks, seq {opts.seq_len}, global batch 8; "
+          f"rates of {hw['name']} ({hw['source']}); every configuration the planner offers within 64 MiB, the "
+          "fastest micro-batch split of each")
+    print(format_plan_table(res))
+    if json_path is not None:
+        json_path.write_text(json.dumps(res, indent=1) + "\n")
+    return 0
