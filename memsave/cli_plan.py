@@ -14,9 +14,19 @@ from memsave.cli_args import UsageError, split_overrides
 from memsave.cli_estimate import _estimate_model
 from memsave.config import load_profile
 from memsave.memory.schema import format_bytes
-from memsave.plan import Candidate, PlanError, calibrate, exact_peak, from_hf_config, from_module, load_hardware
+from memsave.models import GPT
+from memsave.plan import (
+    Candidate,
+    PlanError,
+    calibrate,
+    exact_peak,
+    from_hf_config,
+    from_module,
+    load_hardware,
+    price,
+    to_toml,
+)
 from memsave.plan import plan as make_plan
-from memsave.plan import price, to_toml
 from memsave.plan.spec import from_gpt
 from memsave.recompute.policy import parse_size
 
@@ -44,9 +54,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--hardware", default="local", help="local (calibrated here), a100, h100, h200, or a "
                    ".toml/.json file of rates (default: local)")
     p.add_argument("--top", type=int, default=5, help="candidates to print (default: 5)")
-    p.add_argument("--exact", choices=("auto", "on", "off"), default="auto",
-                   help="check each pp = 1 candidate's memory with memsave.estimate on the model itself (auto: on "
-                        "for gpt: and MODULE:FUNCTION, off for config.json)")
+    p.add_argument("--exact", choices=("on", "off"), default="on",
+                   help="check each candidate's memory with memsave.estimate on the model itself (gpt: and "
+                        "MODULE:FUNCTION returning (model, batch); a config.json is always priced by the closed "
+                        "forms) (default: on)")
     p.add_argument("--write", type=Path, default=None, metavar="PROFILE.toml", help="write the winner as a profile")
     p.add_argument("--explain", default=None, metavar="PROFILE",
                    help="instead of searching: the full breakdown of one profile (with --micro-batch, "
@@ -85,6 +96,7 @@ def _model(spec: str, seq: int) -> tuple[Any, torch.nn.Module | None, Any]:
             raise UsageError(f"--model {spec!r}: {exc}") from None
     model, batch = _estimate_model(spec, 1, seq)
     if spec.startswith("gpt:"):
+        assert isinstance(model, GPT)
         return from_gpt(model.config, name=spec), model, batch
     try:
         return from_module(model, name=spec), model, batch
@@ -119,15 +131,15 @@ def run_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     budget = _size("--device-memory", args.device_memory) or hw.memory
-    use_exact = model is not None and batch is not None and args.exact != "off"
     exact = None
-    if use_exact:
+    if model is not None and batch is not None and args.exact != "off":
+        meta = model
         cache: dict[Any, dict[str, int]] = {}
 
         def exact(c: Candidate) -> dict[str, int]:
             key = (c.dp, c.tp, c.stage, c.precision, c.recompute, c.offload, c.micro_batch, c.micro_batches)
             if key not in cache:
-                cache[key] = exact_peak(model, c, _rows(batch, c.micro_batch), device=hw.device)
+                cache[key] = exact_peak(meta, c, _rows(batch, c.micro_batch), device=hw.device)
             return cache[key]
     print(f"memsave plan: {spec.name}, {spec.num_params:,} parameters; {args.world} device(s) of {hw.name} "
           f"({hw.source}); budget {format_bytes(int(budget))} per device; {args.global_batch} x {args.seq_len} "

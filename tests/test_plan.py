@@ -16,9 +16,21 @@ from memsave.cli import main
 from memsave.cli_plan import _rows
 from memsave.memory import MemoryTracker
 from memsave.models import GPT, TokenBatches, gpt_config
-from memsave.plan import (Candidate, Hardware, LayerActivations, PlanError, exact_peak, from_gpt, from_hf_config,
-                          from_module, layer_activation_bytes, plan, price, to_profile, to_toml,
-                          zero_model_states)
+from memsave.plan import (
+    Candidate,
+    Hardware,
+    LayerActivations,
+    PlanError,
+    exact_peak,
+    from_gpt,
+    from_hf_config,
+    from_module,
+    layer_activation_bytes,
+    plan,
+    price,
+    to_profile,
+    zero_model_states,
+)
 from tests.harness import run_ranks
 
 GB = 1e9
@@ -184,7 +196,7 @@ def test_the_choice_fits_when_run() -> None:
     budgets = [int(mib * 2**20) for mib, _ in grid]
     chosen = []
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def exact(c: Candidate) -> dict[str, int]:
         return exact_peak(meta, c, _rows(batch, c.micro_batch), device="cpu")
 

@@ -29,6 +29,19 @@ LLAMA_70B = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28
              "max_position_embeddings": 8192, "tie_word_embeddings": False}
 
 
+def _step(model: Any, opt: Any, data: Any, c: Any, i: int) -> None:
+    """Optimizer step ``i`` of candidate ``c``: its micro-batches through the pipeline schedule, or accumulated."""
+    batches = [data.batch(i * c.micro_batches + j) for j in range(c.micro_batches)]
+    if c.pp > 1:
+        model.pipeline_step(batches)
+    else:
+        for j, b in enumerate(batches):
+            with model.no_sync() if j < len(batches) - 1 else torch.enable_grad():
+                opt.backward(model(**b).loss / c.micro_batches)
+    opt.step()
+    opt.zero_grad()
+
+
 def _measure(cases: list[dict[str, Any]], size: str, seq: int, steps: int, warmup: int) -> list[dict[str, Any]]:
     """In each rank: every case trained ``steps`` steps; the tracker's peak of a tracked step and the median of
     the untracked steps after ``warmup``."""
@@ -42,23 +55,12 @@ def _measure(cases: list[dict[str, Any]], size: str, seq: int, steps: int, warmu
         c = Candidate(**raw)
         mesh = memsave.init(tp=c.tp, pp=c.pp)
         torch.manual_seed(0)
-        model = GPT(gpt_config(size, dropout=0.0))
+        model: Any = GPT(gpt_config(size, dropout=0.0))
         prof = to_profile(c, offload_path=f"/tmp/memsave-bench-plan-{mesh.rank}")
         opt = memsave.optim.build_optimizer(model.parameters(), prof.optimizer)
         model, opt = memsave.wrap(model, opt, prof, mesh=mesh)
         data = TokenBatches(seq_len=seq, batch_size=c.micro_batch, dp_rank=mesh.dp_rank, dp_size=mesh.dp_size)
-
-        def step(i: int) -> None:
-            batches = [data.batch(i * c.micro_batches + j) for j in range(c.micro_batches)]
-            if c.pp > 1:
-                model.pipeline_step(batches)
-            else:
-                for j, b in enumerate(batches):
-                    with model.no_sync() if j < len(batches) - 1 else torch.enable_grad():
-                        opt.backward(model(**b).loss / c.micro_batches)
-            opt.step()
-            opt.zero_grad()
-
+        step = functools.partial(_step, model, opt, data, c)
         tracker = MemoryTracker(model, opt)
         step(0)
         step(1)
@@ -90,7 +92,7 @@ def run_plan_bench(opts: BenchOptions, *, global_batch: int = 8, budget_mib: flo
     ids = torch.zeros(1, opts.seq_len, dtype=torch.long, device="meta")
     batch = {"input_ids": ids, "labels": ids}
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def exact(c: Any) -> dict[str, int]:
         return exact_peak(meta, c, _rows(batch, c.micro_batch), device="cpu")
 

@@ -53,7 +53,7 @@ class LayerActivations:
     layer_input: float = 2.0  # what full recomputation keeps
 
     @classmethod
-    def for_model(cls, elem: int, dropout: bool, fused_attention: bool) -> "LayerActivations":
+    def for_model(cls, elem: int, dropout: bool, fused_attention: bool) -> LayerActivations:
         """The constants for activations of ``elem`` bytes: without dropout its three 1-byte masks and the
         dropped-out scores are not kept; with a fused attention kernel the scores are never materialized."""
         unit = elem / 2  # the paper's constants are for 2-byte activations

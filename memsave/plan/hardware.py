@@ -137,6 +137,18 @@ def _matmul_flops(device: str, dtype: torch.dtype) -> float:
     return 2 * n**3 / _timed(lambda: torch.mm(a, b))
 
 
+def _copy_rates(device: str) -> tuple[float, float]:
+    """(device memory bandwidth, host-device bandwidth): a 128 MiB copy on the device (read + write), and one to
+    pinned host memory (on CPU the two are the same memory)."""
+    x = torch.empty(32 * 2**20, device=device)
+    y = torch.empty_like(x)
+    mem_bw = 2 * x.numel() * 4 / _timed(lambda: y.copy_(x))
+    if device != "cuda":
+        return mem_bw, mem_bw
+    host = torch.empty(x.numel(), pin_memory=True)
+    return mem_bw, x.numel() * 4 / _timed(lambda: host.copy_(x))
+
+
 def _disk(folder: Path, nbytes: int) -> tuple[float, float]:
     data = os.urandom(nbytes)
     with tempfile.NamedTemporaryFile(dir=folder, prefix="memsave-calibrate-") as f:
@@ -158,10 +170,10 @@ def _disk(folder: Path, nbytes: int) -> tuple[float, float]:
 def _allreduce_worker(nbytes: int) -> float:
     """Run in each of two spawned ranks: the bus bandwidth of an all-reduce of ``nbytes`` (2 (n-1)/n bytes per
     rank over the time)."""
-    import memsave
     from memsave import dist as mdist
+    from memsave.dist.init import init
 
-    memsave.init()
+    init()
     t = torch.ones(nbytes // 4)
     group = None
     n = mdist.group_size(group)
@@ -181,7 +193,7 @@ def _step_rates(device: str, peak: float) -> tuple[float, float]:
     for rows in (1, 8):
         ids = torch.randint(0, cfg.vocab_size, (rows, cfg.block_size), device=device)
 
-        def step() -> None:
+        def step(ids: torch.Tensor = ids) -> None:
             model(ids, labels=ids).loss.backward()
 
         seconds.append(_timed(step, min_s=0.5))
@@ -202,16 +214,9 @@ def calibrate(*, device: str | None = None, folder: str | Path | None = None, re
 
     flops = {"fp32": _matmul_flops(device, torch.float32), "bf16": _matmul_flops(device, torch.bfloat16)}
     flops["fp16"] = _matmul_flops(device, torch.float16) if device == "cuda" else flops["bf16"]
-    x = torch.empty(32 * 2**20, device=device)
-    y = torch.empty_like(x)
-    mem_bw = 2 * x.numel() * 4 / _timed(lambda: y.copy_(x))
-    if device == "cuda":
-        host = torch.empty(x.numel(), pin_memory=True)
-        host_bw = x.numel() * 4 / _timed(lambda: host.copy_(x))
-        memory = float(torch.cuda.get_device_properties(0).total_memory)
-    else:
-        host_bw, memory = mem_bw, float(psutil.virtual_memory().total)
-    del x, y
+    mem_bw, host_bw = _copy_rates(device)
+    memory = float(torch.cuda.get_device_properties(0).total_memory if device == "cuda"
+                   else psutil.virtual_memory().total)
     write, _read = _disk(Path(folder or tempfile.gettempdir()), 64 * 2**20)
     bus = mem_bw
     if collectives:

@@ -40,9 +40,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 from torch.utils._pytree import tree_leaves
-import torch.utils.checkpoint as torch_checkpoint
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 from memsave.models.units import attributes, output_tensors
