@@ -258,3 +258,23 @@ def test_wrap_auto_profile() -> None:
         opt.zero_grad()
     assert tracker.peak["total"] <= ddp * 0.9
     tracker.close()
+
+
+def test_calibrate_caches_and_hardware_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """calibrate measures positive rates once and reads them back from the cache; a rates file with an unknown
+    key is refused naming it; vendor entries say where their figures come from."""
+    from memsave.plan import VENDOR, calibrate, load_hardware
+
+    monkeypatch.setenv("MEMSAVE_CACHE_DIR", str(tmp_path / "cache"))
+    hw = calibrate(folder=tmp_path, collectives=False)
+    assert all(v > 0 for v in (hw.flops["fp32"], hw.mem_bw, hw.disk_bw, hw.memory)) and 0 < hw.efficiency <= 1
+    assert "measured by memsave calibrate" in hw.source
+    assert calibrate(folder=tmp_path, collectives=False) == hw  # from the cache, not measured again
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+    bad = tmp_path / "rates.toml"
+    bad.write_text('flops = {fp32 = 1e12}\nbandwith = 1e9\n')
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['bandwith'\]"):
+        load_hardware(bad)
+    with pytest.raises(ValueError, match="--hardware 'tpu-v9' is not allowed"):
+        load_hardware("tpu-v9")
+    assert all("vendor data sheet" in h.source and "assumption" in h.source for h in VENDOR.values())
