@@ -106,6 +106,7 @@ def _unit_materializer(deferred: Materializer, plan: Plan) -> Callable[[list[nn.
     mesh = plan.mesh
 
     def before_unit(params: list[nn.Parameter]) -> None:
+        mdist.trim_host_memory()  # the previous unit's full parameters, freed: out of RSS before the next one
         for t in deferred.materialize(params, device=mesh.device, dtype=plan.compute_dtype):
             mdist.broadcast(t.data, 0, mesh.dp_group)
     return before_unit
@@ -176,6 +177,8 @@ def _transform(model: nn.Module, plan: Plan, units: Sequence[nn.Module] | None, 
         recomputed = mrecompute.apply(units, profile.recompute, model=model, example_inputs=example_inputs)
     try:
         engine = _data_parallel(model, plan, units, _unit_materializer(deferred, plan) if per_unit and deferred else None)
+        if per_unit:
+            mdist.trim_host_memory()  # (the last unit's full parameters)
     except BaseException:
         if recomputed is not None:  # a refused wrap leaves the model as it was
             mrecompute.remove(recomputed)

@@ -72,7 +72,13 @@ class Materializer:
         self.ops = [op for p in self.programs for op in p.ops]
         gens = {id(op.rng[0]): op.rng[0] for op in self.ops if op.rng is not None}
         gens[id(torch.default_generator)] = torch.default_generator
-        self._trace_inits(model, init_fn)
+        before = [(g, g.get_state()) for g in gens.values()]
+        try:
+            self._trace_inits(model, init_fn)
+        except BaseException:
+            for g, state in before:  # a refused wrap draws nothing
+                g.set_state(state)
+            raise
         # the RNG after wrap is where it was at wrap (after the traced inits, which stand for an eager construction)
         self._generators = [(g, g.get_state()) for g in gens.values()]
 

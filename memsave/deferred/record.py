@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -212,6 +214,27 @@ def recording(program: Program) -> Iterator[Program]:
             setattr(torch.nn.init, name, original)
 
 
+_META = torch.device("meta")
+# built from data the caller holds: left on the CPU (they hold their values already)
+_FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
+
+
+class MetaFactories(TorchFunctionMode):
+    """Tensor factories default to the meta device, as under ``torch.device("meta")``, except those built from data.
+
+    [Note: not a device context] ``torch.device("meta")`` makes ``torch.tensor([]).device`` meta, which is how
+    Hugging Face's ``init_weights`` tells a meta-device construction and then *skips* ``_init_weights`` (pointless
+    without recording): its values would then differ from an eager construction's. Under this mode the default
+    device stays the CPU and data-built tensors stay there, so the model's own init runs and is recorded.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _device_constructors() and func not in _FROM_DATA and kwargs.get("device") is None:
+            kwargs["device"] = _META
+        return func(*args, **kwargs)
+
+
 _PROGRAMS: list[Program] = []
 
 
@@ -230,7 +253,8 @@ def release(program: Program) -> None:
 def deferred_init() -> Iterator[Program]:
     """Build a model without memory, for :func:`memsave.wrap` to materialize unit by unit.
 
-    Inside the block, tensors are created on the meta device (as under ``torch.device("meta")``) and every
+    Inside the block, tensors are created on the meta device (as under ``torch.device("meta")``, except those built
+    from data, ``torch.tensor(...)``: [Note: not a device context]) and every
     operation on them is recorded ([Note: deferred-init recording]): the layers' ``reset_parameters`` at
     construction, the model's own init (``model.apply(fn)``, ``nn.init.*``, a loop over projections), buffers
     computed in ``__init__`` (position ids, rotary ``inv_freq``), ties. ``wrap`` replays, per unit, what wrote
@@ -246,5 +270,5 @@ def deferred_init() -> Iterator[Program]:
     """
     program = Program()
     _PROGRAMS.append(program)
-    with torch.device("meta"), recording(program):
+    with MetaFactories(), recording(program):
         yield program
