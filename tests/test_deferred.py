@@ -92,6 +92,7 @@ def _train(kind: str, model: nn.Module, profile: str, frozen: bool) -> tuple[lis
                              {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0}],
                             lr=1e-2)
     model, mopt = memsave.wrap(model, opt, profile)
+    _no_meta_left(model, f"{kind} {profile}")
     after_rng = torch.rand(4)  # wrap draws nothing: the RNG is where construction left it
     assert all(p.device.type != "meta" for g in opt.param_groups for p in g["params"])
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
@@ -110,9 +111,20 @@ def _train(kind: str, model: nn.Module, profile: str, frozen: bool) -> tuple[lis
     return losses, initial, after_rng
 
 
+def _no_meta_left(model: nn.Module, what: str) -> None:
+    """Not a parameter, a buffer or a tensor kept as a plain attribute (HF's rotary ``original_inv_freq``)."""
+    for name, m in model.named_modules():
+        for key, value in vars(m).items():
+            if isinstance(value, torch.Tensor):
+                assert value.device.type != "meta", f"{what}: {name}.{key} is still on the meta device"
+            elif isinstance(value, dict) and key in ("_parameters", "_buffers"):
+                for k, t in value.items():
+                    assert t is None or t.device.type != "meta", f"{what}: {name}.{k} is still on the meta device"
+
+
 def _equal_cases() -> str:
     for kind in BUILDERS:
-        for profile in ("ddp", "zero3"):
+        for profile in ("ddp", "zero3", *(("zero2", "zero3-bf16") if kind == "gpt" else ())):
             frozen = kind == "gpt" and profile == "zero3"
             ref_losses, ref_tensors, ref_rng = _train(kind, _build(kind, "eager"), profile, frozen)
             losses, tensors, rng = _train(kind, _build(kind, "deferred"), profile, frozen)
@@ -246,3 +258,17 @@ def test_peak_memory_one_unit_plus_shards() -> None:
             f"{r['largest_unit'] / 2**20:.1f}) MiB + 8 MiB; model {r['model'] / 2**20:.1f} MiB")
         assert r["peak"] < 0.5 * r["model"]
     print({k: (v / 2**20 if k != "world" else v) for k, v in results[0].items()})
+
+
+def test_bench_deferred_table() -> None:
+    """``memsave bench --deferred`` end to end at 2 ranks on a small GPT: both configurations, every rank, and the
+    eager construction's peak above the deferred one's (it holds the whole model)."""
+    from memsave.bench.common import BenchOptions
+    from memsave.bench.deferred import deferred_config, format_deferred_table, run_deferred_bench
+
+    rows = run_deferred_bench(BenchOptions(nproc=2), deferred_config(128, 4), timeout_s=120)
+    assert [(r["config"], r["rank"]) for r in rows] == [("deferred", 0), ("deferred", 1), ("eager", 0), ("eager", 1)]
+    for d, e in zip(rows[:2], rows[2:]):
+        assert d["model"] == e["model"] and d["shards"] == e["shards"]
+        assert e["peak"] >= e["model"] > d["peak"]
+    assert "peak/(shards+unit)" in format_deferred_table(rows)
