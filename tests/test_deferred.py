@@ -266,7 +266,7 @@ def test_bench_deferred_table() -> None:
     from memsave.bench.common import BenchOptions
     from memsave.bench.deferred import deferred_config, format_deferred_table, run_deferred_bench
 
-    rows = run_deferred_bench(BenchOptions(nproc=2), deferred_config(128, 4), timeout_s=120)
+    rows = run_deferred_bench(BenchOptions(nproc=2), deferred_config(256, 8), timeout_s=120)
     assert [(r["config"], r["rank"]) for r in rows] == [("deferred", 0), ("deferred", 1), ("eager", 0), ("eager", 1)]
     for d, e in zip(rows[:2], rows[2:]):
         assert d["model"] == e["model"] and d["shards"] == e["shards"]
