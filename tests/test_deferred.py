@@ -189,6 +189,19 @@ def _error_cases() -> str:
     got = m.state_dict()
     for k, v in eager.state_dict().items():
         assert torch.equal(got[k], v), k
+    from memsave.deferred.record import programs
+
+    assert programs() == []  # every recorded tensor is real: the log is dropped
+    # parallelize (no optimizer) materializes as wrap does
+    torch.manual_seed(0)
+    eager_gpt = gpt()
+    torch.manual_seed(0)
+    with memsave.deferred_init():
+        g = gpt()
+    memsave.parallelize(g, profile="zero3")
+    got = g.state_dict()
+    for k, v in eager_gpt.state_dict().items():
+        assert torch.equal(got[k], v), f"parallelize: {k}"
     with pytest.raises(ValueError, match="init_fn= initializes a model built on the meta device"):
         e = nn.Linear(2, 2)
         memsave.wrap(e, torch.optim.AdamW(e.parameters()), "ddp", init_fn=init_fn)

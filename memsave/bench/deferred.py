@@ -69,10 +69,9 @@ def _worker(name: str, cfg: GPTConfig, profile: str) -> dict[str, Any]:
     after_build, build_peak = _status("VmRSS") - before, _status("VmHWM") - before
     groups = unit_parameters(model, default_units(model))
     unit_bytes = [sum(p.numel() * p.element_size() for _, p in g) for g in groups]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, opt = wrap(model, opt, profile, mesh=mesh)
+    wrapped, _ = wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), profile, mesh=mesh)
     done = time.perf_counter()
-    engine = model.memsave_engine  # type: ignore[attr-defined]
+    engine: Any = wrapped.memsave_engine
     shards = sum(u.flat_shard.nbytes for u in engine.units) if engine.stage == 3 else sum(unit_bytes)
     return {"config": name, "rank": mesh.rank, "peak": _status("VmHWM") - before, "shards": shards,
             "largest_unit": max(unit_bytes), "model": sum(unit_bytes), "build_s": built - start,

@@ -57,7 +57,7 @@ class Ref:
 
     @staticmethod
     def of(t: torch.Tensor) -> Ref:
-        return Ref(storage_key(t), t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(),
+        return Ref(storage_key(t), t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()),
                    t.untyped_storage().nbytes())
 
 
