@@ -19,7 +19,7 @@ from torch import nn
 from memsave import dist as mdist
 from memsave._logging import warn_once
 from memsave.config import Profile, load_profile
-from memsave.deferred import Materializer, has_meta
+from memsave.deferred import Materializer, has_meta, meta_tensors
 from memsave.dist import Mesh
 from memsave.engines import DataParallelEngine, Engine, MemsaveOptimizer
 from memsave.precision import cast_forward_inputs, cast_parameters
@@ -60,8 +60,8 @@ def _prepare_model(model: nn.Module, mesh: Mesh, dtype: torch.dtype | None,
                     f"model tensor {name!r} is on the meta device; materialize the model (model.to_empty(...) and "
                     "initialize) before memsave.wrap"
                 )
-    elif not per_unit:
-        deferred.materialize([t for _, t in deferred.tensors], device=torch.device("cpu"))
+    elif not per_unit:  # (after a pipeline split: this rank's stages only)
+        deferred.materialize([t for _, t in meta_tensors(model)], device=torch.device("cpu"))
     else:
         deferred.materialize(list(model.buffers()), device=mesh.device)
         with torch.no_grad():  # what is already real (a model only partly on the meta device)
@@ -83,12 +83,11 @@ def _deferred(model: nn.Module, plan: Plan, init_fn: Callable[[nn.Module], None]
             raise ValueError("init_fn= initializes a model built on the meta device (memsave.deferred_init() or "
                              "torch.device('meta')), and this model has no meta tensor; drop init_fn=")
         return None
-    mesh = plan.mesh
-    for axis in ("tp", "pp"):
-        if mesh.degree(axis) > 1:
-            raise NotImplementedError(
-                f"a model on the meta device with {axis} = {mesh.degree(axis)}: deferred initialization is supported "
-                "with data parallelism and ZeRO only (mesh tp = pp = 1) so far; build the model eagerly for tp or pp")
+    if plan.mesh.degree("tp") > 1:
+        raise NotImplementedError(
+            f"a model on the meta device with tp = {plan.mesh.degree('tp')}: tensor parallelism cuts the parameters "
+            "before they are materialized, which deferred initialization does not follow yet (it is supported with "
+            "data parallelism, ZeRO and pipeline parallelism); build the model eagerly for tp > 1")
     if plan.profile.recompute.policy.startswith("budget:"):
         raise NotImplementedError(
             f"[recompute] policy={plan.profile.recompute.policy!r} measures a forward of the model before ZeRO shards "

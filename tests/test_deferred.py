@@ -4,8 +4,10 @@ plain ``torch.device("meta")``) with an optimizer over its meta parameters.
 Against an eager construction from the same seed (the reference): every parameter and buffer bitwise equal after
 wrap (the reference GPT, an unchanged tiny Hugging Face Llama with tied embeddings, an ``nn.Sequential``), under
 ``ddp`` and ``zero3``, at 1 and 2 ranks; the same losses for a few steps; the RNG left where eager construction
-leaves it; frozen parameters frozen; and the errors. The memory claim is measured at 4 ranks: the peak RSS of
-``wrap`` against the bytes of the shards plus the largest unit (and against the model's bytes).
+leaves it; frozen parameters frozen; and the errors. Under pipeline parallelism (pp = 2, GPT and Llama, ddp and
+zero3) each rank materializes its stages only, and the pipelined run equals the eager one. The memory claim is
+measured at 4 ranks: the peak RSS of ``wrap`` against the bytes of the shards plus the largest unit (and against the
+model's bytes).
 """
 
 from __future__ import annotations
@@ -111,11 +113,12 @@ def _train(kind: str, model: nn.Module, profile: str, frozen: bool) -> tuple[lis
     return losses, initial, after_rng
 
 
-def _no_meta_left(model: nn.Module, what: str) -> None:
-    """Not a parameter, a buffer or a tensor kept as a plain attribute (HF's rotary ``original_inv_freq``)."""
+def _no_meta_left(model: nn.Module, what: str, attributes: bool = True) -> None:
+    """Not a parameter, a buffer or (``attributes``) a tensor kept as a plain attribute (HF's rotary
+    ``original_inv_freq``; a pipeline stage's meta stand-ins for the other stages' tensors are plain attributes)."""
     for name, m in model.named_modules():
         for key, value in vars(m).items():
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) and attributes:
                 assert value.device.type != "meta", f"{what}: {name}.{key} is still on the meta device"
             elif isinstance(value, dict) and key in ("_parameters", "_buffers"):
                 for k, t in value.items():
@@ -285,3 +288,39 @@ def test_bench_deferred_table() -> None:
         assert d["model"] == e["model"] and d["shards"] == e["shards"]
         assert e["peak"] >= e["model"] > d["peak"]
     assert "peak/(shards+unit)" in format_deferred_table(rows)
+
+
+# -- pipeline parallelism: each rank materializes its stages only ----------------------------------------------------
+def _pp_cases() -> str:
+    import dataclasses
+
+    from tests import pp_cases
+
+    def deferred(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+        def built() -> nn.Module:
+            with memsave.deferred_init():
+                return build()
+        return built
+
+    mesh = memsave.init(pp=2)
+    for name in ("gpt", "llama") if HAVE_HF else ("gpt",):
+        kind = pp_cases.KINDS[name]
+        for base in ("ddp", "zero3"):
+            prof = pp_cases.profile(base, pp=2)
+            ref, _, _ = pp_cases.pipelined(kind, mesh, prof)
+            run, model, _ = pp_cases.pipelined(dataclasses.replace(kind, build=deferred(kind.build)), mesh, prof)
+            what = f"{name} {base} pp=2"
+            assert run.losses == ref.losses and run.norms == ref.norms, f"{what}: {run} vs {ref}"
+            assert run.params.keys() == ref.params.keys(), what
+            for k, v in ref.params.items():
+                assert (run.params[k] == v).all(), f"{what}: {k}"
+            _no_meta_left(model, what, attributes=False)
+    with memsave.deferred_init():
+        g = gpt()
+    with pytest.raises(NotImplementedError, match="tp = 2"):
+        memsave.wrap(g, torch.optim.AdamW(g.parameters()), "ddp", mesh=memsave.init(tp=2))
+    return "ok"
+
+
+def test_pipeline_stages() -> None:
+    assert run_ranks(_pp_cases, 2, timeout=300) == ["ok"] * 2

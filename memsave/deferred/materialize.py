@@ -59,8 +59,8 @@ class Materializer:
         if init_fn is not None and not callable(init_fn):
             raise ValueError(f"init_fn={init_fn!r} is not callable; pass a function of one module, e.g. "
                              "model._init_weights for a Hugging Face model")
+        self.model = model
         self.tensors = meta_tensors(model)
-        self.pending = {id(t) for _, t in self.tensors}
         keys = {storage_key(t) for _, t in self.tensors}
         self.programs = [p for p in programs() if p.known & keys]
         created = {k for p in self.programs for k in p.known - p.external.keys()}
@@ -149,13 +149,13 @@ class Materializer:
                     "torch.Tensor buffers and nn.Parameter only)")
             new.__dict__.update(t.__dict__)
             torch.utils.swap_tensors(t, new)
-            self.pending.discard(id(t))
         return todo
 
     def finish(self) -> None:
-        """Restore the generators; once every tensor is real, forget the recorded programs."""
+        """Restore the generators; once the model holds no meta tensor (a pipeline stage drops the others'), forget
+        the recorded programs."""
         for g, state in self._generators:
             g.set_state(state)
-        if not self.pending:
+        if not has_meta(self.model):
             for p in self.programs:
                 release(p)
