@@ -61,6 +61,11 @@ class Materializer:
                              "model._init_weights for a Hugging Face model")
         self.model = model
         self.tensors = meta_tensors(model)
+        for name, t in self.tensors:
+            if type(t) not in (torch.Tensor, nn.Parameter):
+                raise NotImplementedError(
+                    f"memsave.wrap: {name!r} is a meta tensor of class {type(t).__name__}; deferred initialization "
+                    "materializes plain nn.Parameter and torch.Tensor only: build that module eagerly")
         keys = {storage_key(t) for _, t in self.tensors}
         self.programs = [p for p in programs() if p.known & keys]
         created = {k for p in self.programs for k in p.known - p.external.keys()}
@@ -143,11 +148,7 @@ class Materializer:
                 real = real.to(dtype)
             real = real.to(device)
             new = nn.Parameter(real, requires_grad=t.requires_grad) if is_param else real
-            if type(t) is not type(new):
-                raise NotImplementedError(
-                    f"memsave.wrap: a meta tensor of class {type(t).__name__} cannot be materialized (plain "
-                    "torch.Tensor buffers and nn.Parameter only)")
-            new.__dict__.update(t.__dict__)
+            new.__dict__.update(t.__dict__)  # (attributes set on the tensor, e.g. Hugging Face's _is_hf_initialized)
             torch.utils.swap_tensors(t, new)
         return todo
 

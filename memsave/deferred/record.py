@@ -70,9 +70,10 @@ META_DEVICE = _MetaDevice()
 
 @dataclasses.dataclass
 class Op:
-    """One logged aten call."""
+    """One logged aten call, or one whole call of a value-dependent ``nn.init`` function ([Note: value-dependent
+    inits])."""
 
-    func: Any  # an OpOverload
+    func: Any  # an OpOverload, or the original nn.init function
     args: Any  # pytree with Ref / META_DEVICE leaves
     kwargs: Any
     reads: frozenset[int]  # storages of every meta tensor argument
@@ -287,5 +288,9 @@ def deferred_init() -> Iterator[Program]:
     """
     program = Program()
     _PROGRAMS.append(program)
-    with MetaFactories(), recording(program):
-        yield program
+    try:
+        with MetaFactories(), recording(program):
+            yield program
+    except BaseException:
+        release(program)  # nothing built in the block will be wrapped
+        raise
