@@ -8,6 +8,7 @@ from memsave import memory, optim, precision, recompute, zero
 from memsave.api import parallelize, wrap
 from memsave.checkpoint import load, load_weights, save
 from memsave.config import Profile, list_presets, load_profile
+from memsave.deferred import deferred_init
 from memsave.dist import Mesh, init
 from memsave.engines import MemsaveOptimizer
 from memsave.estimator import Estimate, estimate
@@ -33,6 +34,7 @@ __all__ = [
     "Trainer",
     "__version__",
     "cosine_schedule",
+    "deferred_init",
     "estimate",
     "init",
     "list_presets",

@@ -9,7 +9,7 @@ schedule; a pipeline's stage split comes first, so that the others see this rank
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from torch import nn
 from memsave import dist as mdist
 from memsave._logging import warn_once
 from memsave.config import Profile, load_profile
+from memsave.deferred import Materializer, has_meta, meta_tensors
 from memsave.dist import Mesh
 from memsave.engines import DataParallelEngine, Engine, MemsaveOptimizer
 from memsave.precision import cast_forward_inputs, cast_parameters
@@ -39,29 +40,81 @@ def sync_module_states(model: nn.Module, mesh: Mesh) -> None:
     """Broadcast parameters and buffers from dp rank 0 so every replica starts identical (as DDP does)."""
     seen: set[int] = set()
     for t in [*model.parameters(), *model.buffers()]:
-        if id(t) not in seen:
+        if id(t) not in seen and t.device.type != "meta":  # a deferred unit is broadcast as it is materialized
             seen.add(id(t))
             mdist.broadcast(t.data, 0, mesh.dp_group)
 
 
-def _prepare_model(model: nn.Module, mesh: Mesh, dtype: torch.dtype | None) -> None:
+def _prepare_model(model: nn.Module, mesh: Mesh, dtype: torch.dtype | None,
+                   deferred: Materializer | None = None, per_unit: bool = False) -> None:
     """Move ``model`` to the mesh's device; with ``dtype`` (mixed precision) its floating-point parameters are
     cast on the way, one at a time, so the device never holds the fp32 model (a bf16 model larger than the fp32
-    one would fit, as host-offloaded training needs)."""
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if t.device.type == "meta":
-            raise ValueError(
-                f"model tensor {name!r} is on the meta device; materialize the model (model.to_empty(...) and "
-                "initialize) before memsave.wrap"
-            )
+    one would fit, as host-offloaded training needs).
+
+    A deferred model (meta tensors) is materialized here, whole (``per_unit`` False), or, at ZeRO-3, its buffers
+    only: its parameters are materialized unit by unit as ZeRO takes them (:func:`_unit_materializer`)."""
+    if deferred is None:
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if t.device.type == "meta":
+                raise ValueError(
+                    f"model tensor {name!r} is on the meta device; materialize the model (model.to_empty(...) and "
+                    "initialize) before memsave.wrap"
+                )
+    elif not per_unit:  # (after a pipeline split: this rank's stages only)
+        deferred.materialize([t for _, t in meta_tensors(model)], device=torch.device("cpu"))
+    else:
+        deferred.materialize(list(model.buffers()), device=mesh.device)
+        with torch.no_grad():  # what is already real (a model only partly on the meta device)
+            for p in model.parameters():
+                if p.device.type != "meta":
+                    p.data = p.data.to(mesh.device, dtype if dtype is not None and p.is_floating_point() else None)
+        return
     if dtype is not None:
         cast_parameters(model, dtype)  # where the model is: the same rounding anywhere
     model.to(mesh.device)
 
 
+def _deferred(model: nn.Module, plan: Plan, init_fn: Callable[[nn.Module], None] | None,
+              optimizer: torch.optim.Optimizer | None) -> Materializer | None:
+    """The :class:`~memsave.deferred.Materializer` of a model with meta tensors (None without): checks first, so that
+    a refusal changes nothing."""
+    if not has_meta(model):
+        if init_fn is not None:
+            raise ValueError("init_fn= initializes a model built on the meta device (memsave.deferred_init() or "
+                             "torch.device('meta')), and this model has no meta tensor; drop init_fn=")
+        return None
+    if plan.mesh.degree("tp") > 1:
+        raise NotImplementedError(
+            f"a model on the meta device with tp = {plan.mesh.degree('tp')}: tensor parallelism cuts the parameters "
+            "before they are materialized, which deferred initialization does not follow yet (it is supported with "
+            "data parallelism, ZeRO and pipeline parallelism); build the model eagerly for tp > 1")
+    if plan.profile.recompute.policy.startswith("budget:"):
+        raise NotImplementedError(
+            f"[recompute] policy={plan.profile.recompute.policy!r} measures a forward of the model before ZeRO shards "
+            "it, which a model on the meta device cannot run; choose a policy by name or build the model eagerly")
+    if optimizer is not None and optimizer.state:
+        raise ValueError(f"optimizer already has state for {len(optimizer.state)} parameters of a model on the meta "
+                         "device; build the optimizer and wrap before the first step")
+    return Materializer(model, init_fn)
+
+
+def _unit_materializer(deferred: Materializer, plan: Plan) -> Callable[[list[nn.Parameter]], None]:
+    """ZeRO-3's ``before_unit``: materialize a unit's parameters on the device, in the compute dtype, and make them
+    dp rank 0's (as :func:`sync_module_states` does for an eager model); the unit then keeps this rank's rows and
+    frees the rest before the next unit is materialized."""
+    mesh = plan.mesh
+
+    def before_unit(params: list[nn.Parameter]) -> None:
+        mdist.trim_host_memory()  # the previous unit's full parameters, freed: out of RSS before the next one
+        for t in deferred.materialize(params, device=mesh.device, dtype=plan.compute_dtype):
+            mdist.broadcast(t.data, 0, mesh.dp_group)
+    return before_unit
+
+
 def parallelize(model: nn.Module, mesh: Mesh | None = None, profile: str | Path | Profile = "ddp", *,
                 units: Sequence[nn.Module] | None = None, example_inputs: Any = None,
-                tp_plan: Mapping[str, str] | None = None) -> Engine:
+                tp_plan: Mapping[str, str] | None = None,
+                init_fn: Callable[[nn.Module], None] | None = None) -> Engine:
     """Apply ``profile`` to ``model`` over ``mesh``, in place, and return its :class:`~memsave.engines.Engine`.
 
     The profile is validated against the mesh, the model and this device first (memsave/validate.py); a refusal
@@ -70,7 +123,7 @@ def parallelize(model: nn.Module, mesh: Mesh | None = None, profile: str | Path 
     (``[parallel] pp``: the stage split before recompute, the schedule last; the model then has
     ``pipeline_step`` and ``pipeline_loss``). The model is moved to the mesh's device (cast to the compute dtype
     under mixed precision), its replicas made identical, and its class swapped for a subclass with ``no_sync()``,
-    ``unshard()`` and ``reshard()``. Compose an optimizer over the engine with :class:`~memsave.engines.MemsaveOptimizer`, or call
+    ``unshard()`` and ``reshard()``. A model on the meta device is materialized as in :func:`wrap`. Compose an optimizer over the engine with :class:`~memsave.engines.MemsaveOptimizer`, or call
     :func:`wrap`, which does both.
     """
     check_arguments(profile, mesh)
@@ -78,12 +131,24 @@ def parallelize(model: nn.Module, mesh: Mesh | None = None, profile: str | Path 
         raise ValueError(f"model of class {type(model).__name__} is already wrapped by memsave; wrap it once")
     mesh = mesh if mesh is not None else default_mesh()
     plan = validate(load_profile(profile), mesh, model, units=units, example_inputs=example_inputs)
-    return _apply(model, plan, units, example_inputs, tp_plan)
+    return _apply(model, plan, units, example_inputs, tp_plan, deferred=_deferred(model, plan, init_fn, None))
 
 
 def _apply(model: nn.Module, plan: Plan, units: Sequence[nn.Module] | None, example_inputs: Any,
-           tp_plan: Mapping[str, str] | None = None, optimizer: torch.optim.Optimizer | None = None) -> Engine:
+           tp_plan: Mapping[str, str] | None = None, optimizer: torch.optim.Optimizer | None = None,
+           deferred: Materializer | None = None) -> Engine:
     """The transforms of a validated plan, in the documented order."""
+    if deferred is None:
+        return _transform(model, plan, units, example_inputs, tp_plan, optimizer, None)
+    try:
+        return _transform(model, plan, units, example_inputs, tp_plan, optimizer, deferred)
+    finally:
+        deferred.finish()  # the RNG as it was at wrap
+
+
+def _transform(model: nn.Module, plan: Plan, units: Sequence[nn.Module] | None, example_inputs: Any,
+               tp_plan: Mapping[str, str] | None, optimizer: torch.optim.Optimizer | None,
+               deferred: Materializer | None) -> Engine:
     profile, mesh = plan.profile, plan.mesh
     tp_ctx = None
     if mesh.degree("tp") > 1:  # 1. tensor parallel: cut by the plan, checked whole before anything changes
@@ -95,7 +160,8 @@ def _apply(model: nn.Module, plan: Plan, units: Sequence[nn.Module] | None, exam
                          "(memsave.init(profile=...) with [parallel] tp, or --parallel.tp=N)")
     if plan.pp_split is not None:  # the stage split comes before ZeRO, which then shards this rank's stages only
         units = _split_stages(model, plan, units, optimizer)
-    _prepare_model(model, mesh, plan.compute_dtype)
+    per_unit = deferred is not None and profile.zero.stage == 3
+    _prepare_model(model, mesh, plan.compute_dtype, deferred, per_unit)
     if profile.precision.compute == "fp16" and mesh.device.type == "cpu":
         warn_once('[precision] compute = "fp16" on CPU: torch runs fp16 matmuls on most CPUs through a slow '
                   "fallback (measured on this project's CI CPU: a matmul 100x slower than in fp32); bf16 is the "
@@ -109,7 +175,9 @@ def _apply(model: nn.Module, plan: Plan, units: Sequence[nn.Module] | None, exam
 
         recomputed = mrecompute.apply(units, profile.recompute, model=model, example_inputs=example_inputs)
     try:
-        engine = _data_parallel(model, plan, units)
+        engine = _data_parallel(model, plan, units, _unit_materializer(deferred, plan) if per_unit and deferred else None)
+        if per_unit:
+            mdist.trim_host_memory()  # (the last unit's full parameters)
     except BaseException:
         if recomputed is not None:  # a refused wrap leaves the model as it was
             mrecompute.remove(recomputed)
@@ -165,7 +233,8 @@ def _pipeline(model: nn.Module, plan: Plan, inner: Engine) -> Engine:
     return engine
 
 
-def _data_parallel(model: nn.Module, plan: Plan, units: Sequence[nn.Module] | None) -> Engine:
+def _data_parallel(model: nn.Module, plan: Plan, units: Sequence[nn.Module] | None,
+                   before_unit: Callable[[list[nn.Parameter]], None] | None = None) -> Engine:
     zero = plan.profile.zero
     engine: Engine
     if zero.stage == 0:
@@ -175,7 +244,7 @@ def _data_parallel(model: nn.Module, plan: Plan, units: Sequence[nn.Module] | No
         from memsave.zero import shard  # layer 3; imported here so stage 0 users never load it
 
         engine = shard(model, stage=zero.stage, mesh=plan.mesh, units=units, config=zero,
-                       reduce_dtype=plan.reduce_dtype)
+                       reduce_dtype=plan.reduce_dtype, before_unit=before_unit)
     return engine
 
 
@@ -189,6 +258,7 @@ def wrap(
     example_inputs: Any = None,
     tp_plan: Mapping[str, str] | None = None,
     budget: str | int | None = None,
+    init_fn: Callable[[nn.Module], None] | None = None,
 ) -> tuple[nn.Module, MemsaveOptimizer]:
     """Wrap ``model`` and its ``optimizer`` for training under ``profile``: :func:`parallelize`, then the one
     :class:`~memsave.engines.MemsaveOptimizer` over its engine.
@@ -197,7 +267,8 @@ def wrap(
         model: any ``nn.Module``. It is modified in place (moved to the mesh's device, hooks installed, its
             class swapped for a subclass that adds ``no_sync()``) and returned.
         optimizer: the user's optimizer instance over ``model``'s parameters (any ``torch.optim.Optimizer``,
-            any param groups).
+            any param groups). For a model on the meta device, the optimizer built over its meta parameters: they
+            are materialized in place (the same objects), so its param groups and their options carry over.
         profile: a preset name (``"ddp"``, ``"zero3"``, ...), a path to a TOML file, or a :class:`Profile`;
             ``"auto"``: the fastest ZeRO stage, recomputation and offload whose estimated peak fits ``budget``
             (:func:`memsave.plan.auto.auto_profile`; needs ``example_inputs``).
@@ -209,6 +280,10 @@ def wrap(
             forward; each rank measures the activations of its own (see :func:`memsave.recompute.apply`).
             With ``profile="auto"``: the micro-batch each candidate's activations are estimated on.
         budget: with ``profile="auto"`` only: bytes per rank (an int, or ``"16GiB"``).
+        init_fn: for a model on the meta device: ``init_fn(module)`` initializes a module whose tensors nothing
+            recorded writes (default: its ``reset_parameters()``), e.g. ``model._init_weights`` of a Hugging Face
+            model built under plain ``torch.device("meta")``. A model built under :func:`memsave.deferred_init`
+            replays its own construction and needs none (see README, "Deferred initialization").
 
     Returns:
         ``(model, optimizer)``: the same model object and a :class:`~memsave.engines.MemsaveOptimizer` with
@@ -239,7 +314,8 @@ def wrap(
     profile = load_profile(profile)
     mesh = mesh if mesh is not None else default_mesh()
     plan = validate(profile, mesh, model, units=units, optimizer=optimizer, example_inputs=example_inputs)
-    engine = _apply(model, plan, units, example_inputs, tp_plan, optimizer)
+    deferred = _deferred(model, plan, init_fn, optimizer)
+    engine = _apply(model, plan, units, example_inputs, tp_plan, optimizer, deferred)
     nonfinite = NonfiniteGuard(profile.precision.nonfinite, profile.precision.max_skipped)
     return model, MemsaveOptimizer(optimizer, engine, mixed_precision=plan.mixed, scaler=plan.scaler,
                                    offload=plan.offload, nonfinite=nonfinite)

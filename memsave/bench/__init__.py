@@ -11,7 +11,9 @@ One mode a run, chosen by the command line (this module is the only one that imp
 - ``tp`` (``--tp``): memsave's tensor parallelism against the formulas (parameter and activation bytes per rank)
   and against one process and torch's DTensor TP (step time);
 - ``pp`` (``--pp``): the pipeline schedules' measured idle fraction against the bubble formulas and the simulator;
-- ``plan`` (``--plan``): the planner's predicted peak and step time against measurement, and its speed.
+- ``plan`` (``--plan``): the planner's predicted peak and step time against measurement, and its speed;
+- ``deferred`` (``--deferred``): the peak RSS of ``wrap`` on a model built under ``memsave.deferred_init()`` against
+  its shards + the largest unit, and against the same model built eagerly.
 ``common`` holds what they share: :class:`BenchOptions`, :func:`run_each`, :class:`ConfigFailed` and the
 results' table and JSON file.
 """
@@ -21,7 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from memsave.bench import fit, memory, offload, optimizers, plan, pp, recompute, steptime, tp
+from memsave.bench import deferred, fit, memory, offload, optimizers, plan, pp, recompute, steptime, tp
 from memsave.bench.common import BenchOptions, ConfigFailed, run_each, show_results
 from memsave.bench.fit import FitOptions
 from memsave.bench.optimizers import OPTIMIZERS, format_optim_table, run_optim_bench
@@ -115,11 +117,16 @@ def add_parser(sub: Any) -> None:
                    help="instead: memsave plan's predictions against measurement (memsave/bench/plan.py): every "
                         "configuration it offers for the reference GPT on --nproc ranks, predicted vs measured peak "
                         "and step time, its choice vs the fastest measured; and the time of a 70B plan")
+    p.add_argument("--deferred", action="store_true",
+                   help="instead: the peak RSS per rank of wrapping (zero3, --nproc ranks) a GPT built under "
+                        "memsave.deferred_init() against its shards + the largest unit, and the same GPT built eagerly "
+                        "(memsave/bench/deferred.py; --d-model, --n-layer)")
+    p.add_argument("--n-layer", type=int, default=16, help="--deferred: the GPT's blocks (default: 16)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
 
 
 def run_command(args: Any, extra: Any) -> int:
-    """``memsave bench``: the one mode the arguments ask for (``--fit``, ``--tp``, ``--memory``, ``--offload``,
+    """``memsave bench``: the one mode the arguments ask for (``--fit``, ``--tp``, ``--pp``, ``--deferred``, ``--memory``, ``--offload``,
     ``--recompute``, ``--optimizers``, in that order; else ``--configs``)."""
     if extra:
         raise ValueError(f"memsave bench: unrecognized arguments: {' '.join(extra)}")
@@ -136,6 +143,8 @@ def run_command(args: Any, extra: Any) -> int:
         return pp.run_command(opts, args.json)
     if args.plan:
         return plan.run_command(opts, args.json)
+    if args.deferred:
+        return deferred.run_command(opts, args.d_model, args.n_layer, args.json)
     if args.memory:
         return memory.run_command(args.memory, opts, args.json)
     if args.offload:

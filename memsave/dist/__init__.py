@@ -25,6 +25,7 @@ from memsave.dist.host_memory import (
     after_forward,
     configure_host_memory,
     host_memory_policy,
+    trim_host_memory,
 )
 from memsave.dist.init import default_device, init, launch_env
 from memsave.dist.mesh import AXES, Mesh, validate_degrees
@@ -76,6 +77,7 @@ __all__ = [
     "group_rank",
     "group_size",
     "host_memory_policy",
+    "trim_host_memory",
     "init",
     "launch_env",
     "new_subgroups",

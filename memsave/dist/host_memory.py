@@ -30,7 +30,7 @@ import sys
 
 from memsave._logging import get_logger
 
-__all__ = ["HostMemoryPolicy", "after_forward", "configure_host_memory", "host_memory_policy"]
+__all__ = ["HostMemoryPolicy", "after_forward", "configure_host_memory", "host_memory_policy", "trim_host_memory"]
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 
@@ -105,3 +105,13 @@ def after_forward() -> None:
         libc = _glibc()
         if libc is not None:
             libc.malloc_trim(0)
+
+
+def trim_host_memory() -> None:
+    """Return the heap's free pages to the OS now (``malloc_trim(0)``; a no-op off glibc). ``wrap`` calls it between
+    the units of a deferred model it materializes: each unit's full parameters are freed once the unit keeps its
+    shard, and without a trim the next unit and shard would come, fragmented, on top of them ([Note: host
+    allocator]; measured at 4 ranks: a wrap peaking at 1.85x the bytes of shards + the largest unit instead of 1.16x)."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ def shard(
     units: Sequence[nn.Module] | None = None,
     config: ZeroConfig | None = None,
     reduce_dtype: torch.dtype | None = None,
+    before_unit: Callable[[list[nn.Parameter]], None] | None = None,
 ) -> ZeroEngine:
     """Shard ``model``'s parameters and gradients with ZeRO ``stage`` over ``mesh``'s dp axis, in place; returns
     the engine. Compose the optimizer over it with :class:`memsave.engines.MemsaveOptimizer`::
@@ -35,11 +36,12 @@ def shard(
     The model must already be on ``mesh.device`` with identical values on every dp rank (``memsave.wrap``
     sees to both). ``units`` default to :func:`default_units`; the root unit holds the rest. ``reduce_dtype``:
     the dtype gradients are reduce-scattered and kept in (default: the parameters'). The model's class is
-    swapped (see :func:`memsave.wrapped.swap_class`).
+    swapped (see :func:`memsave.wrapped.swap_class`). ``before_unit(params)`` is called with each unit's parameters
+    just before the unit takes them (``wrap`` materializes a deferred model's units there).
     """
     cfg = config if config is not None else ZeroConfig(stage=stage)
     if cfg.stage != stage:
         raise ValueError(f"shard(stage={stage}) contradicts config.stage={cfg.stage}; pass one of them")
-    engine = ZeroEngine(model, mesh, cfg, units, reduce_dtype=reduce_dtype)
+    engine = ZeroEngine(model, mesh, cfg, units, reduce_dtype=reduce_dtype, before_unit=before_unit)
     swap_class(model, engine)
     return engine

@@ -45,7 +45,8 @@ class ZeroEngine:
     """Shards a model's parameters into units and runs ZeRO stage 1, 2 or 3 over the mesh's dp axis."""
 
     def __init__(self, model: nn.Module, mesh: Mesh, config: ZeroConfig, units: Sequence[nn.Module] | None, *,
-                 reduce_dtype: torch.dtype | None = None) -> None:
+                 reduce_dtype: torch.dtype | None = None,
+                 before_unit: Callable[[list[nn.Parameter]], None] | None = None) -> None:
         if config.stage not in (1, 2, 3):
             raise ValueError(f"zero.stage={config.stage} is not a ZeRO stage; expected 1, 2 or 3")
         self.model, self.mesh, self.config, self.stage = model, mesh, config, config.stage
@@ -57,7 +58,9 @@ class ZeroEngine:
         self.reduce_group = mesh.new_group("dp")
         self.agreement = mdist.Agreement(mesh.new_group("dp"), mesh.device)  # [Note: control-flow agreement]
         self.require_grad_sync = True
-        self.units = self._build_units(list(units) if units is not None else default_units(model))
+        # before_unit(params): called with each unit's parameters just before the unit takes them (deferred
+        # initialization materializes them there: [Note: materialization] in memsave/deferred/materialize.py)
+        self.units = self._build_units(list(units) if units is not None else default_units(model), before_unit)
         self.shard_of: dict[nn.Parameter, nn.Parameter] = {}
         self.name_of: dict[torch.Tensor, str] = {}
         for u in self.units:
@@ -93,7 +96,8 @@ class ZeroEngine:
         self.step_waiter: Callable[[Unit], None] | None = None  # [offload] overlap (attach_step_waiter)
 
     # -- construction --------------------------------------------------------------------------------------
-    def _build_units(self, modules: list[nn.Module]) -> list[Unit]:
+    def _build_units(self, modules: list[nn.Module],
+                     before_unit: Callable[[list[nn.Parameter]], None] | None = None) -> list[Unit]:
         root = self.model
         for m in modules:
             if m is root:
@@ -104,10 +108,15 @@ class ZeroEngine:
         groups = unit_parameters(root, modules)  # shared or unowned -> root (the estimator's grouping too)
         kw: dict[str, Any] = dict(stage=self.stage, group=self.group, reduce_group=self.reduce_group,
                                   dp_rank=self.mesh.dp_rank, dp_size=self.dp_size, reduce_dtype=self.reduce_dtype)
-        units = [Unit("<root>", root, groups[0], is_root=True, **kw)]  # possibly empty-handed
+        def prepared(group: list[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
+            if before_unit is not None:
+                before_unit([p for _, p in group])
+            return group
+
+        units = [Unit("<root>", root, prepared(groups[0]), is_root=True, **kw)]  # possibly empty-handed
         for k, m in enumerate(modules):
             if groups[k + 1]:
-                units.append(Unit(module_names[id(m)], m, groups[k + 1], is_root=False, **kw))
+                units.append(Unit(module_names[id(m)], m, prepared(groups[k + 1]), is_root=False, **kw))
         for index, u in enumerate(units):
             u.index = index
         return units

@@ -70,6 +70,14 @@ class ShardLayout:
         # never looks like a scalar such as Adam's "step"
         return view.view(stop - start, *slot.shape[1:]) if len(slot.shape) > 0 else view
 
+    def copy_rows(self, chunk: torch.Tensor, i: int, full: torch.Tensor, rank: int) -> None:
+        """Copy ``rank``'s rows of parameter ``i``'s full tensor into its slot of ``rank``'s ``chunk`` (the padding
+        is left as it is): what :meth:`pack` then taking ``rank``'s chunk gives, without a full staging buffer."""
+        slot = self.slots[i]
+        start, stop = slot.local_rows(rank)
+        view = self.shard_view(chunk, i, rank)
+        view.copy_(full.reshape(slot.rows, slot.row_numel)[start:stop].reshape(view.shape))
+
     def _blocks(self, staging: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter ``i``'s padded rows across all ranks, as a ``(N, rpr, row)`` view of a staging buffer."""
         slot = self.slots[i]

@@ -109,10 +109,11 @@ class Unit:
     # -- storage -------------------------------------------------------------------------------------------
     def _init_stage3(self) -> None:
         layout = self.param_layout
-        staging = torch.empty(layout.padded_numel, dtype=self.dtype, device=self.device)
+        # this rank's rows straight into its chunk (zero padding): no full staging buffer beside the full parameters,
+        # so building the units of a model materialized one unit at a time peaks at one unit plus the shards
+        self.flat_shard = torch.zeros(layout.chunk_numel, dtype=self.dtype, device=self.device)
         for i, p in enumerate(self.params):
-            layout.pack(staging, i, p.data)
-        self.flat_shard = staging.view(self.world, layout.chunk_numel)[self.rank].clone()
+            layout.copy_rows(self.flat_shard, i, p.data, self.rank)
         self.full_flat = torch.empty(sum(p.numel() for p in self.params), dtype=self.dtype, device=self.device)
         self._full_bytes = self.full_flat.untyped_storage().nbytes()
         self.full_views, offset = [], 0
