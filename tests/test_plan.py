@@ -269,7 +269,9 @@ def test_calibrate_caches_and_hardware_files(tmp_path: Path, monkeypatch: pytest
     hw = calibrate(folder=tmp_path, collectives=False)
     assert all(v > 0 for v in (hw.flops["fp32"], hw.mem_bw, hw.disk_bw, hw.memory)) and 0 < hw.efficiency <= 1
     assert "measured by memsave calibrate" in hw.source
-    assert calibrate(folder=tmp_path, collectives=False) == hw  # from the cache, not measured again
+    assert not (tmp_path / "cache").exists()  # no bus bandwidth measured: not cached
+    full = calibrate(folder=tmp_path)
+    assert 0 < full.intra_bw and calibrate(folder=tmp_path) == full  # from the cache, not measured again
     assert len(list((tmp_path / "cache").iterdir())) == 1
     bad = tmp_path / "rates.toml"
     bad.write_text('flops = {fp32 = 1e12}\nbandwith = 1e9\n')

@@ -2,7 +2,8 @@
 
 :func:`calibrate` measures this machine once, a second or so per term, and caches the result
 (``$MEMSAVE_CACHE_DIR`` or ``~/.cache/memsave``, one file per host, device and torch version):
-- matrix-multiply FLOP/s in fp32 and bf16 on the device trained on;
+- matrix-multiply FLOP/s in fp32 and bf16 on the device trained on (on CPU, of one thread: memsave runs one rank
+  per core);
 - device memory bandwidth (a large copy), which prices the optimizer step;
 - host-device bandwidth (pinned copies; on CPU, the memory bandwidth);
 - disk write and read bandwidth (a file written with ``fsync``) in the offload folder;
@@ -205,15 +206,24 @@ def _step_rates(device: str, peak: float) -> tuple[float, float]:
 
 def calibrate(*, device: str | None = None, folder: str | Path | None = None, refresh: bool = False,
               collectives: bool = True) -> Hardware:
-    """This machine's :class:`Hardware`, measured (a few seconds) or read from the cache."""
+    """This machine's :class:`Hardware`, measured (a few seconds) or read from the cache. ``collectives=False``
+    skips the two-rank all-reduce (the bus bandwidth is then taken as the memory bandwidth, and the result is
+    not cached)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cache = _cache_file(device)
     if cache.is_file() and not refresh:
         return Hardware(**json.loads(cache.read_text()))
     import psutil
 
-    flops = {"fp32": _matmul_flops(device, torch.float32), "bf16": _matmul_flops(device, torch.bfloat16)}
-    flops["fp16"] = _matmul_flops(device, torch.float16) if device == "cuda" else flops["bf16"]
+    threads = torch.get_num_threads()
+    if device == "cpu":  # one rank per core, as memsave's launcher runs CPU ranks: rates of one thread
+        torch.set_num_threads(1)
+    try:
+        flops = {"fp32": _matmul_flops(device, torch.float32), "bf16": _matmul_flops(device, torch.bfloat16)}
+        flops["fp16"] = _matmul_flops(device, torch.float16) if device == "cuda" else flops["bf16"]
+        efficiency, overhead = _step_rates(device, flops["fp32"])
+    finally:
+        torch.set_num_threads(threads)
     mem_bw, host_bw = _copy_rates(device)
     memory = float(torch.cuda.get_device_properties(0).total_memory if device == "cuda"
                    else psutil.virtual_memory().total)
@@ -223,12 +233,12 @@ def calibrate(*, device: str | None = None, folder: str | Path | None = None, re
         from memsave._launch import spawn_local
 
         bus = min(spawn_local(_allreduce_worker, 2, (16 * 2**20,), timeout_s=120))
-    efficiency, overhead = _step_rates(device, flops["fp32"])
     hw = Hardware(name=f"{platform.node()} ({device})", source=f"measured by memsave calibrate on "
                   f"{time.strftime('%Y-%m-%d')}", device=device, memory=memory, flops=flops, mem_bw=mem_bw,
                   intra_bw=bus, inter_bw=bus, host_bw=host_bw, disk_bw=write,
                   host_memory=float(psutil.virtual_memory().total), efficiency=efficiency,
                   layer_overhead=overhead, overlap=0.0 if device == "cpu" else 0.8)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps(hw.to_dict(), indent=1) + "\n")
+    if collectives:  # a calibration without the collective bandwidth is used once, never cached
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(hw.to_dict(), indent=1) + "\n")
     return hw
