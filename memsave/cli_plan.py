@@ -175,6 +175,8 @@ def run_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
     print(f"binding constraint of the choice: {result.binding()}")
     for fam, why in result.rejected.items():
         print(f"rejected {fam}: {why}")
+    for mesh, why in result.unpriced.items():
+        print(f"not priced {mesh}: {why}")
     if args.write is not None:
         args.write.write_text(to_toml(result.best.candidate, why=f"binding: {result.binding()}"))
         print(f"profile written to {args.write}")

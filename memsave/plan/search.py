@@ -37,6 +37,7 @@ class Plan:
     host_budget: float
     disk_budget: float
     considered: int
+    unpriced: dict[str, str] = dataclasses.field(default_factory=dict)  # mesh -> why its memory is unknown
 
     @property
     def best(self) -> Priced:
@@ -130,6 +131,7 @@ def plan(spec: ModelSpec, hw: Hardware, *, world: int, global_batch: int, seq: i
         offloads = ("none", "optimizer", "optimizer+params") if hw.device == "cuda" else (
             ("none", "optimizer:disk", "optimizer+params:disk") if disk_budget else ("none",))
     fits: list[Priced] = []
+    unpriced: dict[str, str] = {}
     smallest: dict[str, Priced] = {}
     n = 0
     for c in candidates(spec, world, global_batch, gpus_per_node=gpus_per_node, precisions=precisions,
@@ -138,7 +140,12 @@ def plan(spec: ModelSpec, hw: Hardware, *, world: int, global_batch: int, seq: i
         n += 1
         p = price(spec, c, hw, seq, gpus_per_node=gpus_per_node)
         if exact is not None:
-            measured = exact(c)
+            try:
+                measured = exact(c)
+            except Exception as exc:  # noqa: BLE001  # the estimator cannot run this one: said, never priced
+                mesh = c.label().split(" zero")[0]
+                unpriced.setdefault(mesh, f"memsave.estimate failed ({type(exc).__name__}: {exc})"[:300])
+                continue
             host, disk = measured.get("offload_host", 0), measured.get("offload_disk", 0)
             device = {k: float(v) for k, v in measured.items() if k not in OFF_DEVICE}
             p = dataclasses.replace(p, device=device, host=host or p.host, disk=disk or p.disk, exact=True)
@@ -155,13 +162,17 @@ def plan(spec: ModelSpec, hw: Hardware, *, world: int, global_batch: int, seq: i
     rejected = {fam: _why(p, budget, host_budget, disk_budget) for fam, p in sorted(smallest.items())
                 if fam not in fitting_families}
     if not fits:
+        if not smallest:
+            raise PlanError(f"no configuration of {spec.name} could be priced: "
+                            + "; ".join(f"{k}: {v}" for k, v in unpriced.items()))
         need = min(smallest.values(), key=lambda p: (p.host > host_budget or p.disk > disk_budget, p.peak))
         raise PlanError(f"no configuration of {spec.name} fits {format_bytes(int(budget))} per device on {world} "
                         f"device(s): the smallest that would fit needs "
                         f"{format_bytes(int(need.peak * (1 + (headroom if need.exact else analytic_headroom))) + 1)} "
                         "per device "
-                        f"({need.candidate.label()}); " + "; ".join(f"{k}: {v}" for k, v in rejected.items()))
-    return Plan(fits, rejected, budget, host_budget, disk_budget, n)
+                        f"({need.candidate.label()}); " + "; ".join(f"{k}: {v}" for k, v in rejected.items())
+                        + "".join(f"; {k} not priced: {v}" for k, v in unpriced.items()))
+    return Plan(fits, rejected, budget, host_budget, disk_budget, n, unpriced)
 
 
 def _over(p: Priced, budget: float, host: float, disk: float) -> float:

@@ -137,7 +137,9 @@ def from_module(model: nn.Module, name: str | None = None) -> ModelSpec:
     split = sum(m.weight.numel() for m in units[0].modules() if isinstance(m, nn.Linear))
     embeds = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     vocab = max((e.num_embeddings for e in embeds), default=0)
-    heads = next((int(v) for v in (getattr(units[0], k, None) for k in ("n_head", "num_heads", "num_attention_heads"))
+    config = getattr(model, "config", None)  # a Hugging Face model's, or the reference GPT's
+    heads = next((int(v) for v in [getattr(config, k, None) for k in ("num_attention_heads", "n_head")]
+                  + [getattr(units[0], k, None) for k in ("n_head", "num_heads", "num_attention_heads")]
                   if isinstance(v, int)), 1)
     return ModelSpec(name=name or type(model).__name__, layers=len(units), hidden=h, heads=heads, vocab=vocab,
                      max_seq=0, layer_params=max(counts), layer_split=split, embed_params=outside, head_params=0,
