@@ -22,7 +22,7 @@ __all__ = ["activations", "measure_activations"]
 
 
 def _run_forward(model: nn.Module, batch: Any) -> Callable[[], Any]:
-    def run() -> Any:
+    def call() -> Any:
         if callable(batch):
             return batch(model)
         if isinstance(batch, Mapping):
@@ -30,6 +30,17 @@ def _run_forward(model: nn.Module, batch: Any) -> Callable[[], Any]:
         if isinstance(batch, tuple | list):
             return model(*batch)
         return model(batch)
+
+    def run() -> Any:
+        try:
+            return call()
+        except RuntimeError as exc:  # a forward that branches on a tensor's value cannot run on the meta device
+            if "meta tensors" not in str(exc):
+                raise
+            raise ValueError(
+                f"the estimate runs {type(model).__name__}'s forward on the meta device, where a tensor has no values, "
+                f"and the forward read one ({exc}). Hugging Face models do so without an attention mask and without "
+                "a cache (a check for packed sequences): put \"attention_mask\" in the example batch") from exc
     return run
 
 

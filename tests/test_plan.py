@@ -303,3 +303,18 @@ def test_calibrate_caches_and_hardware_files(tmp_path: Path, monkeypatch: pytest
     with pytest.raises(ValueError, match="--hardware 'tpu-v9' is not allowed"):
         load_hardware("tpu-v9")
     assert all("vendor data sheet" in h.source and "assumption" in h.source for h in VENDOR.values())
+
+
+def test_estimate_of_a_forward_that_reads_values_says_what_to_pass() -> None:
+    """HF Llama without a cache and without an attention mask looks at its position ids' values (packed
+    sequences), which the meta device does not have: a ValueError saying to pass the mask, and with it the
+    estimate runs."""
+    with torch.device("meta"):
+        model = hf_llama(tied=True, n_layer=2)
+    model.config.use_cache = False
+    ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    with pytest.raises(ValueError, match='put "attention_mask" in the example batch'):
+        memsave.estimate(model, "ddp", batch={"input_ids": ids, "labels": ids}, device="cpu")
+    est = memsave.estimate(model, "ddp", batch={"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)},
+                           device="cpu")
+    assert est.activations > 0
