@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
+
+from memsave.config_types import _bad, _check_type
 
 __all__ = [
     "OffloadConfig",
@@ -34,9 +35,6 @@ def _doc(what: str, allowed: str = "") -> dict[str, str]:
     without ``help`` fails that test."""
     return {"help": what, "allowed": allowed}
 
-
-def _bad(key: str, value: object, allowed: str) -> ValueError:
-    return ValueError(f"profile key '{key}' = {value!r} is not allowed; expected {allowed}")
 
 
 class _Checked:
@@ -336,6 +334,12 @@ class ParallelConfig(_Checked):
         "Stages per pp rank (stage s on pp rank s % pp).", "a positive integer; 1 unless schedule = interleaved"))
     split: tuple[str, ...] = field(default=(), metadata=_doc('Module names where stages 1, 2, ... begin (["layers.4"]); '
         "empty: the blocks divided evenly by count.", "pp x virtual - 1 names of blocks or of modules beside them, in order"))
+    balance: Literal["count", "params", "time"] = field(default="count", metadata=_doc(
+        "How the blocks are divided into stages when split is empty: count (equal numbers of blocks), params (equal "
+        "parameter counts) or time (each block's forward and backward measured on memsave.wrap's example_inputs, "
+        "as torchgpipe's balance_by_time; rank 0's figures, so every rank cuts alike). The modules before the first "
+        "block and after the last stay on the first and last stage, counted with their block. The chosen split is "
+        "logged (stage, blocks, ms, bytes) and kept in model.memsave_engine.balance."))
     gather: Literal["step", "micro-batch"] = field(default="step", metadata=_doc(
         "ZeRO-3 with pp > 1: gather a stage's units once per step (its full parameters held through the step), or "
         "around each micro-batch's forward and backward (ZeRO-3's memory; two all-gathers per unit per micro-batch)."))
@@ -353,47 +357,8 @@ class ParallelConfig(_Checked):
         for key in ("tp", "pp", "virtual"):
             if getattr(self, key) < 1:
                 raise _bad(f"parallel.{key}", getattr(self, key), "a positive integer")
+        if self.balance != "count" and self.split:
+            raise _bad("parallel.balance", self.balance, f'"count" with split = {list(self.split)!r} (split says '
+                       "where stages begin; balance chooses it)")
         if self.virtual > 1 and self.schedule != "interleaved":
             raise _bad("parallel.virtual", self.virtual, f'1 with schedule = {self.schedule!r} (or "interleaved")')
-
-
-def _check_type(key: str, value: Any, annotation: Any) -> Any:
-    """Check ``value`` against a field annotation; return it converted where lossless (int -> float, list -> tuple)."""
-    origin = typing.get_origin(annotation)
-    if origin is Literal:
-        allowed = typing.get_args(annotation)
-        if value not in allowed:
-            raise _bad(key, value, "one of " + ", ".join(repr(a) for a in allowed))
-        return value
-    if origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(annotation):
-            try:
-                return _check_type(key, value, option)
-            except ValueError:
-                continue
-        raise _bad(key, value, " or ".join(getattr(a, "__name__", str(a)) for a in typing.get_args(annotation)))
-    if origin is tuple:
-        args = typing.get_args(annotation)
-        if args[-1] is Ellipsis and isinstance(value, list | tuple):  # a list of any length
-            return tuple(_check_type(key, v, args[0]) for v in value)
-        if not isinstance(value, list | tuple) or len(value) != len(args):
-            raise _bad(key, value, "a list" if args[-1] is Ellipsis else f"a list of {len(args)} values")
-        return tuple(_check_type(key, v, a) for v, a in zip(value, args))
-    if annotation is bool:
-        if not isinstance(value, bool):
-            raise _bad(key, value, "true or false")
-        return value
-    if annotation is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _bad(key, value, "an integer")
-        return value
-    if annotation is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise _bad(key, value, "a number")
-        return float(value)
-    if annotation is str:
-        if not isinstance(value, str):
-            raise _bad(key, value, "a string")
-        return value
-    raise AssertionError(f"unhandled annotation {annotation!r} for {key}")
-

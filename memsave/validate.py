@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memsave._logging import warn_once
+from memsave._logging import get_logger, warn_once
 from memsave.config import OffloadConfig, OptimizerConfig, Profile, list_presets
 from memsave.dist import Mesh
 from memsave.models.units import default_units
@@ -49,6 +49,7 @@ class Plan:
     offload: OffloadConfig | None  # the [offload] settings that move something here (None: nothing moves)
     recompute: bool
     pp_split: Any = None  # pp > 1: the StageSplit (memsave/pp/split.py): which stage owns which module
+    pp_balance: Any = None  # [parallel] balance = params / time: the memsave.pp.Balance chosen
 
 
 def validate(profile: Profile, mesh: Mesh, model: nn.Module, *, units: Sequence[nn.Module] | None = None,
@@ -95,7 +96,7 @@ def validate(profile: Profile, mesh: Mesh, model: nn.Module, *, units: Sequence[
         )
     if recompute and profile.zero.stage == 3:
         check_not_nested(model, units if units is not None else default_units(model))
-    pp_split = None
+    pp_split = pp_balance = None
     if mesh.degree("pp") > 1:
         from memsave.pp.split import plan_split  # layer 3; loaded only with a pipeline
 
@@ -109,10 +110,22 @@ def validate(profile: Profile, mesh: Mesh, model: nn.Module, *, units: Sequence[
                     f"{profile.recompute.policy!r} needs torch >= 2.9 (its selective checkpoint read twice, by the "
                     f"input- and the weight-gradient pass); this is torch {torch.__version__}: use policy = \"full\" "
                     "or schedule = \"1f1b\"")
-        pp_split = plan_split(model, mesh.degree("pp") * par.virtual, par.split)
+        split = par.split
+        if par.balance != "count":  # [parallel] balance: the split from each block's parameters or measured time
+            from memsave.pp.auto_split import choose_split  # layer 3
+
+            if par.balance == "time" and any(p.is_meta for p in model.parameters()):
+                raise NotImplementedError('[parallel] balance = "time" measures each block, which a model on the '
+                                          'meta device cannot run: use balance = "params" or an explicit split')
+            names, pp_balance = choose_split(model, mesh.degree("pp") * par.virtual, par.balance, example_inputs)
+            split = tuple(names)
+            if mesh.rank == 0:
+                get_logger().info("pipeline stages by %s:\n%s", par.balance, pp_balance.to_text(
+                    *(("ms", 1e3) if par.balance == "time" else ("bytes", 1.0))))
+        pp_split = plan_split(model, mesh.degree("pp") * par.virtual, split)
     return Plan(profile=profile, mesh=mesh, mixed=mixed, compute_dtype=compute_dtype(prec) if mixed else None,
                 reduce_dtype=reduce_dtype_for(prec), scaler=scaler, offload=offload, recompute=recompute,
-                pp_split=pp_split)
+                pp_split=pp_split, pp_balance=pp_balance)
 
 
 def check_parallel(profile: Profile, mesh: Mesh, optimizer: torch.optim.Optimizer | None = None) -> None:
