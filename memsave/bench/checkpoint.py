@@ -2,21 +2,21 @@
 checkpointing of FSDP2, on the reference GPT (default ``--size medium``: 4.9M parameters, fp32 AdamW, 59 MB of
 model and optimizer state), ``--nproc`` gloo ranks.
 
-Each configuration runs in its own group of fresh processes (its memory figures are its own): a memsave profile
-(``zero3``, ``ddp``, ...) wrapped with :func:`memsave.wrap`, or ``fsdp2-dcp`` (FSDP2 with
-``get_state_dict`` + ``dcp.save`` / ``dcp.load``; memsave/dist/baselines_ckpt.py). On each rank, after
-``--warmup`` untimed steps (so the optimizer holds its state) and the timed training steps:
+The configurations are memsave profiles (``zero3``, ``ddp``, ...: :func:`memsave.wrap`) and ``fsdp2-dcp``
+(FSDP2 with ``get_state_dict`` + ``dcp.save`` / ``dcp.load``; memsave/dist/baselines_ckpt.py). Timing runs every
+configuration side by side in one group of ``--nproc`` fresh processes, their operations interleaved round by
+round in a rotated order (a shared machine's drift falls on all alike), each from a barrier:
 
-1. throughput: ``--repeat`` saves, each to a new directory, interleaved with a plain write of the same bytes as
-   the rank wrote ([Note: fair disk baseline] in ckpt_io.py: ``fsync`` on both sides, the same directory); then
-   as many loads of the last one interleaved with a plain read of the bytes the rank holds, the page cache
-   dropped first. An untimed first save warms both up. MiB/s per rank: the bytes that rank wrote (or holds, for
-   a load) over its median seconds;
-2. async (memsave only): ``--repeat`` rounds of a normal step, the step that ends with ``memsave.save(...,
-   async_=True)`` (staging included) and ``OVERLAP`` steps while it writes in the background, then ``wait``;
-   each step starts at a barrier;
-3. peak RSS: the high-water mark (exact, reset per phase: ckpt_io.PeakRss) over the training steps, over each
-   synchronous save, and from issuing an async save to its ``wait`` (the steps it overlaps included).
+1. throughput: ``--repeat`` saves per configuration, each into a new directory, each beside a plain write of the
+   bytes the rank wrote ([Note: fair disk baseline] in ckpt_io.py: ``fsync`` on both sides, the same directory;
+   an untimed first save sizes it); then as many loads of the last save, each beside a plain read of the bytes
+   the rank holds, the page cache dropped for both first. MiB/s per rank: those bytes over its median seconds;
+2. async (memsave only): ``--repeat`` rounds of a normal step, the step that ends by issuing ``memsave.save(...,
+   async_=True)`` (staging included), ``OVERLAP`` steps while it writes in the background, then ``wait``.
+
+Memory: each configuration alone in its own group (as its users run it): the peak RSS (ckpt_io.PeakRss: the
+kernel's high-water mark, reset per phase) over the training steps, over a synchronous save, and from issuing an
+async save to its ``wait`` (the steps it overlaps included).
 
 Beside them, the checkpoint's tensor bytes (DCP's metadata) against the formula: fp32 AdamW keeps
 ``4 + 4 + 4`` bytes per parameter (the parameter, ``exp_avg``, ``exp_avg_sq``) and one fp32 ``step`` per
@@ -42,6 +42,7 @@ from memsave.bench.ckpt_report import format_checkpoint_tables
 from memsave.bench.common import BenchOptions, run_each, show_results, split_names
 from memsave.checkpoint import load, save
 from memsave.checkpoint import wait as wait_async
+from memsave.config import load_profile
 from memsave.dist.dcp import read_metadata
 from memsave.memory import account
 from memsave.models import GPT, TokenBatches
@@ -78,13 +79,11 @@ def payload_bytes(path: Path) -> int:
 class _Run:
     """One configuration on this rank: the model, its optimizer, a training step, and its save / load."""
 
-    def __init__(self, name: str, opts: BenchOptions) -> None:
-        self.name, self.opts = name, opts
+    def __init__(self, name: str, opts: BenchOptions, mesh: mdist.Mesh) -> None:
+        self.name, self.opts, self.mesh = name, opts, mesh
         self.baseline = name == BASELINE
-        self.mesh = mdist.init(host_trim=not self.baseline)
         torch.manual_seed(opts.seed)
         model = GPT(opts.model_config())
-        opt = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.1)
         if self.baseline:
             from memsave.dist import baselines, baselines_ckpt  # here: [Note: baselines import cost]
 
@@ -93,14 +92,15 @@ class _Run:
                 "fsdp2", model, lambda ps: torch.optim.AdamW(ps, lr=opts.lr, weight_decay=0.1), list(model.blocks))
             self.backward = lambda loss: loss.backward()
         else:
-            self.model, self.opt = wrap(model, opt, name, mesh=self.mesh)
+            opt = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.1)
+            self.model, self.opt = wrap(model, opt, name, mesh=mesh)
             self.backward = self.opt.backward
-        self.data = TokenBatches(seq_len=opts.seq_len, batch_size=opts.batch_size, dp_rank=self.mesh.dp_rank,
-                                 dp_size=self.mesh.dp_size, seed=opts.seed)
+        self.data = TokenBatches(seq_len=opts.seq_len, batch_size=opts.batch_size, dp_rank=mesh.dp_rank,
+                                 dp_size=mesh.dp_size, seed=opts.seed)
         self.i = 0
 
-    def step(self) -> float:
-        """One training step, from a barrier; its seconds."""
+    def step(self, then: Any = None) -> float:
+        """One training step from a barrier (and ``then()`` at its end, inside the clock); its seconds."""
         batch = self.data.batch(self.i)
         self.i += 1
         mdist.barrier()
@@ -108,6 +108,8 @@ class _Run:
         self.backward(self.model(**batch).loss)
         self.opt.step()
         self.opt.zero_grad()
+        if then is not None:
+            then()
         return time.perf_counter() - t0
 
     def save(self, path: Path) -> float:
@@ -134,103 +136,119 @@ class _Run:
             return int(self.tt.local_state_bytes(self.model, self.opt))
         return account([self.model, self.opt]).model_state()
 
+    def async_round(self, path: Path, rec: dict[str, Any]) -> None:
+        """A normal step, the step that ends by issuing ``save(path, async_=True)``, ``OVERLAP`` steps while it
+        writes, then its ``wait``; into ``rec``."""
+        rec["normal_s"].append(self.step())
+        handle: list[Any] = []
+        rec["issue_s"].append(self.step(lambda: handle.append(save(path, self.model, self.opt, async_=True))))
+        rec["during_s"] += [self.step() for _ in range(OVERLAP)]
+        handle[0].wait()
+        rec["staged_bytes"] = handle[0].staged_bytes
+        rec["stage_s"].append(handle[0].stage_s)
+        rec["write_s"].append(handle[0].write_s)
 
-def _worker(name: str, opts: BenchOptions, root: str, repeat: int) -> dict[str, Any]:
-    run = _Run(name, opts)
-    rank = run.mesh.rank
-    where = Path(root) / name
+
+def _rotated(items: list[Any], k: int) -> list[Any]:
+    return items[k % len(items):] + items[: k % len(items)]
+
+
+def _timing_worker(names: list[str], opts: BenchOptions, root: str, repeat: int) -> dict[str, Any]:
+    """Every configuration side by side on this rank, their saves, loads and async rounds interleaved (each
+    round in a rotated order, the plain write / read beside each) so that a shared machine's drift falls on all
+    alike. The host allocator's trim is off for all (it is process-wide)."""
+    mesh = mdist.init(host_trim=False)
+    rank = mesh.rank
+    runs = [_Run(n, opts, mesh) for n in names]
+    out: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        for _ in range(opts.warmup):
+            run.step()
+        where = Path(root) / run.name
+        where.mkdir(parents=True, exist_ok=True)
+        run.save(where / "warm")  # untimed: its bytes size the plain write
+        mine = rank_files(where / "warm", rank, memsave=not run.baseline)
+        o = out[run.name] = {"rank": rank, "save_bytes": files_bytes(mine), "save_files": [f.name for f in mine],
+                             "load_bytes": run.held_bytes(), "save_s": [], "plain_write_s": [], "load_s": [],
+                             "plain_read_s": []}
+        if rank == 0:
+            o["payload_bytes"] = payload_bytes(where / "warm")
+        plain_write(where / f"read.rank{rank}", random_bytes(o["load_bytes"]))
+    items = [(run, op) for run in runs for op in ("ckpt", "plain")]
+    for k in range(repeat):  # 1. saves and plain writes of the same bytes
+        for run, op in _rotated(items, k):
+            o, where = out[run.name], Path(root) / run.name
+            if op == "plain":
+                data = random_bytes(o["save_bytes"])
+                mdist.barrier()
+                o["plain_write_s"].append(plain_write(where / f"plain{k}.rank{rank}", data))
+            else:
+                o["save_s"].append(run.save(where / f"save{k}"))
+    for k in range(repeat):  # 2. loads of the last save and plain reads of the bytes the rank holds, cold
+        for run, op in _rotated(items, k):
+            o, where = out[run.name], Path(root) / run.name
+            read_file = where / f"read.rank{rank}"
+            evict([where / f"save{repeat - 1}", read_file])
+            mdist.barrier()
+            if op == "plain":
+                into = bytearray(o["load_bytes"])
+                o["plain_read_s"].append(plain_read(read_file, into))
+            else:
+                o["load_s"].append(run.load(where / f"save{repeat - 1}"))
+    async_runs = [run for run in runs if not run.baseline]
+    for run in async_runs:
+        out[run.name]["async"] = {"normal_s": [], "issue_s": [], "during_s": [], "staged_bytes": 0, "stage_s": [],
+                                  "write_s": []}
+    for k in range(repeat):  # 3. async rounds
+        for run in _rotated(async_runs, k) if async_runs else []:
+            run.async_round(Path(root) / run.name / f"async{k}", out[run.name]["async"])
+    wait_async()
+    mdist.barrier()
+    return out
+
+
+def _memory_worker(name: str, opts: BenchOptions, root: str) -> dict[str, Any]:
+    """One configuration alone in its processes, as its users run it (memsave's host-allocator policy on for a
+    memsave profile): peak RSS over the training steps, over a synchronous save, and from issuing an async save
+    to its wait."""
+    mesh = mdist.init(host_trim=name != BASELINE)
+    run = _Run(name, opts, mesh)
+    where = Path(root) / f"memory-{name}"
     where.mkdir(parents=True, exist_ok=True)
     peak = PeakRss()
-    out: dict[str, Any] = {"rank": rank, "peak_exact": peak.exact}
     for _ in range(opts.warmup):
         run.step()
     peak.reset()
-    out["train_step_s"] = [run.step() for _ in range(opts.steps - opts.warmup)]
-    out["train_peak"] = peak.read()
-
-    # 1. save: an untimed first save (its bytes size the plain write), then saves and plain writes interleaved
-    first = where / "warm"
-    run.save(first)
-    mine = rank_files(first, rank, memsave=not run.baseline)
-    out["save_bytes"] = files_bytes(mine)
-    out["save_files"] = [f.name for f in mine]
-    if rank == 0:
-        out["payload_bytes"] = payload_bytes(first)
-    data = random_bytes(out["save_bytes"])
-    out["save_s"], out["plain_write_s"], out["save_peak"] = [], [], 0
-    for k in range(repeat):
-        for op in (("plain", "ckpt") if k % 2 == 0 else ("ckpt", "plain")):
-            if op == "plain":
-                mdist.barrier()
-                out["plain_write_s"].append(plain_write(where / f"plain{k}.rank{rank}", data))
-            else:
-                peak.reset()
-                out["save_s"].append(run.save(where / f"save{k}"))
-                out["save_peak"] = max(out["save_peak"], peak.read())
-    del data
-    # 2. load the last save (what the model holds now), interleaved with plain reads of the bytes the rank holds
-    last = where / f"save{repeat - 1}"
-    out["load_bytes"] = run.held_bytes()
-    read_file = where / f"read.rank{rank}"
-    plain_write(read_file, random_bytes(out["load_bytes"]))
-    into = bytearray(out["load_bytes"])
-    out["load_s"], out["plain_read_s"] = [], []
-    for k in range(repeat):
-        for op in (("ckpt", "plain") if k % 2 == 0 else ("plain", "ckpt")):
-            evict([last, read_file])
-            mdist.barrier()
-            if op == "plain":
-                out["plain_read_s"].append(plain_read(read_file, into))
-            else:
-                out["load_s"].append(run.load(last))
-    del into
-    # 3. async saves: a normal step, the step that issues the save, steps while it writes
+    for _ in range(opts.steps - opts.warmup):
+        run.step()
+    out = {"rank": mesh.rank, "peak_exact": peak.exact, "train_peak": peak.read()}
+    peak.reset()
+    run.save(where / "sync")
+    out["save_peak"] = peak.read()
     if not run.baseline:
-        out["async"] = _async_rounds(run, where, repeat, peak)
+        peak.reset()
+        run.async_round(where / "async", {"normal_s": [], "issue_s": [], "during_s": [], "stage_s": [],
+                                          "write_s": []})
+        out["async_peak"] = peak.read()
     peak.close()
     mdist.barrier()
     return out
 
 
-def _async_rounds(run: _Run, where: Path, repeat: int, peak: PeakRss) -> dict[str, Any]:
-    res: dict[str, Any] = {"normal_s": [], "issue_s": [], "during_s": [], "staged_bytes": 0, "stage_s": [],
-                           "write_s": [], "peak": 0}
-    for k in range(repeat):
-        res["normal_s"].append(run.step())
-        peak.reset()
-        batch = run.data.batch(run.i)
-        run.i += 1
-        mdist.barrier()
-        t0 = time.perf_counter()
-        run.backward(run.model(**batch).loss)
-        run.opt.step()
-        run.opt.zero_grad()
-        handle = save(where / f"async{k}", run.model, run.opt, async_=True)
-        res["issue_s"].append(time.perf_counter() - t0)
-        res["during_s"] += [run.step() for _ in range(OVERLAP)]
-        handle.wait()
-        res["peak"] = max(res["peak"], peak.read())
-        res["staged_bytes"] = handle.staged_bytes
-        res["stage_s"].append(handle.stage_s)
-        res["write_s"].append(handle.write_s)
-    wait_async()
-    return res
-
-
-def _row(name: str, ranks: list[dict[str, Any]], formula: int) -> dict[str, Any]:
+def _row(name: str, timing: list[dict[str, Any]], memory: list[dict[str, Any]], formula: int) -> dict[str, Any]:
     med = statistics.median
+    ranks = [t[name] for t in timing]
     row: dict[str, Any] = {"name": name, "kind": "baseline" if name == BASELINE else "memsave",
                            "formula_bytes": formula, "payload_bytes": ranks[0]["payload_bytes"],
-                           "peak_exact": all(r["peak_exact"] for r in ranks), "ranks": ranks}
+                           "peak_exact": all(m["peak_exact"] for m in memory), "ranks": ranks, "memory_ranks": memory}
     for op, plain in (("save", "plain_write"), ("load", "plain_read")):
         row[op] = {"bytes": [r[f"{op}_bytes"] for r in ranks],
                    "s": [med(r[f"{op}_s"]) for r in ranks],
                    "mibps": [r[f"{op}_bytes"] / med(r[f"{op}_s"]) / 2**20 for r in ranks],
                    "plain_mibps": [r[f"{op}_bytes"] / med(r[f"{plain}_s"]) / 2**20 for r in ranks]}
         row[op]["x_plain"] = min(a / b for a, b in zip(row[op]["mibps"], row[op]["plain_mibps"]))
-    train_peak = [r["train_peak"] for r in ranks]
-    row["memory"] = {"train_peak": train_peak, "save_peak": [r["save_peak"] for r in ranks],
-                     "x_save": max(r["save_peak"] / r["train_peak"] for r in ranks)}
+    row["memory"] = {"train_peak": [m["train_peak"] for m in memory], "save_peak": [m["save_peak"] for m in memory],
+                     "x_save": max(m["save_peak"] / m["train_peak"] for m in memory)}
     if "async" in ranks[0]:
         steps = {k: [max(r["async"][k][i] for r in ranks) for i in range(len(ranks[0]["async"][k]))]
                  for k in ("normal_s", "issue_s", "during_s")}  # each step: its slowest rank
@@ -239,8 +257,8 @@ def _row(name: str, ranks: list[dict[str, Any]], formula: int) -> dict[str, Any]
                         "staged_bytes": [r["async"]["staged_bytes"] for r in ranks],
                         "stage_s": max(med(r["async"]["stage_s"]) for r in ranks),
                         "write_s": max(med(r["async"]["write_s"]) for r in ranks), "steps": steps}
-        row["memory"]["async_peak"] = [r["async"]["peak"] for r in ranks]
-        row["memory"]["x_async"] = max(r["async"]["peak"] / r["train_peak"] for r in ranks)
+        row["memory"]["async_peak"] = [m["async_peak"] for m in memory]
+        row["memory"]["x_async"] = max(m["async_peak"] / m["train_peak"] for m in memory)
     return row
 
 
@@ -258,8 +276,19 @@ def run_checkpoint_bench(opts: BenchOptions, names: list[str] | None = None, *, 
     fresh processes, checkpointing into a new temporary directory under ``directory`` (default: the OS temp
     directory), removed at the end; one row each."""
     names = list(names or DEFAULT_CONFIGS)
-    if not names:
-        raise ValueError("memsave bench --checkpoint: no configuration; expected profiles and/or " + BASELINE)
+    for n in names:
+        if n == BASELINE:
+            continue
+        try:
+            prof = load_profile(n)
+        except ValueError as exc:
+            raise ValueError(f"memsave bench --checkpoint: configuration {n!r} is neither {BASELINE!r} nor a "
+                             f"profile ({exc})") from None
+        if prof.parallel.tp > 1 or prof.parallel.pp > 1:
+            raise NotImplementedError(f"memsave bench --checkpoint: profile {n!r} has tp={prof.parallel.tp}, "
+                                      f"pp={prof.parallel.pp}; the bench runs data parallelism only (tp = pp = 1)")
+    if len(set(names)) != len(names):
+        raise ValueError(f"memsave bench --checkpoint: configurations {names} name one twice")
     if repeat < 1:
         raise ValueError(f"memsave bench --checkpoint: repeat={repeat} is not allowed; expected >= 1")
     if opts.warmup < 1:
@@ -271,8 +300,9 @@ def run_checkpoint_bench(opts: BenchOptions, names: list[str] | None = None, *, 
         formula = state_formula_bytes(GPT(opts.model_config()))
     root = Path(tempfile.mkdtemp(prefix="memsave-ckbench-", dir=directory))
     try:
-        rows = run_each(names, lambda n: _row(n, spawn_local(_worker, opts.nproc, (n, opts, str(root), repeat),
-                                                             timeout_s=timeout_s), formula), summarize)
+        timing = spawn_local(_timing_worker, opts.nproc, (names, opts, str(root), repeat), timeout_s=timeout_s)
+        rows = run_each(names, lambda n: _row(n, timing, spawn_local(_memory_worker, opts.nproc, (n, opts, str(root)),
+                                                                     timeout_s=timeout_s), formula), summarize)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return rows
