@@ -46,6 +46,7 @@ from memsave.config import load_profile
 from memsave.dist.dcp import read_metadata
 from memsave.memory import account
 from memsave.models import GPT, TokenBatches
+from memsave.phases import MemoryCategory
 
 __all__ = ["BASELINE", "DEFAULT_CONFIGS", "OVERLAP", "run_checkpoint_bench", "run_command", "state_formula_bytes",
            "summarize"]
@@ -131,10 +132,12 @@ class _Run:
         return time.perf_counter() - t0
 
     def held_bytes(self) -> int:
-        """The model and optimizer state this rank holds (what a load fills)."""
+        """The model and optimizer state this rank holds (what a load fills: no gradients, nothing gathered)."""
         if self.baseline:
             return int(self.tt.local_state_bytes(self.model, self.opt))
-        return account([self.model, self.opt]).model_state()
+        held = account([self.model, self.opt]).bytes
+        return sum(held.get(c.value, 0) for c in (MemoryCategory.PARAMS, MemoryCategory.BUFFERS,
+                                                  MemoryCategory.MASTER, MemoryCategory.OPTIMIZER_STATE))
 
     def async_round(self, path: Path, rec: dict[str, Any]) -> None:
         """A normal step, the step that ends by issuing ``save(path, async_=True)``, ``OVERLAP`` steps while it
