@@ -49,9 +49,9 @@ def test_bench_checkpoint_tiny(tmp_path: pytest.TempPathFactory) -> None:
     for name in ("zero3", "ddp"):
         a = by[name]["async"]
         assert a["normal_s"] > 0 and a["issue_s"] > 0 and a["during_s"] > 0
-        # staged: this rank's rectangles (zero3: its rows, about half; ddp: every tensor, replicated)
-        staged = sum(a["staged_bytes"]) if name == "zero3" else a["staged_bytes"][0]
-        assert staged == pytest.approx(formula, rel=0.02), (name, a["staged_bytes"])
+        # staged: what each rank writes (zero3: its rows; ddp: its share of the replicated tensors), once in all
+        assert sum(a["staged_bytes"]) == formula, (name, a["staged_bytes"])
+        assert max(a["staged_bytes"]) < 0.6 * formula, (name, a["staged_bytes"])
         assert by[name]["save"]["x_dcp"] is not None
     assert "async" not in by[BASELINE]
     text = format_checkpoint_tables(rows, OPTS)

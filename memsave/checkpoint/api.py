@@ -98,8 +98,11 @@ def write_rects(final: Path, rects: list[Rect], meta: dict[str, Any], rng: dict[
     _commit.agree(f"memsave.save({final}): creating {tmp}", prepare, group)
 
     def write() -> dict[str, Any]:
-        save_rects(tmp, rects, group=group, sync_files=sync_files)
-        files = {p.name: [p.stat().st_size, _commit.crc32_file(p)] for p in sorted(tmp.glob(f"__{rank}_*.distcp"))}
+        sums = save_rects(tmp, rects, group=group, sync_files=sync_files)  # computed as written
+        files = {}
+        for p in sorted(tmp.glob(f"__{rank}_*.distcp")):
+            size, crc = p.stat().st_size, sums.get(p.name, (-1, 0))[1]
+            files[p.name] = [size, crc if sums.get(p.name, (-1, 0))[0] == size else _commit.crc32_file(p)]
         mine = {"rank": rank, "rng": rng, "files": files}
         _commit.write_json(tmp / f"rank{rank}.json", mine)
         return mine
