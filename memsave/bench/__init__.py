@@ -94,7 +94,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--repeat", type=int, default=None,
                    help="--offload: run the configurations this many times, round-robin, and report medians (the "
                         "disk and the heap's peak vary from run to run; default 1); --checkpoint: saves, loads and "
-                        "async saves timed per configuration (default 3)")
+                        "async saves timed per configuration (default 5)")
     p.add_argument("--fit", default=None,
                    help="instead, on a CUDA device: the largest reference GPT each configuration trains within "
                         "--device-gib of device memory, and the step-time overhead of offload (memsave/bench/fit.py), "
@@ -144,7 +144,7 @@ def run_command(args: Any, extra: Any) -> int:
         return pp.run_command(opts, args.json)
     if args.checkpoint:
         return checkpoint.run_command(args.checkpoint, opts, args.json, args.dir,
-                                      3 if args.repeat is None else args.repeat)
+                                      5 if args.repeat is None else args.repeat)
     if args.memory:
         return memory.run_command(args.memory, opts, args.json)
     if args.offload:

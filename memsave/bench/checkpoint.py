@@ -37,7 +37,15 @@ import torch
 from memsave import dist as mdist
 from memsave._launch import spawn_local
 from memsave.api import wrap
-from memsave.bench.ckpt_io import PeakRss, evict, files_bytes, plain_read, plain_write, random_bytes, rank_files
+from memsave.bench.ckpt_io import (
+    PeakRss,
+    evict,
+    files_bytes,
+    plain_read,
+    plain_write,
+    random_bytes,
+    rank_files,
+)
 from memsave.bench.ckpt_report import format_checkpoint_tables
 from memsave.bench.common import BenchOptions, run_each, show_results, split_names
 from memsave.checkpoint import load, save
@@ -274,7 +282,7 @@ def summarize(rows: list[dict[str, Any]]) -> None:
 
 
 def run_checkpoint_bench(opts: BenchOptions, names: list[str] | None = None, *, directory: str | Path | None = None,
-                         repeat: int = 3, timeout_s: float = 900) -> list[dict[str, Any]]:
+                         repeat: int = 5, timeout_s: float = 900) -> list[dict[str, Any]]:
     """Every configuration of ``names`` (memsave profiles and ``fsdp2-dcp``) in its own group of ``opts.nproc``
     fresh processes, checkpointing into a new temporary directory under ``directory`` (default: the OS temp
     directory), removed at the end; one row each."""

@@ -109,7 +109,8 @@ def raw_record(data: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> torch
     if reader.get_record_size(storages[0]) != numel * item:
         return None
     storage = reader.get_storage_from_record(storages[0], numel * item, torch.uint8).untyped_storage()
-    stride, step = [], 1
+    stride: list[int] = []
+    step = 1
     for s in reversed(shape):
         stride.insert(0, step)
         step *= s
