@@ -25,6 +25,7 @@ parameter tensor (:func:`state_formula_bytes`).
 
 from __future__ import annotations
 
+import math
 import shutil
 import statistics
 import tempfile
@@ -51,7 +52,7 @@ from memsave.bench.common import BenchOptions, run_each, show_results, split_nam
 from memsave.checkpoint import load, save
 from memsave.checkpoint import wait as wait_async
 from memsave.config import load_profile
-from memsave.dist.dcp import read_metadata
+from memsave.dist.dcp import read_metadata, tensor_keys
 from memsave.memory import account
 from memsave.models import GPT, TokenBatches
 from memsave.phases import MemoryCategory
@@ -74,15 +75,9 @@ def state_formula_bytes(model: torch.nn.Module) -> int:
 
 
 def payload_bytes(path: Path) -> int:
-    """The tensor bytes of a DCP checkpoint, from its metadata (every saved chunk once)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    total = 0
-    for md in read_metadata(path).state_dict_metadata.values():
-        if isinstance(md, TensorStorageMetadata):
-            item = torch.empty((), dtype=md.properties.dtype).element_size()
-            total += sum(item * int(torch.Size(c.sizes).numel()) for c in md.chunks)
-    return total
+    """The tensor bytes of a DCP checkpoint, from its metadata: every tensor's global shape and dtype."""
+    return sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+               for shape, dtype in tensor_keys(read_metadata(path)).values())
 
 
 class _Run:
