@@ -36,7 +36,7 @@ def test_bench_checkpoint_tiny(tmp_path: pytest.TempPathFactory) -> None:
         for op in ("save", "load"):
             o = r[op]
             assert len(o["bytes"]) == 2 and all(b > 0 for b in o["bytes"])
-            for key in ("s", "mibps", "plain_mibps"):
+            for key in ("s", "cpu_s", "mibps", "plain_mibps"):
                 assert all(math.isfinite(v) and v > 0 for v in o[key]), (r["name"], op, key, o[key])
         # what the ranks wrote: the tensor bytes plus each record's serialization and the metadata, not less
         assert formula < sum(r["save"]["bytes"]) < formula * 1.5 + 2**20, r["name"]

@@ -116,23 +116,25 @@ class _Run:
             then()
         return time.perf_counter() - t0
 
-    def save(self, path: Path) -> float:
+    def save(self, path: Path) -> tuple[float, float]:
+        """Save into ``path`` from a barrier: (seconds, this process's CPU seconds)."""
         mdist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if self.baseline:
             self.tt.dcp_save(path, self.model, self.opt)
         else:
             save(path, self.model, self.opt)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
-    def load(self, path: Path) -> float:
+    def load(self, path: Path) -> tuple[float, float]:
+        """Load ``path`` from a barrier: (seconds, this process's CPU seconds)."""
         mdist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if self.baseline:
             self.tt.dcp_load(path, self.model, self.opt)
         else:
             load(path, self.model, self.opt)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
     def held_bytes(self) -> int:
         """The model and optimizer state this rank holds (what a load fills: no gradients, nothing gathered)."""
@@ -175,8 +177,8 @@ def _timing_worker(names: list[str], opts: BenchOptions, root: str, repeat: int)
         run.save(where / "warm")  # untimed: its bytes size the plain write
         mine = rank_files(where / "warm", rank, memsave=not run.baseline)
         o = out[run.name] = {"rank": rank, "save_bytes": files_bytes(mine), "save_files": [f.name for f in mine],
-                             "load_bytes": run.held_bytes(), "save_s": [], "plain_write_s": [], "load_s": [],
-                             "plain_read_s": []}
+                             "load_bytes": run.held_bytes(), "save_s": [], "save_cpu_s": [], "plain_write_s": [],
+                             "load_s": [], "load_cpu_s": [], "plain_read_s": []}
         if rank == 0:
             o["payload_bytes"] = payload_bytes(where / "warm")
         plain_write(where / f"read.rank{rank}", random_bytes(o["load_bytes"]))
@@ -189,7 +191,9 @@ def _timing_worker(names: list[str], opts: BenchOptions, root: str, repeat: int)
                 mdist.barrier()
                 o["plain_write_s"].append(plain_write(where / f"plain{k}.rank{rank}", data))
             else:
-                o["save_s"].append(run.save(where / f"save{k}"))
+                wall, cpu = run.save(where / f"save{k}")
+                o["save_s"].append(wall)
+                o["save_cpu_s"].append(cpu)
     for k in range(repeat):  # 2. loads of the last save and plain reads of the bytes the rank holds, cold
         for run, op in _rotated(items, k):
             o, where = out[run.name], Path(root) / run.name
@@ -200,7 +204,9 @@ def _timing_worker(names: list[str], opts: BenchOptions, root: str, repeat: int)
                 into = bytearray(o["load_bytes"])
                 o["plain_read_s"].append(plain_read(read_file, into))
             else:
-                o["load_s"].append(run.load(where / f"save{repeat - 1}"))
+                wall, cpu = run.load(where / f"save{repeat - 1}")
+                o["load_s"].append(wall)
+                o["load_cpu_s"].append(cpu)
     async_runs = [run for run in runs if not run.baseline]
     for run in async_runs:
         out[run.name]["async"] = {"normal_s": [], "issue_s": [], "during_s": [], "staged_bytes": 0, "stage_s": [],
@@ -249,7 +255,7 @@ def _row(name: str, timing: list[dict[str, Any]], memory: list[dict[str, Any]], 
                            "peak_exact": all(m["peak_exact"] for m in memory), "ranks": ranks, "memory_ranks": memory}
     for op, plain in (("save", "plain_write"), ("load", "plain_read")):
         row[op] = {"bytes": [r[f"{op}_bytes"] for r in ranks],
-                   "s": [med(r[f"{op}_s"]) for r in ranks],
+                   "s": [med(r[f"{op}_s"]) for r in ranks], "cpu_s": [med(r[f"{op}_cpu_s"]) for r in ranks],
                    "mibps": [r[f"{op}_bytes"] / med(r[f"{op}_s"]) / 2**20 for r in ranks],
                    "plain_mibps": [r[f"{op}_bytes"] / med(r[f"{plain}_s"]) / 2**20 for r in ranks]}
         row[op]["x_plain"] = min(a / b for a, b in zip(row[op]["mibps"], row[op]["plain_mibps"]))

@@ -33,10 +33,11 @@ def format_checkpoint_tables(rows: list[dict[str, Any]], opts: BenchOptions) -> 
         for op in ("save", "load"):
             o = r[op]
             lines.append([r["name"], op, _per_rank([b / 2**20 for b in o["bytes"]]), f"{max(o['s']):.3f}",
+                          _per_rank(o["cpu_s"], "{:.3f}"),
                           _per_rank(o["mibps"]), _per_rank(o["plain_mibps"]),
                           _ok(o["x_plain"], TARGETS["x_plain"]),
                           "-" if r["kind"] == "baseline" else _ok(o.get("x_dcp"), TARGETS["x_dcp"])])
-    out += columns(["config", "op", "MiB/rank", "s (slowest)", "MiB/s per rank", "plain MiB/s", "x plain",
+    out += columns(["config", "op", "MiB/rank", "s (slowest)", "CPU s per rank", "MiB/s per rank", "plain MiB/s", "x plain",
                     "x dcp"], lines)
     lines = []
     for r in rows:
