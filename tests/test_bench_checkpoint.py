@@ -16,7 +16,7 @@ from memsave.bench.ckpt_report import format_checkpoint_tables
 from memsave.bench.common import BenchOptions
 from memsave.models import GPT
 
-OPTS = BenchOptions(size="tiny", batch_size=2, seq_len=32, steps=3, warmup=1, nproc=2)
+OPTS = BenchOptions(size="tiny", batch_size=2, seq_len=32, steps=2, warmup=1, nproc=2)
 
 
 def _params_formula() -> int:
