@@ -6,6 +6,7 @@ taken from the bench) and the bytes each rank wrote are the files it left. Timin
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ def _params_formula() -> int:
     return sum(12 * p.numel() + 4 for p in model.parameters())
 
 
-def test_bench_checkpoint_tiny(tmp_path: pytest.TempPathFactory) -> None:
+def test_bench_checkpoint_tiny(tmp_path: Path) -> None:
     rows = run_checkpoint_bench(OPTS, ["zero3", "ddp", BASELINE], directory=tmp_path, repeat=1, timeout_s=120)
     assert [r["name"] for r in rows] == ["zero3", "ddp", BASELINE]
     formula = _params_formula()
@@ -60,7 +61,7 @@ def test_bench_checkpoint_tiny(tmp_path: pytest.TempPathFactory) -> None:
         assert needle in text, needle
 
 
-def test_bench_checkpoint_bad_input() -> None:
+def test_bench_checkpoint_bad_input(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="'nope' is neither 'fsdp2-dcp' nor a profile"):
         run_checkpoint_bench(OPTS, ["nope"])
     with pytest.raises(ValueError, match="repeat=0 is not allowed"):
@@ -71,4 +72,8 @@ def test_bench_checkpoint_bad_input() -> None:
         run_checkpoint_bench(OPTS, ["zero3"], directory="/nonexistent/x")
     with pytest.raises(ValueError, match="name one twice"):
         run_checkpoint_bench(OPTS, ["zero3", "zero3"])
+    offload = tmp_path / "params-cpu.toml"
+    offload.write_text('[zero]\nstage = 3\n\n[offload]\nparams = "cpu"\n')
+    with pytest.raises(NotImplementedError, match="has \\[offload\\] params='cpu'"):
+        run_checkpoint_bench(OPTS, [str(offload)])
     assert checkpoint.DEFAULT_CONFIGS == ("zero3", "ddp", BASELINE)

@@ -296,6 +296,9 @@ def run_checkpoint_bench(opts: BenchOptions, names: list[str] | None = None, *, 
         except ValueError as exc:
             raise ValueError(f"memsave bench --checkpoint: configuration {n!r} is neither {BASELINE!r} nor a "
                              f"profile ({exc})") from None
+        if prof.offload.params != "none":
+            raise NotImplementedError(f"memsave bench --checkpoint: profile {n!r} has [offload] params="
+                                      f"{prof.offload.params!r}, which memsave.save does not checkpoint yet")
         if prof.parallel.tp > 1 or prof.parallel.pp > 1:
             raise NotImplementedError(f"memsave bench --checkpoint: profile {n!r} has tp={prof.parallel.tp}, "
                                       f"pp={prof.parallel.pp}; the bench runs data parallelism only (tp = pp = 1)")
