@@ -13,7 +13,9 @@ One mode a run, chosen by the command line (this module is the only one that imp
 - ``pp`` (``--pp``): the pipeline schedules' measured idle fraction against the bubble formulas and the simulator;
 - ``plan`` (``--plan``): the planner's predicted peak and step time against measurement, and its speed;
 - ``deferred`` (``--deferred``): the peak RSS of ``wrap`` on a model built under ``memsave.deferred_init()`` against
-  its shards + the largest unit, and against the same model built eagerly.
+  its shards + the largest unit, and against the same model built eagerly;
+- ``checkpoint`` (``--checkpoint``): ``memsave.save`` / ``load`` against a plain write / read of the same bytes and
+  against FSDP2 + torch DCP: throughput, the step that issues an async save, peak RSS while saving.
 ``common`` holds what they share: :class:`BenchOptions`, :func:`run_each`, :class:`ConfigFailed` and the
 results' table and JSON file.
 """
@@ -23,7 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from memsave.bench import deferred, fit, memory, offload, optimizers, plan, pp, recompute, steptime, tp
+from memsave.bench import checkpoint, deferred, fit, memory, offload, optimizers, plan, pp, recompute, steptime, tp
 from memsave.bench.common import BenchOptions, ConfigFailed, run_each, show_results
 from memsave.bench.fit import FitOptions
 from memsave.bench.optimizers import OPTIMIZERS, format_optim_table, run_optim_bench
@@ -73,7 +75,8 @@ def add_parser(sub: Any) -> None:
                    help="comma-separated profiles (names or .toml paths, e.g. zero3-bf16) and baselines "
                         f"({', '.join(BASELINE_NAMES)}; '+malloc' adds memsave's host-memory policy)")
     p.add_argument("--size", default=None,
-                   help="reference GPT size (default: bench, 27.4M parameters untied; with --tp: medium)")
+                   help="reference GPT size (default: bench, 27.4M parameters untied; with --tp and --checkpoint: "
+                        "medium)")
     p.add_argument("--tied", action="store_true", help="tie the embedding and the head")
     p.add_argument("--batch-size", type=int, default=4, help="micro-batch per rank")
     p.add_argument("--seq-len", type=int, default=256)
@@ -91,9 +94,10 @@ def add_parser(sub: Any) -> None:
                    help="instead: optimizer-state offload against the same run in memory (memsave/bench/offload.py), "
                         "e.g. zero3,zero3-offload-disk,zero3-offload-disk-noprefetch,zero3-offload-disk-half")
     p.add_argument("--offload-path", default=None, help="--offload: folder for the disk tier (default: the temp dir)")
-    p.add_argument("--repeat", type=int, default=1,
+    p.add_argument("--repeat", type=int, default=None,
                    help="--offload: run the configurations this many times, round-robin, and report medians (the "
-                        "disk and the heap's peak vary from run to run)")
+                        "disk and the heap's peak vary from run to run; default 1); --checkpoint: saves, loads and "
+                        "async saves timed per configuration (default 5)")
     p.add_argument("--fit", default=None,
                    help="instead, on a CUDA device: the largest reference GPT each configuration trains within "
                         "--device-gib of device memory, and the step-time overhead of offload (memsave/bench/fit.py), "
@@ -122,15 +126,25 @@ def add_parser(sub: Any) -> None:
                         "memsave.deferred_init() against its shards + the largest unit, and the same GPT built eagerly "
                         "(memsave/bench/deferred.py; --d-model, --n-layer)")
     p.add_argument("--n-layer", type=int, default=16, help="--deferred: the GPT's blocks (default: 16)")
+    p.add_argument("--checkpoint", nargs="?", const=",".join(checkpoint.DEFAULT_CONFIGS), default=None,
+                   metavar="CONFIGS",
+                   help="instead: memsave.save / load against a plain fsync'd write / read of the same bytes and "
+                        f"against FSDP2 + torch DCP (memsave/bench/checkpoint.py; default {','.join(checkpoint.DEFAULT_CONFIGS)}"
+                        "): MiB/s per rank, the step that issues an async save, peak RSS while saving (default "
+                        "--size medium)")
+    p.add_argument("--dir", default=None,
+                   help="--checkpoint: where to write (a temporary folder under it, removed after; default: the "
+                        "OS temp dir)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
 
 
 def run_command(args: Any, extra: Any) -> int:
-    """``memsave bench``: the one mode the arguments ask for (``--fit``, ``--tp``, ``--pp``, ``--deferred``, ``--memory``, ``--offload``,
-    ``--recompute``, ``--optimizers``, in that order; else ``--configs``)."""
+    """``memsave bench``: the one mode the arguments ask for (``--fit``, ``--tp``, ``--pp``, ``--plan``, ``--deferred``,
+    ``--checkpoint``, ``--memory``, ``--offload``, ``--recompute``, ``--optimizers``, in that order; else
+    ``--configs``)."""
     if extra:
         raise ValueError(f"memsave bench: unrecognized arguments: {' '.join(extra)}")
-    size = args.size or ("medium" if args.tp else "bench")
+    size = args.size or ("medium" if args.tp or args.checkpoint else "bench")
     opts = BenchOptions(size=size, tie_weights=args.tied, batch_size=args.batch_size, seq_len=args.seq_len,
                         steps=args.steps, warmup=args.warmup, nproc=args.nproc)
     if args.fit:
@@ -145,10 +159,14 @@ def run_command(args: Any, extra: Any) -> int:
         return plan.run_command(opts, args.json)
     if args.deferred:
         return deferred.run_command(opts, args.d_model, args.n_layer, args.json)
+    if args.checkpoint:
+        return checkpoint.run_command(args.checkpoint, opts, args.json, args.dir,
+                                      5 if args.repeat is None else args.repeat)
     if args.memory:
         return memory.run_command(args.memory, opts, args.json)
     if args.offload:
-        return offload.run_command(args.offload, opts, args.json, args.offload_path, repeat=args.repeat)
+        return offload.run_command(args.offload, opts, args.json, args.offload_path,
+                                   repeat=1 if args.repeat is None else args.repeat)
     if args.recompute:
         return recompute.run_command(args.recompute, opts, args.json)
     if args.optimizers:

@@ -3,9 +3,13 @@ or tensor-parallel degree, committed only when every rank wrote ([Note: two-phas
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import json
 import shutil
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,9 +63,28 @@ def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     from memsave.checkpoint.background import wait
 
     wait()  # an async save still writing: finish it first (and raise its error)
-    rects, meta, rng = snapshot(model, optimizer, extra)
-    write_rects(Path(path), rects, meta, rng, keep_last=keep_last, sync_files=sync_files)
+    with collector_paused():
+        rects, meta, rng = snapshot(model, optimizer, extra)
+        write_rects(Path(path), rects, meta, rng, keep_last=keep_last, sync_files=sync_files)
     return None
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused for a synchronous save or load (on the main thread only: it is
+    process-wide). [Note: no collection inside a collective] A save allocates thousands of plan and metadata
+    objects, which set off collections; a full one over a training process's heap (about 300,000 tracked
+    objects with the reference GPT: 0.11-0.18 s) on one rank inside DCP's collectives made every other rank wait
+    for it, so on the reference GPT one zero3 save in two took twice as long. The garbage a save leaves is freed
+    by reference counting; anything else waits for the next collection after it."""
+    if threading.current_thread() is not threading.main_thread() or not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -98,8 +121,11 @@ def write_rects(final: Path, rects: list[Rect], meta: dict[str, Any], rng: dict[
     _commit.agree(f"memsave.save({final}): creating {tmp}", prepare, group)
 
     def write() -> dict[str, Any]:
-        save_rects(tmp, rects, group=group, sync_files=sync_files)
-        files = {p.name: [p.stat().st_size, _commit.crc32_file(p)] for p in sorted(tmp.glob(f"__{rank}_*.distcp"))}
+        sums = save_rects(tmp, rects, group=group, sync_files=sync_files)  # computed as written
+        files = {}
+        for p in sorted(tmp.glob(f"__{rank}_*.distcp")):
+            size, crc = p.stat().st_size, sums.get(p.name, (-1, 0))[1]
+            files[p.name] = [size, crc if sums.get(p.name, (-1, 0))[0] == size else _commit.crc32_file(p)]
         mine = {"rank": rank, "rng": rng, "files": files}
         _commit.write_json(tmp / f"rank{rank}.json", mine)
         return mine
@@ -141,7 +167,12 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     from memsave.checkpoint.background import wait
 
     wait()
-    path = Path(path)
+    with collector_paused():
+        return _load(Path(path), model, optimizer, rng=rng, verify=verify)
+
+
+def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, rng: bool,
+          verify: bool) -> Loaded:
     t = target_of(model, optimizer)
     if t.optimizer is not None:
         t.optimizer.settle()

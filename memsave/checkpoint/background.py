@@ -1,9 +1,9 @@
 """``memsave.save(..., async_=True)``: the step pays for staging this rank's shards into host memory; the write
 and the commit go on in a background thread.
 
-[Note: async save] Staging copies every rectangle this rank writes (its own shards only: the memory is bounded by
-the rank's share of the checkpoint, reported as :attr:`AsyncSave.staged_bytes`), so training may change the live
-tensors at once. The thread runs the same two-phase commit as a synchronous save over a process group of its own
+[Note: async save] Staging copies every rectangle this rank writes (its own shards and its share of the
+replicated ones, :func:`_owned`: the memory is bounded by the rank's share of the checkpoint, reported as
+:attr:`AsyncSave.staged_bytes`), so training may change the live tensors at once. The thread runs the same two-phase commit as a synchronous save over a process group of its own
 (created once, collectively, by the first async save), so its collectives never interleave with training's. One
 save is in flight per process: the next save or load waits for it, and a failure is raised there (or by
 :func:`wait`).
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memsave import dist as mdist
 from memsave.checkpoint.api import snapshot, write_rects
 from memsave.dist.dcp import Rect, new_world_group
 
@@ -71,6 +72,31 @@ def wait() -> None:
         _PENDING[0].wait()
 
 
+def _owned(rects: list[Rect]) -> list[Rect]:
+    """The rectangles this rank writes: a rectangle held by several ranks (replicated: DDP's whole tensors, a
+    ZeRO-1/2 parameter) is written by one of them, so only that one stages it. Every rank assigns every such
+    rectangle alike, from all ranks' lists (one collective): to the holder with the fewest bytes so far (the
+    balance DCP's plan deduplication aims for), the lowest rank on a tie."""
+    if mdist.group_size(None) == 1:
+        return rects
+    mine = [(r.key, r.offsets, r.tensor.nbytes) for r in rects]
+    everyone = mdist.all_gather_object(mine)
+    holders: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    size: dict[tuple[str, tuple[int, ...]], int] = {}
+    for rank, items in enumerate(everyone):
+        for key, offsets, nbytes in items:
+            holders.setdefault((key, offsets), []).append(rank)
+            size[(key, offsets)] = nbytes
+    load = [0] * len(everyone)
+    owner = {}
+    for item in sorted(holders, key=lambda i: (len(holders[i]) > 1, i)):  # the unshared first: they are fixed
+        rank = min(holders[item], key=lambda r: (load[r], r))
+        owner[item] = rank
+        load[rank] += size[item]
+    me = mdist.group_rank(None)
+    return [r for r in rects if owner[(r.key, r.offsets)] == me]
+
+
 def _stage(r: Rect) -> Rect:
     host = torch.empty(r.tensor.shape, dtype=r.tensor.dtype, device="cpu",
                        pin_memory=r.tensor.device.type == "cuda")
@@ -86,7 +112,7 @@ def save_async(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimi
         _GROUP.append(new_world_group())
     start = time.perf_counter()
     rects, meta, rng = snapshot(model, optimizer, extra)
-    staged = [_stage(r) for r in rects]
+    staged = [_stage(r) for r in _owned(rects)]
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     handle = AsyncSave(Path(path), staged, meta, rng, keep_last=keep_last, sync_files=sync_files,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 import zlib
@@ -98,9 +99,13 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
 
 def verify_files(path: Path, manifest: dict[str, Any], *, checksums: bool) -> None:
     """Every file of the manifest exists with its size; with ``checksums`` this rank also checks the CRC-32 of
-    its share of them (file ``i`` on rank ``i mod world``; agreed by the caller)."""
+    its share of them (agreed by the caller): the shard file saved by rank ``r`` on rank ``r mod world`` (under
+    the world size it was saved with, the file this rank reads next, then from the page cache), any other file
+    ``i`` on rank ``i mod world``."""
     rank, world = mdist.group_rank(None), mdist.group_size(None)
     for i, (name, (size, crc)) in enumerate(sorted(manifest["files"].items())):
+        shard = re.fullmatch(r"__(\d+)_\d+\.distcp", name)
+        owner = (int(shard.group(1)) if shard else i) % world
         where = path / name
         try:
             actual = where.stat().st_size
@@ -109,7 +114,7 @@ def verify_files(path: Path, manifest: dict[str, Any], *, checksums: bool) -> No
                                         f"holds {_keys_in(path, name)}") from None
         if actual != size:
             raise CheckpointFormatError(f"{where}: {actual} bytes, {MANIFEST} says {size}: truncated or replaced")
-        if (checksums or name == ".metadata") and i % world == rank and crc32_file(where) != crc:
+        if (checksums or name == ".metadata") and owner == rank and crc32_file(where) != crc:
             raise CheckpointFormatError(f"{where}: CRC-32 differs from {MANIFEST}: the file is corrupt")
 
 

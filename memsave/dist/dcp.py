@@ -50,6 +50,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from memsave.dist.dcp_io import ChecksumFileSystem, raw_record, record_crc_off
+
 __all__ = ["CheckpointFormatError", "Rect", "SafeReader", "initialized", "load_rects", "new_world_group",
            "read_metadata", "save_rects", "tensor_keys"]
 
@@ -128,13 +130,19 @@ class _RectSavePlanner(SavePlanner):
 
 
 def save_rects(path: str | Path, rects: Sequence[Rect], *, group: Any = None, sync_files: bool = True,
-               writer: FileSystemWriter | None = None) -> None:
-    """Write ``rects`` (every rank's, a collective over ``group`` or the default group) into directory ``path``."""
-    writer = writer or FileSystemWriter(path, single_file_per_rank=True, sync_files=sync_files, thread_count=1,
-                                        overwrite=True)
-    with _unwrapped():
+               writer: FileSystemWriter | None = None) -> dict[str, tuple[int, int]]:
+    """Write ``rects`` (every rank's, a collective over ``group`` or the default group) into directory ``path``.
+    Returns ``{file name: (size, CRC-32)}`` of the files this rank wrote, computed as they were written ([Note:
+    one pass per byte] in dcp_io.py; empty with a ``writer`` of the caller's)."""
+    fs = None
+    if writer is None:
+        writer = FileSystemWriter(path, single_file_per_rank=True, sync_files=sync_files, thread_count=1,
+                                  overwrite=True)
+        writer.fs = fs = ChecksumFileSystem()
+    with _unwrapped(), record_crc_off():
         dcp.save({}, storage_writer=writer, planner=_RectSavePlanner(rects), process_group=group,
                  no_dist=not initialized())
+    return dict(fs.sums) if fs is not None else {}
 
 
 # -- metadata without pickle's code execution ------------------------------------------------------------------
@@ -197,6 +205,13 @@ class SafeReader(FileSystemReader):
         md.storage_meta.load_id = self.load_id
         return md
 
+    def set_up_storage_reader(self, metadata: dcp_md.Metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self.chunks = {(k, tuple(c.offsets)): (tuple(c.sizes), md.properties.dtype)
+                       for k, md in metadata.state_dict_metadata.items()
+                       if isinstance(md, dcp_md.TensorStorageMetadata) for c in md.chunks}
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
         per_file: dict[str, list[ReadItem]] = collections.defaultdict(list)
         for req in plan.items:
@@ -222,8 +237,11 @@ class SafeReader(FileSystemReader):
         if len(data) != info.length:
             raise CheckpointFormatError(f"{where}: truncated: {req.storage_index.fqn!r} needs bytes "
                                         f"[{info.offset}, {info.offset + info.length}), the file has fewer")
+        chunk = self.chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
+        tensor = raw_record(data, *chunk) if chunk is not None else None  # [Note: one pass per byte]
         try:
-            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            if tensor is None:
+                tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as exc:
             raise CheckpointFormatError(f"{where}: {req.storage_index.fqn!r} at offset {info.offset} is not a "
                                         f"weights-only tensor record ({type(exc).__name__}: {str(exc)[:300]})"
