@@ -25,7 +25,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from memsave.bench import checkpoint, deferred, fit, memory, offload, optimizers, plan, pp, recompute, steptime, tp
+from memsave.bench import (
+    checkpoint,
+    deferred,
+    fit,
+    memory,
+    offload,
+    optimizers,
+    plan,
+    pp,
+    recompute,
+    steptime,
+    tp,
+)
 from memsave.bench.common import BenchOptions, ConfigFailed, run_each, show_results
 from memsave.bench.fit import FitOptions
 from memsave.bench.optimizers import OPTIMIZERS, format_optim_table, run_optim_bench

@@ -98,6 +98,8 @@ def _owned(rects: list[Rect]) -> list[Rect]:
 
 
 def _stage(r: Rect) -> Rect:
+    if r.fill is not None:  # offloaded state: read from its tier now (an async save stages it like the rest)
+        return Rect(r.key, r.fill().to("cpu", copy=True), r.offsets, r.shape)
     host = torch.empty(r.tensor.shape, dtype=r.tensor.dtype, device="cpu",
                        pin_memory=r.tensor.device.type == "cuda")
     host.copy_(r.tensor.detach(), non_blocking=True)

@@ -10,6 +10,7 @@ scaler go into the JSON manifest.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from memsave.checkpoint.layout import Held, follow_mask, held_params
 from memsave.dist import Mesh, Shard
 from memsave.dist.dcp import CheckpointFormatError, Rect
 from memsave.engines import MemsaveOptimizer
+from memsave.offload.chunks import MASTER
 from memsave.wrapped import MemsaveModule
 
 __all__ = ["Target", "buffers", "model_rects", "optimizer_meta", "optimizer_rects", "target_of"]
@@ -113,8 +115,8 @@ def optimizer_meta(t: Target, opt: MemsaveOptimizer) -> dict[str, Any]:
 
 
 def _states(opt: MemsaveOptimizer) -> dict[torch.Tensor, dict[str, Any]]:
-    if opt.offloaded is not None:
-        return opt.offloaded.local()[0]
+    if opt.offloaded is not None:  # what is not per element (``step``): no read of the tier
+        return {s: sc for s, sc in opt.offloaded.stream_layout()[1].items() if sc}
     return {s: st for s in _stepped_pairs(opt) if (st := opt.optimizer.state.get(s))}
 
 
@@ -126,8 +128,52 @@ def _masters(opt: MemsaveOptimizer) -> dict[torch.Tensor, torch.Tensor]:
     return {s: own.get(s, s) for s in _stepped_pairs(opt)}
 
 
+# [Note: offloaded state streamed] An offloaded optimizer's state and masters live on their tier in chunks
+# (memsave/offload/state.py). Saving them never reads the tier whole: each rectangle is a meta tensor of its shape
+# with a ``fill`` that DCP's writer calls when it writes that rectangle (one at a time, memsave/dist/dcp.py); the
+# fill reads the tensor's pieces from their chunks (the last chunk kept) and keeps only that one tensor until the
+# next is asked for. An async save stages the same way, so it holds them all (staging is its point).
+def _offloaded_rects(t: Target, opt: MemsaveOptimizer) -> list[Rect]:
+    """Save with offloaded state: each rectangle reads its tensor from the tier when it is written ([Note:
+    offloaded state streamed]), so at most one state tensor of this rank (and one chunk) is in memory at once."""
+    off = opt.offloaded
+    assert off is not None
+    keys, scalars = off.stream_layout()
+    cache: dict[str, Any] = {}
+    whole: dict[str, Any] = {}
+
+    def fill(s: torch.Tensor, key: str, size: tuple[int, ...], stride: tuple[int, ...], at: int) -> torch.Tensor:
+        if whole.get("key") != (id(s), key):  # one tensor at a time: the rectangles of one come in a row
+            whole.clear()
+            value = off.read_whole(s, key, cache)
+            if tuple(value.shape) == size and at == 0:  # the rectangle is the whole tensor: handed over as it is
+                return value
+            whole["key"], whole["value"] = (id(s), key), value
+        return whole["value"].as_strided(size, stride, at).clone()
+
+    rects: list[Rect] = []
+    for s, found in keys.items():
+        h = t.held[opt.full_of(s)]
+        for key, dtype in found.items():
+            if key == MASTER:
+                name, follows = f"master/{h.name}", (True,) * s.dim()
+            else:
+                name, follows = f"optim/{h.name}/{key}", follow_mask(opt.optimizer, key, s.shape, s.shape)
+            for r in h.rects(name, torch.empty(s.shape, dtype=dtype, device="meta"), follows, _rows(opt, h, s)):
+                v = r.tensor
+                rects.append(dataclasses.replace(r, fill=functools.partial(
+                    fill, s, key, tuple(v.size()), tuple(v.stride()), int(v.storage_offset()))))
+        for key, value in scalars.get(s, {}).items():  # in memory (``step``): written as it is
+            if isinstance(value, torch.Tensor):
+                follows = follow_mask(opt.optimizer, key, value.shape, s.shape)
+                rects += h.rects(f"optim/{h.name}/{key}", value.detach(), follows, _rows(opt, h, s))
+    return rects
+
+
 def optimizer_rects(t: Target, opt: MemsaveOptimizer) -> list[Rect]:
     """Save: the rectangles of this rank's optimizer state and fp32 masters."""
+    if opt.offloaded is not None:
+        return _offloaded_rects(t, opt)
     inner = opt.optimizer
     rects: list[Rect] = []
     for s, master in _masters(opt).items():

@@ -24,7 +24,7 @@ import io
 import math
 import os
 import pickle
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,9 @@ class Rect:
     tensor: torch.Tensor
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
+    # save only: makes the data when it is written (``tensor`` is then a meta tensor of its shape and dtype), so
+    # state that lives off memory (offloaded) is read one rectangle at a time, never all at once
+    fill: Callable[[], torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         sizes = tuple(self.tensor.shape)
@@ -122,6 +125,8 @@ class _RectSavePlanner(SavePlanner):
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
         r = self.rects[(write_item.index.fqn, tuple(write_item.index.offset or ()))]
+        if r.fill is not None:  # made now; DCP holds it until its file is closed (see save_rects)
+            return r.fill().detach().contiguous()
         t = r.tensor.detach()
         # a slice of a larger storage would be written whole by torch.save: copy it out (one rectangle at a time)
         if t.device.type != "cpu" or not t.is_contiguous() or t.untyped_storage().nbytes() != t.nbytes:
@@ -136,7 +141,10 @@ def save_rects(path: str | Path, rects: Sequence[Rect], *, group: Any = None, sy
     one pass per byte] in dcp_io.py; empty with a ``writer`` of the caller's)."""
     fs = None
     if writer is None:
-        writer = FileSystemWriter(path, single_file_per_rank=True, sync_files=sync_files, thread_count=1,
+        # DCP's writer keeps every tensor of a file referenced until it closes the file: rectangles made when
+        # written (Rect.fill: offloaded state) then go one to a file, so only one is ever made at a time
+        streamed = any(r.fill is not None for r in rects)
+        writer = FileSystemWriter(path, single_file_per_rank=not streamed, sync_files=sync_files, thread_count=1,
                                   overwrite=True)
         writer.fs = fs = ChecksumFileSystem()
     with _unwrapped(), record_crc_off():

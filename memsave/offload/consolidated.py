@@ -38,6 +38,52 @@ class Consolidated:
         self.tier.drain()
         return buf
 
+    def stream_layout(self) -> tuple[dict[torch.Tensor, dict[str, torch.dtype]], dict[torch.Tensor, dict[str, Any]]]:
+        """Without reading the tier: each stepped tensor's per-element state keys (``MASTER`` for its master rows)
+        with their dtypes, and its other entries (``step``): what :meth:`read_whole` then reads one at a time."""
+        self.settle()
+        keys: dict[torch.Tensor, dict[str, torch.dtype]] = {}
+        scalars: dict[torch.Tensor, dict[str, Any]] = {}
+        for shard, pieces in self.pieces_of.items():
+            p = pieces[0]
+            if p.state is not None:  # an in-memory chunk
+                found = {k: v.dtype for k, v in p.state.items() if per_element(v, p)}
+                other = {k: v for k, v in p.state.items() if not per_element(v, p)}
+            else:
+                found = {k: dt for k, dt, _off in p.entries}
+                other = dict(p.scalars)
+            if shard in self.masters:
+                found = {MASTER: torch.float32, **found}
+            keys[shard], scalars[shard] = found, other
+        return keys, scalars
+
+    def read_whole(self, shard: torch.Tensor, key: str, cache: dict[str, Any]) -> torch.Tensor:
+        """``shard``'s whole entry ``key`` (``MASTER``: its fp32 master rows), read piece by piece from the tier;
+        ``cache`` keeps the last chunk read (so the pieces of one chunk cost one read)."""
+        if "of" not in cache:
+            cache["of"] = {id(p): c for c in self.chunks for p in c.pieces}
+        pieces = self.pieces_of[shard]
+        out: torch.Tensor | None = None
+        for p in pieces:
+            chunk = cache["of"][id(p)]
+            if not chunk.offloaded:
+                assert key == MASTER or p.state is not None, f"{key}: an in-memory piece without state"
+                rows = p.sub.detach() if key == MASTER else p.state[key]  # type: ignore[index]
+            else:
+                if cache.get("chunk") is not chunk:
+                    need = round_up(max(chunk.region_bytes, 1))
+                    if cache.get("buf") is None or cache["buf"].numel() < need:  # one buffer, chunk after chunk
+                        cache["buf"] = aligned_empty(need, self.device)
+                    self.tier.read_async(chunk.regions[chunk.slot], cache["buf"][:need]).wait()
+                    self.tier.drain()
+                    cache["chunk"] = chunk
+                rows = view(cache["buf"], p, *{k: (dt, off) for k, dt, off in p.entries}[key])
+            if out is None:
+                out = torch.empty((shard.shape[0], *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
+            out[p.start : p.stop].copy_(rows)  # copied out before the buffer takes the next chunk
+        assert out is not None
+        return out
+
     def local_state(self) -> dict[torch.Tensor, dict[str, Any]]:
         """Every stepped tensor's state as the plain optimizer would hold it (per-element entries whole)."""
         return self.local()[0]
