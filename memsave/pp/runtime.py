@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -96,6 +97,11 @@ class StageRunner:
         self.max_in_flight = 0  # the most (stage, micro-batch) forwards held for their backward at once
         self.uid = next(_RUNNERS)  # the same on every rank: pipelines are built in the same order everywhere
         self.steps = 0
+        # [Note: action timing] None, or a list the runner appends one (kind, stage, mb, start, end, waited) to
+        # per action of :meth:`run` (kind "drain" for the closing wait on sends): perf_counter seconds, waited the
+        # part of it spent in receive waits. memsave bench --pp feeds these to memsave.pp.simulate.
+        self.timing: list[tuple[str, int, int, float, float, float]] | None = None
+        self._waited = 0.0
 
     # -- installation ----------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -241,7 +247,10 @@ class StageRunner:
             return self._mailbox.pop((mb, key, dst_stage, backward))
         pending = [self.p2p.recv(shape, dtype, self.peer(src), self._tag(mb, key, dst_stage, j, backward))
                    for j, (shape, dtype) in enumerate(meta)]
-        return [self.p2p.wait(p) for p in pending]
+        t = time.perf_counter()
+        out = [self.p2p.wait(p) for p in pending]
+        self._waited += time.perf_counter() - t
+        return out
 
     # -- actions ---------------------------------------------------------------------------------------------
     def forward(self, stage: int, mb: int, run: Callable[[], Any], loss_of: Callable[[Any], torch.Tensor], *,
@@ -368,14 +377,21 @@ class StageRunner:
         actions = schedule.actions[self.pp_rank]
         last_bwd = max((i for i, a in enumerate(actions) if a.kind in ("B", "W")), default=-1)
         self.last_losses = []
+        timing, clock = self.timing, time.perf_counter
         try:
             for i, a in enumerate(actions):
+                t0, self._waited = clock(), 0.0
                 if a.kind == "F":
                     self.forward(a.stage, a.mb, functools.partial(run_mb, a.mb), functools.partial(loss_of, a.mb))
                 else:
                     with backward_ctx(i == last_bwd):
                         self.backward(a.kind, a.stage, a.mb, scale)
+                if timing is not None:
+                    timing.append((a.kind, a.stage, a.mb, t0, clock(), self._waited))
+            t0 = clock()
             self.p2p.drain()
+            if timing is not None:
+                timing.append(("drain", -1, -1, t0, clock(), clock() - t0))
         except BaseException as exc:
             if not isinstance(exc, PeerFailed):
                 announce_failure(f"{type(exc).__name__}: {exc}")
