@@ -25,6 +25,7 @@ from memsave.dist.host_memory import (
     after_forward,
     configure_host_memory,
     host_memory_policy,
+    trim_held,
 )
 from memsave.dist.init import default_device, init, launch_env
 from memsave.dist.mesh import AXES, Mesh, validate_degrees
@@ -83,5 +84,6 @@ __all__ = [
     "reduce_scatter_into",
     "shutdown",
     "sum_over_shards",
+    "trim_held",
     "validate_degrees",
 ]

@@ -34,6 +34,7 @@ from memsave import dist as mdist
 from memsave.dist.p2p import P2P, PeerFailed, announce_failure, arrive, set_failure_scope
 from memsave.pp.probe import CallKey, Layout, Probe
 from memsave.pp.schedule import Schedule
+from memsave.pp.split_backward import WeightPass, backward_input
 from memsave.pp.split import StageSplit
 
 __all__ = ["StageRunner"]
@@ -64,8 +65,7 @@ class _Held:
     produced: dict[CallKey, list[torch.Tensor]]
     received: dict[CallKey, list[torch.Tensor]]
     loss: torch.Tensor | None
-    roots: list[torch.Tensor] | None = None  # after an I: what W runs the backward from
-    grads: list[torch.Tensor | None] | None = None
+    weight_pass: WeightPass | None = None  # after an I: what W runs ([Note: the I/W split])
 
 
 def _is_grad_dtype(t: torch.Tensor) -> bool:
@@ -320,18 +320,16 @@ class StageRunner:
         mdist.doing(0, f"pipeline backward ({kind}) of stage {stage}, micro-batch {mb}")
         held = self._held[(stage, mb)]
         if kind == "W":
-            assert held.roots is not None, f"W{stage}.{mb} before its I"
-            if held.roots:
-                torch.autograd.backward(held.roots, held.grads)
+            assert held.weight_pass is not None, f"W{stage}.{mb} before its I"
+            held.weight_pass.run()
             del self._held[(stage, mb)]
             return
         roots, grads = self._roots(stage, mb, held, scale)
         inputs = [t for ts in held.received.values() for t in ts if t.requires_grad]
         if kind == "I":
-            got = (torch.autograd.grad(roots, inputs, grads, retain_graph=True, allow_unused=True)
-                   if roots and inputs else [None] * len(inputs))
-            held.roots, held.grads = roots, [g.detach() if g is not None else None for g in grads]
-            self._send_input_grads(stage, mb, held, self._split_by_key(held, list(got)))
+            got, held.weight_pass = backward_input(roots, [g.detach() if g is not None else None for g in grads],
+                                                   inputs)
+            self._send_input_grads(stage, mb, held, self._split_by_key(held, got))
             return
         if roots:
             torch.autograd.backward(roots, grads)
@@ -378,11 +376,16 @@ class StageRunner:
         last_bwd = max((i for i, a in enumerate(actions) if a.kind in ("B", "W")), default=-1)
         self.last_losses = []
         timing, clock = self.timing, time.perf_counter
+        last_fwd = max((i for i, a in enumerate(actions) if a.kind == "F"), default=-1)
         try:
             for i, a in enumerate(actions):
                 t0, self._waited = clock(), 0.0
                 if a.kind == "F":
-                    self.forward(a.stage, a.mb, functools.partial(run_mb, a.mb), functools.partial(loss_of, a.mb))
+                    with mdist.trim_held():  # [Note: one trim per pipeline step] in memsave/dist/host_memory.py
+                        self.forward(a.stage, a.mb, functools.partial(run_mb, a.mb),
+                                     functools.partial(loss_of, a.mb))
+                    if i == last_fwd:
+                        mdist.after_forward(force=True)
                 else:
                     with backward_ctx(i == last_bwd):
                         self.backward(a.kind, a.stage, a.mb, scale)
