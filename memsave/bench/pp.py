@@ -94,6 +94,8 @@ def _worker(d: int, blocks: int, rows: int, ms: list[int], steps: int, warmup: i
             mbs, targets = list(x.chunk(m)), list(y.chunk(m))
             ours: list[tuple[float, list[Any]]] = []
             theirs: list[float] = []
+            ours_cpu: list[float] = []  # CPU seconds of the process (every thread) per step
+            theirs_cpu: list[float] = []
             losses: list[float] = []
             torch_losses: list[float] = []
             for i in range(warmup + steps):
@@ -102,10 +104,10 @@ def _worker(d: int, blocks: int, rows: int, ms: list[int], steps: int, warmup: i
                         timing: list[Any] = []
                         runner.timing = timing
                         mdist.barrier(None)
-                        t0 = time.perf_counter()
+                        t0, c0 = time.perf_counter(), time.process_time()
                         timing.append(("step", -1, -1, t0, t0, 0.0))
                         loss = net.pipeline_step(mbs, targets=targets, loss_fn=nn.functional.mse_loss)
-                        step = time.perf_counter() - t0
+                        step, cpu = time.perf_counter() - t0, time.process_time() - c0
                         timing.append(("end", -1, -1, t0 + step, t0 + step, 0.0))
                         runner.timing = None
                         mopt.step()
@@ -113,22 +115,26 @@ def _worker(d: int, blocks: int, rows: int, ms: list[int], steps: int, warmup: i
                         losses.append(float(loss))
                         if i >= warmup:
                             ours.append((step, timing))
+                            ours_cpu.append(cpu)
                     elif tpipe is not None and topt is not None:
                         mdist.barrier(None)
-                        t0 = time.perf_counter()
+                        t0, c0 = time.perf_counter(), time.process_time()
                         tl = tpipe.step(x, y)
-                        step = time.perf_counter() - t0
+                        step, cpu = time.perf_counter() - t0, time.process_time() - c0
                         topt.step()
                         topt.zero_grad()
                         torch_losses.append(float(tl) if tl is not None else float("nan"))
                         if i >= warmup:
                             theirs.append(step)
+                            theirs_cpu.append(cpu)
             step, timing = sorted(ours, key=lambda s: s[0])[len(ours) // 2]
             waited = sum(t[5] for t in timing)
             peak = _activation_peak(net, mbs, targets)
             out.append({"schedule": name, "virtual": virtual, "m": m, "pp": pp, "rank": rank, "step_s": step,
                         "idle": waited / step, "timing": [tm for _, tm in ours],
                         "steps": [s for s, _ in ours], "torch_step_s": statistics.median(theirs) if theirs else None,
+                        "cpu_s": statistics.median(ours_cpu),
+                        "torch_cpu_s": statistics.median(theirs_cpu) if theirs_cpu else None,
                         "losses": losses, "torch_losses": torch_losses, "activation_peak": peak,
                         "send_bytes": rows * d * 4, "blocks": blocks})
             net.memsave_engine.remove()
@@ -150,7 +156,7 @@ def run_pp_bench(opts: BenchOptions, *, d: int = 1024, blocks: int = 8, rows: in
     try:
         per_rank = spawn_local(_worker, pp, (*args, with_torch), timeout_s=timeout_s)
     except LaunchError as exc:
-        if not with_torch or "timed out" not in str(exc) and "not returned" not in str(exc):
+        if not with_torch or ("timed out" not in str(exc) and "not returned" not in str(exc)):
             raise
         torch_note = f"torch's schedules did not finish within {timeout_s:.0f} s on gloo (run again without them)"
         per_rank = spawn_local(_worker, pp, (*args, False), timeout_s=timeout_s)
@@ -164,6 +170,8 @@ def run_pp_bench(opts: BenchOptions, *, d: int = 1024, blocks: int = 8, rows: in
                "idle": [r["idle"] for r in ranks], "step_s": max(r["step_s"] for r in ranks),
                "torch_step_s": max((r["torch_step_s"] for r in ranks if r["torch_step_s"] is not None),
                                    default=None),
+               "cpu_s": sum(r["cpu_s"] for r in ranks),
+               "torch_cpu_s": sum(r["torch_cpu_s"] for r in ranks) if ranks[0]["torch_cpu_s"] is not None else None,
                "losses": ranks[0]["losses"], "torch_losses": ranks[last]["torch_losses"],
                "activation_peak": [r["activation_peak"] for r in ranks], "torch_note": torch_note}
         row.update(simulate_case(name, pp, m, virtual, ranks))

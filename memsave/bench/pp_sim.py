@@ -47,8 +47,8 @@ def measured_costs(name: str, pp: int, m: int, virtual: int, ranks: list[dict[st
         ends: dict[tuple[str, int, int], float] = {}
         records = [r["timing"][step] for r in ranks]
         for recs in records:
-            for kind, stage, mb, t0, t1, _ in recs:
-                if kind in "FBIW":
+            for kind, stage, mb, _t0, t1, _ in recs:
+                if kind in ("F", "B", "I", "W"):
                     ends[(kind, stage, mb)] = t1
         for recs in records:
             acts = [r for r in recs if r[0] in ("F", "B", "I", "W")]
@@ -102,7 +102,7 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def format_pp_table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'schedule':<15} {'m':>3} {'memsave s':>9} {'torch s':>8} {'x torch':>7} | {'formula':>7} "
+    head = (f"{'schedule':<15} {'m':>3} {'memsave s':>9} {'torch s':>8} {'x torch':>7} {'cpu x':>5} | {'formula':>7} "
             f"{'idle (measured)':<15} {'idle (simulated)':<16} {'sim s':>6} {'meas/sim':>8} | "
             f"{'act MiB sim':<13} {'act MiB tracker':<15}")
     lines = [head]
@@ -115,7 +115,8 @@ def format_pp_table(rows: list[dict[str, Any]]) -> str:
         act_sim = " ".join(f"{x / mib:.1f}" for x in r["simulated_peak"])
         act = " ".join(f"{x / mib:.1f}" for x in r["activation_peak"])
         lines.append(f"{name:<15} {r['m']:>3} {r['step_s']:>9.3f} {torch_s:>8} "
-                     f"{_ratio(r['step_s'], r.get('torch_step_s')):>7} | {r['formula']:>7.3f} {idle:<15} {sim:<16} "
+                     f"{_ratio(r['step_s'], r.get('torch_step_s')):>7} {_ratio(r['cpu_s'], r.get('torch_cpu_s')):>5} | "
+                     f"{r['formula']:>7.3f} {idle:<15} {sim:<16} "
                      f"{r['simulated_step_s']:>6.3f} {_ratio(r['step_s'], r['simulated_step_s']):>8} | "
                      f"{act_sim:<13} {act:<15}")
     notes = {r["torch_note"] for r in rows if r.get("torch_note")}

@@ -33,9 +33,10 @@ from torch.utils._pytree import tree_flatten
 from memsave import dist as mdist
 from memsave.dist.p2p import P2P, PeerFailed, announce_failure, arrive, set_failure_scope
 from memsave.pp.probe import CallKey, Layout, Probe
-from memsave.pp.schedule import Schedule
-from memsave.pp.split_backward import WeightPass, backward_input
+from memsave.pp.runtime_messages import Messages
+from memsave.pp.schedule import Action, Schedule
 from memsave.pp.split import StageSplit
+from memsave.pp.split_backward import WeightPass, backward_input
 
 __all__ = ["StageRunner"]
 
@@ -72,7 +73,7 @@ def _is_grad_dtype(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
-class StageRunner:
+class StageRunner(Messages):
     """Executes schedules for the stages ``local_stages`` of ``model`` ([Note: the stage runner]).
 
     ``peer(pp_rank)``: the global rank of a pp rank of this rank's slice. Installed once (:meth:`install`)."""
@@ -89,6 +90,7 @@ class StageRunner:
         self.layouts: dict[Any, Layout] = {}
         self.layout: Layout | None = None
         self._mailbox: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+        self._posted: dict[tuple[Any, ...], list[Any]] = {}
         self._held: dict[tuple[int, int], _Held] = {}
         self._originals: list[tuple[nn.Module, Any]] = []
         self._hooks: list[Any] = []
@@ -198,60 +200,6 @@ class StageRunner:
         self.layout = layout
         return layout
 
-    # -- messages --------------------------------------------------------------------------------------------
-    def _tag(self, mb: int, key: CallKey, dst_stage: int, leaf: int, backward: bool) -> int:
-        assert self.layout is not None and leaf < 64
-        c = self.layout.index(key)
-        return ((((mb * len(self.layout.order) + c) * self.n_stages + dst_stage) * 64 + leaf) * 2 + int(backward))
-
-    def _rank_of(self, stage: int) -> int:
-        return stage % self.pp_size
-
-    def _send(self, tensors: list[torch.Tensor], src_stage: int, dst_stage: int, mb: int, key: CallKey,
-              backward: bool, free: frozenset[int] = frozenset()) -> None:
-        dst = self._rank_of(dst_stage if not backward else src_stage)
-        if dst == self.pp_rank:
-            self._mailbox[(mb, key, dst_stage, backward)] = [t.detach() for t in tensors]
-            return
-        for j, t in enumerate(tensors):
-            self.p2p.send(t.detach(), self.peer(dst), self._tag(mb, key, dst_stage, j, backward),
-                          free_after=j in free)
-
-    def _freeable(self, stage: int, key: CallKey, tensors: list[torch.Tensor]) -> frozenset[int]:
-        """[Note: freed sends] (Megatron's ``deallocate_output_tensor``) The outputs of a stage's last atom call,
-        sent to one stage on another rank, are needed afterwards only as the roots of this stage's backward, which
-        reads their shape and ``grad_fn``, not their values, unless autograd saved them (an op that saves its
-        result: tanh, sigmoid, ...) or they view other storage. Such outputs are freed once sent: one activation
-        per micro-batch in flight less on every stage but the last."""
-        layout = self.layout
-        assert layout is not None
-        readers = layout.readers[key]
-        if key != layout.last_call[stage] or len(readers) != 1 or self._rank_of(readers[0]) == self.pp_rank:
-            return frozenset()
-        out = set()
-        for j, t in enumerate(tensors):
-            if t.grad_fn is None or t._base is not None or not t.is_contiguous():
-                continue
-            saved = [getattr(t.grad_fn, n, None) for n in dir(t.grad_fn) if n.startswith("_saved_")]
-            if any(isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
-                   for v in saved):
-                continue
-            out.add(j)
-            self.freed_bytes += t.numel() * t.element_size()
-        return frozenset(out)
-
-    def _recv(self, meta: list[tuple[tuple[int, ...], torch.dtype]], src_stage: int, dst_stage: int, mb: int,
-              key: CallKey, backward: bool) -> list[torch.Tensor]:
-        src = self._rank_of(src_stage if not backward else dst_stage)
-        if src == self.pp_rank:
-            return self._mailbox.pop((mb, key, dst_stage, backward))
-        pending = [self.p2p.recv(shape, dtype, self.peer(src), self._tag(mb, key, dst_stage, j, backward))
-                   for j, (shape, dtype) in enumerate(meta)]
-        t = time.perf_counter()
-        out = [self.p2p.wait(p) for p in pending]
-        self._waited += time.perf_counter() - t
-        return out
-
     # -- actions ---------------------------------------------------------------------------------------------
     def forward(self, stage: int, mb: int, run: Callable[[], Any], loss_of: Callable[[Any], torch.Tensor], *,
                 keep: bool = True) -> None:
@@ -305,6 +253,29 @@ class StageRunner:
                     roots.append(t)
                     grads.append(g)
         return roots, grads
+
+    def _post_ahead(self, a: Action) -> None:
+        """Post the receives action ``a`` will wait for ([Note: receives posted ahead] in runtime_messages.py): a
+        forward's inputs, or a backward's gradients once its forward ran."""
+        layout = self.layout
+        assert layout is not None
+        if a.kind == "F":
+            for key in layout.reads[a.stage]:
+                name = (a.mb, key, a.stage, False)
+                pending = self._post(layout.structure[key].tensor_meta(), layout.stage_of[key], a.stage, a.mb, key,
+                                     False)
+                if pending is not None:
+                    self._posted[name] = pending
+            return
+        held = self._held.get((a.stage, a.mb))
+        if a.kind == "W" or held is None or held.loss is not None:
+            return
+        for key, tensors in held.produced.items():
+            meta = [(tuple(t.shape), t.dtype) for t in tensors if _is_grad_dtype(t)]
+            for dst in layout.readers[key]:
+                pending = self._post(meta, a.stage, dst, a.mb, key, True)
+                if pending is not None:
+                    self._posted[(a.mb, key, dst, True)] = pending
 
     def _send_input_grads(self, stage: int, mb: int, held: _Held, grads: dict[CallKey, list[torch.Tensor]]
                           ) -> None:
@@ -379,6 +350,8 @@ class StageRunner:
         last_fwd = max((i for i, a in enumerate(actions) if a.kind == "F"), default=-1)
         try:
             for i, a in enumerate(actions):
+                if i + 1 < len(actions):
+                    self._post_ahead(actions[i + 1])
                 t0, self._waited = clock(), 0.0
                 if a.kind == "F":
                     with mdist.trim_held():  # [Note: one trim per pipeline step] in memsave/dist/host_memory.py
@@ -400,6 +373,7 @@ class StageRunner:
                 announce_failure(f"{type(exc).__name__}: {exc}")
             self._held.clear()
             self._mailbox.clear()
+            self._posted.clear()
             raise
         if self._held or self._mailbox:
             left = sorted(self._held)

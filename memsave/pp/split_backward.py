@@ -71,6 +71,11 @@ class WeightPass:
         self.roots.clear()
 
 
+def _variable(node: Node) -> torch.Tensor:
+    """The leaf tensor an ``AccumulateGrad`` node accumulates into."""
+    return node.variable  # type: ignore[attr-defined,no-any-return]
+
+
 def _leaf_node(t: torch.Tensor) -> Node | None:
     if t.grad_fn is not None:
         return t.grad_fn
@@ -119,16 +124,16 @@ def backward_input(roots: list[torch.Tensor], grads: list[torch.Tensor | None], 
     input_ids = {id(t) for t in inputs}
     input_nodes = [n for n in (_leaf_node(t) for t in inputs) if n is not None]
     weights = [n for n in consumers if type(n).__name__ == "AccumulateGrad"
-               and id(n.variable) not in input_ids and n.variable.requires_grad]
+               and id(_variable(n)) not in input_ids and _variable(n).requires_grad]
     if not roots or not inputs or not input_nodes:
-        return [None] * len(inputs), WeightPass(roots, grads, [], [n.variable for n in weights])
+        return [None] * len(inputs), WeightPass(roots, grads, [], [_variable(n) for n in weights])
     closure, _ = _closure(input_nodes, set(), consumers)
     groups: dict[Node, _Group] = {}
     orphans: list[torch.Tensor] = []
     for w in weights:
         _, met = _closure([w], closure, consumers)
         if not met:
-            orphans.append(w.variable)
+            orphans.append(_variable(w))
             continue
         found = list({id(groups[n]): groups[n] for n in met if n in groups}.values())
         group = found[0] if found else _Group([], [], [])
@@ -138,7 +143,7 @@ def backward_input(roots: list[torch.Tensor], grads: list[torch.Tensor | None], 
                 group.intermediates.append(n)
                 group.grads.append(None)
                 groups[n] = group
-        group.weights.append(w.variable)
+        group.weights.append(_variable(w))
         for n in met:
             if n not in group.intermediates:
                 group.intermediates.append(n)
