@@ -91,7 +91,7 @@ def _worker(d: int, blocks: int, rows: int, ms: list[int], steps: int, warmup: i
             topt = torch.optim.SGD(tpipe.parameters(), lr=LR) if tpipe is not None else None
             torch.manual_seed(1)
             x, y = torch.randn(m * rows, d), torch.randn(m * rows, d)
-            mbs, targets = list(x.chunk(m)), list(y.chunk(m))
+            mbs, targets = [c.clone() for c in x.chunk(m)], [c.clone() for c in y.chunk(m)]  # own storages
             ours: list[tuple[float, list[Any]]] = []
             theirs: list[float] = []
             ours_cpu: list[float] = []  # CPU seconds of the process (every thread) per step

@@ -16,7 +16,9 @@ Predicted step = fixed before + :func:`memsave.pp.simulate` step + fixed after; 
 simulated step less the rank's busy time) / the predicted step, against the measured receive waits / step.
 The activation peak per rank: the simulator's, with each stage's bytes per micro-batch from the formula for a
 block of ``Linear`` + GELU (each saves its ``rows x d`` input: ``2 rows d 4`` bytes a block, fp32) and, on the
-last stage, the loss's saved output and target; against memsave's tracker in one step.
+last stage, the model's output (the loss saves it; the target is the caller's tensor, as the input micro-batch
+is); against memsave's tracker in one step (the micro-batches are separate tensors, so that the tracker, which
+counts storages, does not count the whole batch for one saved micro-batch).
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def activation_bytes(rank: dict[str, Any], n_stages: int) -> list[int]:
     per_block = 2 * rank["send_bytes"]
     blocks = rank["blocks"] // n_stages
     out = [per_block * blocks] * n_stages
-    out[-1] += 2 * rank["send_bytes"]  # mse_loss saves its input and the target
+    out[-1] += rank["send_bytes"]  # the model's output, which the loss saves (its target is the caller's)
     return out
 
 
