@@ -36,6 +36,7 @@ def test_bench_pp_small() -> None:
         assert all(x > 0 for x in costs["forward"] + costs["backward_input"]), costs
         assert (r["schedule"] == "zero-bubble") == any(x > 0 for x in costs["backward_weight"])
         assert r["simulated_step_s"] > 0 and all(0.0 <= x < 1.0 for x in r["simulated_idle"]), r
+        assert r["mean_step_s"] > 0 and 0 < r["replay_ratio"] < 10, r
         assert r["simulated_peak"] == r["activation_peak"], r  # bytes: formula x schedule == tracker
     table = format_pp_table(rows)
     assert table.splitlines()[0].startswith("schedule") and "interleaved v=2" in table

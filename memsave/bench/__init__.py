@@ -10,7 +10,8 @@ One mode a run, chosen by the command line (this module is the only one that imp
 - ``memory`` (``--memory``): the memory tracker and the estimator per profile, and torch's ``MemTracker``;
 - ``tp`` (``--tp``): memsave's tensor parallelism against the formulas (parameter and activation bytes per rank)
   and against one process and torch's DTensor TP (step time);
-- ``pp`` (``--pp``): the pipeline schedules' measured idle fraction against the bubble formulas and the simulator.
+- ``pp`` (``--pp``): the pipeline schedules' step time against torch.distributed.pipelining in the same run, and
+  their measured idle fraction against the bubble formulas and the simulator fed the runtime's per-action times.
 ``common`` holds what they share: :class:`BenchOptions`, :func:`run_each`, :class:`ConfigFailed` and the
 results' table and JSON file.
 """
@@ -107,9 +108,11 @@ def add_parser(sub: Any) -> None:
                         "and activation bytes per rank against the formulas (Korthikanti et al., 2022), step time "
                         "against one process and torch's DTensor TP (default --size medium)")
     p.add_argument("--pp", action="store_true",
-                   help="instead: the pipeline schedules, pp = --nproc ranks (memsave/bench/pp.py): measured idle "
-                        "fraction per rank against the bubble formulas and memsave.pp.simulate, for gpipe, 1f1b, "
-                        "interleaved and zero-bubble at m = 4, 8, 16 micro-batches")
+                   help="instead: the pipeline schedules, pp = --nproc ranks (memsave/bench/pp.py): step time against "
+                        "torch.distributed.pipelining in the same run, measured idle fraction per rank against the "
+                        "bubble formulas and memsave.pp.simulate fed the runtime's per-action times, activation "
+                        "peak per rank against the tracker, for gpipe, 1f1b, interleaved and zero-bubble at "
+                        "m = 4, 8, 16 micro-batches")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
 
 
