@@ -9,8 +9,9 @@ memsave/pp/runtime.py; every rank's clock is the machine's monotonic clock, so r
   other rank (its sends are posted inside it) to the end of the wait (the action's start plus its wait: the
   receives come first); the mean;
 - the step's fixed cost outside the actions: before the first action (the step's checks, the layout look-up)
-  and after the last (the closing drain and the loss broadcast), means over ranks and steps. The drain's own
-  wait counts as idle on both sides, so it is taken out of the fixed cost.
+  and after the last (the gradient sync, the loss broadcast), per step the smallest over ranks (a rank that
+  finished early waits there for the last one: that wait is the schedule's, which the simulator plays), the mean
+  over steps. The closing drain's wait counts as idle, as in the measured idle, so it is left out.
 
 Means, not medians: on a shared machine an action's time has a long tail, and a step is the sum of its actions'
 times, whose mean is the sum of their means. Predicted step = fixed before + :func:`memsave.pp.simulate` step +
@@ -51,6 +52,8 @@ def measured_costs(name: str, pp: int, m: int, virtual: int, ranks: list[dict[st
     before: list[float] = []
     after: list[float] = []
     for step in (range(len(ranks[0]["timing"])) if steps is None else steps):
+        step_before: list[float] = []
+        step_after: list[float] = []
         ends: dict[tuple[str, int, int], float] = {}
         records = [r["timing"][step] for r in ranks]
         for recs in records:
@@ -62,14 +65,16 @@ def measured_costs(name: str, pp: int, m: int, virtual: int, ranks: list[dict[st
             start = next(r[3] for r in recs if r[0] == "step")
             end = next(r[3] for r in recs if r[0] == "end")
             drain = sum(r[4] - r[3] for r in recs if r[0] == "drain")
-            before.append(acts[0][3] - start)
-            after.append(end - acts[-1][4] - drain)
+            step_before.append(acts[0][3] - start)
+            step_after.append(end - acts[-1][4] - drain)
             for kind, stage, mb, t0, t1, waited in acts:
                 compute[(kind, stage)].append(t1 - t0 - waited)
                 producer = (("F", stage - 1, mb) if kind == "F" else
                             next(((k, stage + 1, mb) for k in "BI" if (k, stage + 1, mb) in ends), None))
                 if waited > 1e-4 and producer is not None and producer in ends and (stage - producer[1]) % pp:
                     latency.append(max(0.0, t0 + waited - ends[producer]))
+        before.append(min(step_before))  # the rank that waited least there: the work, not a wait for a peer
+        after.append(min(step_after))
     split = any(k == "I" for k, _ in compute)
     fwd = [_mean(compute[("F", s)]) for s in range(n_stages)]
     if split:
