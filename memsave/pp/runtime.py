@@ -334,6 +334,7 @@ class StageRunner(Messages):
             if not isinstance(exc, PeerFailed):
                 announce_failure(f"{type(exc).__name__}: {exc}")
             self._mailbox.clear()
+            self.p2p.reset()
             raise
         return torch.stack(self.last_losses).sum() if self.n_stages - 1 in self.local_stages else None
 
@@ -374,6 +375,7 @@ class StageRunner(Messages):
             self._held.clear()
             self._mailbox.clear()
             self._posted.clear()
+            self.p2p.reset()
             raise
         if self._held or self._mailbox:
             left = sorted(self._held)
