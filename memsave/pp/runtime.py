@@ -324,7 +324,7 @@ class StageRunner(Messages):
         Returns the sum of the losses on the rank holding the last stage (None elsewhere)."""
         self.last_losses = []
         try:
-            with torch.no_grad():
+            with torch.no_grad(), mdist.trim_held():  # [Note: no trim in a pipeline step]
                 for mb in range(micro_batches):
                     for stage in self.local_stages:
                         self.forward(stage, mb, functools.partial(run_mb, mb), functools.partial(loss_of, mb),
@@ -348,18 +348,15 @@ class StageRunner(Messages):
         last_bwd = max((i for i, a in enumerate(actions) if a.kind in ("B", "W")), default=-1)
         self.last_losses = []
         timing, clock = self.timing, time.perf_counter
-        last_fwd = max((i for i, a in enumerate(actions) if a.kind == "F"), default=-1)
         try:
             for i, a in enumerate(actions):
                 if i + 1 < len(actions):
                     self._post_ahead(actions[i + 1])
                 t0, self._waited = clock(), 0.0
                 if a.kind == "F":
-                    with mdist.trim_held():  # [Note: one trim per pipeline step] in memsave/dist/host_memory.py
+                    with mdist.trim_held():  # [Note: no trim in a pipeline step] in memsave/dist/host_memory.py
                         self.forward(a.stage, a.mb, functools.partial(run_mb, a.mb),
                                      functools.partial(loss_of, a.mb))
-                    if i == last_fwd:
-                        mdist.after_forward(force=True)
                 else:
                     with backward_ctx(i == last_bwd):
                         self.backward(a.kind, a.stage, a.mb, scale)
