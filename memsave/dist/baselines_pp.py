@@ -8,7 +8,7 @@ Each pp rank builds a :class:`~torch.distributed.pipelining.PipelineStage` per s
 stage ``s`` on rank ``s % pp``, as memsave's schedules) from the blocks memsave's split gives that stage, and the
 torch schedule of the same name: ``gpipe`` -> ``ScheduleGPipe``, ``1f1b`` -> ``Schedule1F1B``, ``interleaved``
 -> ``ScheduleInterleaved1F1B`` (``virtual`` stages per rank), ``zero-bubble`` -> ``ScheduleInterleavedZeroBubble``
-with one stage per rank (torch's ZB1P: ZB-H1's order for one stage per rank). torch's P2P on gloo: its schedules
+with one stage per rank (torch's ZB1P). torch's P2P on gloo: its schedules
 post homogeneous batches as plain ``isend``/``irecv`` and mixed ones through ``batch_isend_irecv``, which can
 hang on gloo (pytorch/PiPPy#1130); the bench runs each torch schedule under a time limit and reports one that
 does not finish as such.
