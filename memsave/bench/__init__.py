@@ -10,7 +10,8 @@ One mode a run, chosen by the command line (this module is the only one that imp
 - ``memory`` (``--memory``): the memory tracker and the estimator per profile, and torch's ``MemTracker``;
 - ``tp`` (``--tp``): memsave's tensor parallelism against the formulas (parameter and activation bytes per rank)
   and against one process and torch's DTensor TP (step time);
-- ``pp`` (``--pp``): the pipeline schedules' measured idle fraction against the bubble formulas and the simulator;
+- ``pp`` (``--pp``): the pipeline schedules' step time against torch.distributed.pipelining in the same run, and
+  their measured idle fraction against the bubble formulas and the simulator fed the runtime's per-action times;
 - ``plan`` (``--plan``): the planner's predicted peak and step time against measurement, and its speed;
 - ``deferred`` (``--deferred``): the peak RSS of ``wrap`` on a model built under ``memsave.deferred_init()`` against
   its shards + the largest unit, and against the same model built eagerly;
@@ -126,9 +127,11 @@ def add_parser(sub: Any) -> None:
                         "and activation bytes per rank against the formulas (Korthikanti et al., 2022), step time "
                         "against one process and torch's DTensor TP (default --size medium)")
     p.add_argument("--pp", action="store_true",
-                   help="instead: the pipeline schedules, pp = --nproc ranks (memsave/bench/pp.py): measured idle "
-                        "fraction per rank against the bubble formulas and memsave.pp.simulate, for gpipe, 1f1b, "
-                        "interleaved and zero-bubble at m = 4, 8, 16 micro-batches")
+                   help="instead: the pipeline schedules, pp = --nproc ranks (memsave/bench/pp.py): step time against "
+                        "torch.distributed.pipelining in the same run, measured idle fraction per rank against the "
+                        "bubble formulas and memsave.pp.simulate fed the runtime's per-action times, activation "
+                        "peak per rank against the tracker, for gpipe, 1f1b, interleaved and zero-bubble at "
+                        "m = 4, 8, 16 micro-batches")
     p.add_argument("--plan", action="store_true",
                    help="instead: memsave plan's predictions against measurement (memsave/bench/plan.py): every "
                         "configuration it offers for the reference GPT on --nproc ranks, predicted vs measured peak "

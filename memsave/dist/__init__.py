@@ -26,6 +26,7 @@ from memsave.dist.host_memory import (
     configure_host_memory,
     host_memory_policy,
     trim_host_memory,
+    trim_held,
 )
 from memsave.dist.init import default_device, init, launch_env
 from memsave.dist.mesh import AXES, Mesh, validate_degrees
@@ -85,5 +86,6 @@ __all__ = [
     "reduce_scatter_into",
     "shutdown",
     "sum_over_shards",
+    "trim_held",
     "validate_degrees",
 ]

@@ -167,7 +167,8 @@ class DataParallelEngine:
             self._launch(self.buckets[self._next_launch])
 
     def _launch(self, bucket: _Bucket) -> None:
-        bucket.buffer.div_(self.dp_size)  # pre-divide, as DDP does: the sum is then the average
+        if self.dp_size > 1:  # (one data-parallel rank, a pipeline stage's: no pass over the gradients for nothing)
+            bucket.buffer.div_(self.dp_size)  # pre-divide, as DDP does: the sum is then the average
         bucket.handle = mdist.all_reduce(bucket.buffer, self.group, async_op=True)
         self._next_launch += 1
         if self._next_launch == len(self.buckets):

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,8 +33,10 @@ from torch.utils._pytree import tree_flatten
 from memsave import dist as mdist
 from memsave.dist.p2p import P2P, PeerFailed, announce_failure, arrive, set_failure_scope
 from memsave.pp.probe import CallKey, Layout, Probe
-from memsave.pp.schedule import Schedule
+from memsave.pp.runtime_messages import Messages
+from memsave.pp.schedule import Action, Schedule
 from memsave.pp.split import StageSplit
+from memsave.pp.split_backward import WeightPass, backward_input
 from memsave.recompute.checkpoint import split_backward
 
 __all__ = ["StageRunner"]
@@ -64,15 +67,14 @@ class _Held:
     produced: dict[CallKey, list[torch.Tensor]]
     received: dict[CallKey, list[torch.Tensor]]
     loss: torch.Tensor | None
-    roots: list[torch.Tensor] | None = None  # after an I: what W runs the backward from
-    grads: list[torch.Tensor | None] | None = None
+    weight_pass: WeightPass | None = None  # after an I: what W runs ([Note: the I/W split])
 
 
 def _is_grad_dtype(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
-class StageRunner:
+class StageRunner(Messages):
     """Executes schedules for the stages ``local_stages`` of ``model`` ([Note: the stage runner]).
 
     ``peer(pp_rank)``: the global rank of a pp rank of this rank's slice. Installed once (:meth:`install`)."""
@@ -89,6 +91,7 @@ class StageRunner:
         self.layouts: dict[Any, Layout] = {}
         self.layout: Layout | None = None
         self._mailbox: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+        self._posted: dict[tuple[Any, ...], list[Any]] = {}
         self._held: dict[tuple[int, int], _Held] = {}
         self._originals: list[tuple[nn.Module, Any]] = []
         self._hooks: list[Any] = []
@@ -97,6 +100,11 @@ class StageRunner:
         self.max_in_flight = 0  # the most (stage, micro-batch) forwards held for their backward at once
         self.uid = next(_RUNNERS)  # the same on every rank: pipelines are built in the same order everywhere
         self.steps = 0
+        # [Note: action timing] None, or a list the runner appends one (kind, stage, mb, start, end, waited) to
+        # per action of :meth:`run` (kind "drain" for the closing wait on sends): perf_counter seconds, waited the
+        # part of it spent in receive waits. memsave bench --pp feeds these to memsave.pp.simulate.
+        self.timing: list[tuple[str, int, int, float, float, float]] | None = None
+        self._waited = 0.0
 
     # -- installation ----------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -193,57 +201,6 @@ class StageRunner:
         self.layout = layout
         return layout
 
-    # -- messages --------------------------------------------------------------------------------------------
-    def _tag(self, mb: int, key: CallKey, dst_stage: int, leaf: int, backward: bool) -> int:
-        assert self.layout is not None and leaf < 64
-        c = self.layout.index(key)
-        return ((((mb * len(self.layout.order) + c) * self.n_stages + dst_stage) * 64 + leaf) * 2 + int(backward))
-
-    def _rank_of(self, stage: int) -> int:
-        return stage % self.pp_size
-
-    def _send(self, tensors: list[torch.Tensor], src_stage: int, dst_stage: int, mb: int, key: CallKey,
-              backward: bool, free: frozenset[int] = frozenset()) -> None:
-        dst = self._rank_of(dst_stage if not backward else src_stage)
-        if dst == self.pp_rank:
-            self._mailbox[(mb, key, dst_stage, backward)] = [t.detach() for t in tensors]
-            return
-        for j, t in enumerate(tensors):
-            self.p2p.send(t.detach(), self.peer(dst), self._tag(mb, key, dst_stage, j, backward),
-                          free_after=j in free)
-
-    def _freeable(self, stage: int, key: CallKey, tensors: list[torch.Tensor]) -> frozenset[int]:
-        """[Note: freed sends] (Megatron's ``deallocate_output_tensor``) The outputs of a stage's last atom call,
-        sent to one stage on another rank, are needed afterwards only as the roots of this stage's backward, which
-        reads their shape and ``grad_fn``, not their values, unless autograd saved them (an op that saves its
-        result: tanh, sigmoid, ...) or they view other storage. Such outputs are freed once sent: one activation
-        per micro-batch in flight less on every stage but the last."""
-        layout = self.layout
-        assert layout is not None
-        readers = layout.readers[key]
-        if key != layout.last_call[stage] or len(readers) != 1 or self._rank_of(readers[0]) == self.pp_rank:
-            return frozenset()
-        out = set()
-        for j, t in enumerate(tensors):
-            if t.grad_fn is None or t._base is not None or not t.is_contiguous():
-                continue
-            saved = [getattr(t.grad_fn, n, None) for n in dir(t.grad_fn) if n.startswith("_saved_")]
-            if any(isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
-                   for v in saved):
-                continue
-            out.add(j)
-            self.freed_bytes += t.numel() * t.element_size()
-        return frozenset(out)
-
-    def _recv(self, meta: list[tuple[tuple[int, ...], torch.dtype]], src_stage: int, dst_stage: int, mb: int,
-              key: CallKey, backward: bool) -> list[torch.Tensor]:
-        src = self._rank_of(src_stage if not backward else dst_stage)
-        if src == self.pp_rank:
-            return self._mailbox.pop((mb, key, dst_stage, backward))
-        pending = [self.p2p.recv(shape, dtype, self.peer(src), self._tag(mb, key, dst_stage, j, backward))
-                   for j, (shape, dtype) in enumerate(meta)]
-        return [self.p2p.wait(p) for p in pending]
-
     # -- actions ---------------------------------------------------------------------------------------------
     def forward(self, stage: int, mb: int, run: Callable[[], Any], loss_of: Callable[[Any], torch.Tensor], *,
                 keep: bool = True) -> None:
@@ -298,6 +255,29 @@ class StageRunner:
                     grads.append(g)
         return roots, grads
 
+    def _post_ahead(self, a: Action) -> None:
+        """Post the receives action ``a`` will wait for ([Note: receives posted ahead] in runtime_messages.py): a
+        forward's inputs, or a backward's gradients once its forward ran."""
+        layout = self.layout
+        assert layout is not None
+        if a.kind == "F":
+            for key in layout.reads[a.stage]:
+                name = (a.mb, key, a.stage, False)
+                pending = self._post(layout.structure[key].tensor_meta(), layout.stage_of[key], a.stage, a.mb, key,
+                                     False)
+                if pending is not None:
+                    self._posted[name] = pending
+            return
+        held = self._held.get((a.stage, a.mb))
+        if a.kind == "W" or held is None or held.loss is not None:
+            return
+        for key, tensors in held.produced.items():
+            meta = [(tuple(t.shape), t.dtype) for t in tensors if _is_grad_dtype(t)]
+            for dst in layout.readers[key]:
+                pending = self._post(meta, a.stage, dst, a.mb, key, True)
+                if pending is not None:
+                    self._posted[(a.mb, key, dst, True)] = pending
+
     def _send_input_grads(self, stage: int, mb: int, held: _Held, grads: dict[CallKey, list[torch.Tensor]]
                           ) -> None:
         layout = self.layout
@@ -312,18 +292,16 @@ class StageRunner:
         mdist.doing(0, f"pipeline backward ({kind}) of stage {stage}, micro-batch {mb}")
         held = self._held[(stage, mb)]
         if kind == "W":
-            assert held.roots is not None, f"W{stage}.{mb} before its I"
-            if held.roots:
-                torch.autograd.backward(held.roots, held.grads)
+            assert held.weight_pass is not None, f"W{stage}.{mb} before its I"
+            held.weight_pass.run()
             del self._held[(stage, mb)]
             return
         roots, grads = self._roots(stage, mb, held, scale)
         inputs = [t for ts in held.received.values() for t in ts if t.requires_grad]
         if kind == "I":
-            got = (torch.autograd.grad(roots, inputs, grads, retain_graph=True, allow_unused=True)
-                   if roots and inputs else [None] * len(inputs))
-            held.roots, held.grads = roots, [g.detach() if g is not None else None for g in grads]
-            self._send_input_grads(stage, mb, held, self._split_by_key(held, list(got)))
+            got, held.weight_pass = backward_input(roots, [g.detach() if g is not None else None for g in grads],
+                                                   inputs)
+            self._send_input_grads(stage, mb, held, self._split_by_key(held, got))
             return
         if roots:
             torch.autograd.backward(roots, grads)
@@ -347,7 +325,7 @@ class StageRunner:
         Returns the sum of the losses on the rank holding the last stage (None elsewhere)."""
         self.last_losses = []
         try:
-            with torch.no_grad():
+            with torch.no_grad(), mdist.trim_held():  # [Note: no trim in a pipeline step]
                 for mb in range(micro_batches):
                     for stage in self.local_stages:
                         self.forward(stage, mb, functools.partial(run_mb, mb), functools.partial(loss_of, mb),
@@ -357,6 +335,7 @@ class StageRunner:
             if not isinstance(exc, PeerFailed):
                 announce_failure(f"{type(exc).__name__}: {exc}")
             self._mailbox.clear()
+            self.p2p.reset()
             raise
         return torch.stack(self.last_losses).sum() if self.n_stages - 1 in self.local_stages else None
 
@@ -372,21 +351,32 @@ class StageRunner:
         # selective recompute cached for the second pass (memsave/recompute/checkpoint.py)
         twice = split_backward if any(a.kind == "W" for a in actions) else contextlib.nullcontext
         self.last_losses = []
+        timing, clock = self.timing, time.perf_counter
         try:
             for i, a in enumerate(actions):
+                if i + 1 < len(actions):
+                    self._post_ahead(actions[i + 1])
+                t0, self._waited = clock(), 0.0
                 if a.kind == "F":
-                    with twice():
+                    with twice(), mdist.trim_held():  # [Note: no trim in a pipeline step] (dist/host_memory.py)
                         self.forward(a.stage, a.mb, functools.partial(run_mb, a.mb),
                                      functools.partial(loss_of, a.mb))
                 else:
                     with backward_ctx(i == last_bwd):
                         self.backward(a.kind, a.stage, a.mb, scale)
+                if timing is not None:
+                    timing.append((a.kind, a.stage, a.mb, t0, clock(), self._waited))
+            t0 = clock()
             self.p2p.drain()
+            if timing is not None:
+                timing.append(("drain", -1, -1, t0, clock(), clock() - t0))
         except BaseException as exc:
             if not isinstance(exc, PeerFailed):
                 announce_failure(f"{type(exc).__name__}: {exc}")
             self._held.clear()
             self._mailbox.clear()
+            self._posted.clear()
+            self.p2p.reset()
             raise
         if self._held or self._mailbox:
             left = sorted(self._held)

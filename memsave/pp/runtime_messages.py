@@ -1,0 +1,100 @@
+"""The stage runner's messages ([Note: the stage runner] in memsave/pp/runtime.py): each tensor a stage sends on
+(or a gradient it sends back) is one tagged point-to-point message, or a hand-over in memory between two stages
+of one rank."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from memsave.dist.p2p import P2P
+from memsave.pp.probe import CallKey, Layout
+
+__all__ = ["Messages"]
+
+
+class Messages:
+    """The sends and receives of :class:`~memsave.pp.runtime.StageRunner` (a base class of it)."""
+
+    layout: Layout | None
+    n_stages: int
+    pp_rank: int
+    pp_size: int
+    p2p: P2P
+    freed_bytes: int
+    _mailbox: dict[tuple[Any, ...], list[torch.Tensor]]
+    _posted: dict[tuple[Any, ...], list[Any]]  # receives posted ahead, by message ([Note: receives posted ahead])
+    _waited: float
+    peer: Callable[[int], int]  # the global rank of a pp rank of this rank's slice
+    def _tag(self, mb: int, key: CallKey, dst_stage: int, leaf: int, backward: bool) -> int:
+        assert self.layout is not None and leaf < 64
+        c = self.layout.index(key)
+        return ((((mb * len(self.layout.order) + c) * self.n_stages + dst_stage) * 64 + leaf) * 2 + int(backward))
+
+    def _rank_of(self, stage: int) -> int:
+        return stage % self.pp_size
+
+    def _send(self, tensors: list[torch.Tensor], src_stage: int, dst_stage: int, mb: int, key: CallKey,
+              backward: bool, free: frozenset[int] = frozenset()) -> None:
+        dst = self._rank_of(dst_stage if not backward else src_stage)
+        if dst == self.pp_rank:
+            self._mailbox[(mb, key, dst_stage, backward)] = [t.detach() for t in tensors]
+            return
+        for j, t in enumerate(tensors):
+            self.p2p.send(t.detach(), self.peer(dst), self._tag(mb, key, dst_stage, j, backward),
+                          free_after=j in free)
+
+    def _freeable(self, stage: int, key: CallKey, tensors: list[torch.Tensor]) -> frozenset[int]:
+        """[Note: freed sends] (Megatron's ``deallocate_output_tensor``) The outputs of a stage's last atom call,
+        sent to one stage on another rank, are needed afterwards only as the roots of this stage's backward, which
+        reads their shape and ``grad_fn``, not their values, unless autograd saved them (an op that saves its
+        result: tanh, sigmoid, ...) or they view other storage. Such outputs are freed once sent: one activation
+        per micro-batch in flight less on every stage but the last."""
+        layout = self.layout
+        assert layout is not None
+        readers = layout.readers[key]
+        if key != layout.last_call[stage] or len(readers) != 1 or self._rank_of(readers[0]) == self.pp_rank:
+            return frozenset()
+        out = set()
+        for j, t in enumerate(tensors):
+            if t.grad_fn is None or t._base is not None or not t.is_contiguous():
+                continue
+            saved = [getattr(t.grad_fn, n, None) for n in dir(t.grad_fn) if n.startswith("_saved_")]
+            if any(isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                   for v in saved):
+                continue
+            out.add(j)
+            self.freed_bytes += t.numel() * t.element_size()
+        return frozenset(out)
+
+    def _post(self, meta: list[tuple[tuple[int, ...], torch.dtype]], src_stage: int, dst_stage: int, mb: int,
+              key: CallKey, backward: bool) -> list[Any] | None:
+        """Post the receives of one message (None: it comes from this rank, through the mailbox).
+
+        [Note: receives posted ahead] Gloo moves a message's bytes only once its receive is posted (the receiver
+        tells the sender it is ready), so a receive posted when its action starts waits for the whole transfer
+        even when the sender finished long before. The runner posts the receives of its next action before it
+        runs the current one (:meth:`StageRunner._post_ahead`), so the transfer overlaps that compute; the
+        action then finds them here."""
+        src = self._rank_of(src_stage if not backward else dst_stage)
+        if src == self.pp_rank:
+            return None
+        name = (mb, key, dst_stage, backward)
+        pending = self._posted.pop(name, None)
+        if pending is None:
+            pending = [self.p2p.recv(shape, dtype, self.peer(src), self._tag(mb, key, dst_stage, j, backward))
+                       for j, (shape, dtype) in enumerate(meta)]
+        return pending
+
+    def _recv(self, meta: list[tuple[tuple[int, ...], torch.dtype]], src_stage: int, dst_stage: int, mb: int,
+              key: CallKey, backward: bool) -> list[torch.Tensor]:
+        pending = self._post(meta, src_stage, dst_stage, mb, key, backward)
+        if pending is None:
+            return self._mailbox.pop((mb, key, dst_stage, backward))
+        t = time.perf_counter()
+        out = [self.p2p.wait(p) for p in pending]
+        self._waited += time.perf_counter() - t
+        return out

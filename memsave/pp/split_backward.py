@@ -1,0 +1,168 @@
+"""The zero-bubble split of a stage's backward: ``I`` (gradients of the stage's inputs) then ``W`` (of its weights),
+each computing its own part once.
+
+[Note: the I/W split] (Qi et al., 2024; the construction of torch's ``pipelining/_backward.py``.) The autograd
+graph of a stage runs from its roots (what it sent on, or its loss) back to its inputs (the received tensors) and
+its weights (every other leaf: ``AccumulateGrad`` nodes). The nodes reachable from the inputs (forward direction)
+form the *input closure*; walking from each weight towards the roots, the first nodes met inside that closure are
+its *intermediates* (a ``Linear``'s ``AddmmBackward0``): everything the weight's gradient needs beyond them is in
+its own subgraph. ``I`` runs ``autograd.grad`` to the inputs only, keeping the graph, with a pre-hook on every
+intermediate that saves the gradient arriving there; ``W`` runs ``autograd.backward`` from the intermediates with
+those gradients into the weights only, so a weight's ``AccumulateGrad`` (and the hooks of the engine below:
+gradient buckets, ZeRO's reduce-scatter) runs as in a plain backward. Where a weight has more than one
+intermediate, each pre-hook returns its saved gradient in ``W``, so a gradient reaching one intermediate through
+another is not counted twice. Weights no input reaches (nothing of theirs is in the closure) take their gradient
+in ``W`` from the roots; so does a stage without inputs (the first): its ``I`` has nothing to compute.
+
+Before, ``W`` ran the whole backward again from the roots (``I`` + ``W`` about twice a full backward).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+__all__ = ["WeightPass", "backward_input"]
+
+
+@dataclasses.dataclass
+class _Group:
+    weights: list[torch.Tensor]
+    intermediates: list[Node]
+    grads: list[tuple[torch.Tensor | None, ...] | None]
+
+
+@dataclasses.dataclass
+class WeightPass:
+    """What ``I`` left for ``W``: :meth:`run` it once."""
+
+    roots: list[torch.Tensor]
+    root_grads: list[torch.Tensor | None]
+    groups: list[_Group]
+    orphans: list[torch.Tensor]  # weights no input reaches: from the roots
+
+    def run(self) -> None:
+        for g in self.groups:
+            edges, grads = [], []
+            for node, got in zip(g.intermediates, g.grads):
+                for i, grad in enumerate(got or ()):
+                    if grad is not None:
+                        edges.append(GradientEdge(node, i))
+                        grads.append(grad)
+            if not edges:
+                continue
+            handles = []
+            if len(g.intermediates) > 1:  # each intermediate takes exactly what it got in I
+                handles = [node.register_prehook(lambda _, saved=got: saved)
+                           for node, got in zip(g.intermediates, g.grads)]
+            try:
+                torch.autograd.backward(edges, grads, retain_graph=True, inputs=g.weights)
+            finally:
+                for h in handles:
+                    h.remove()
+        if self.orphans and self.roots:
+            torch.autograd.backward(self.roots, self.root_grads, retain_graph=True, inputs=self.orphans)
+        self.groups.clear()
+        self.roots.clear()
+
+
+def _variable(node: Node) -> torch.Tensor:
+    """The leaf tensor an ``AccumulateGrad`` node accumulates into."""
+    return node.variable  # type: ignore[attr-defined,no-any-return]
+
+
+def _leaf_node(t: torch.Tensor) -> Node | None:
+    if t.grad_fn is not None:
+        return t.grad_fn
+    view = t.view_as(t)
+    return view.grad_fn.next_functions[0][0] if view.grad_fn is not None else None
+
+
+def _consumers(roots: Sequence[Node]) -> dict[Node, list[Node]]:
+    """node -> the nodes whose backward feeds it (the reverse edges), for every node reachable from ``roots``."""
+    out: dict[Node, list[Node]] = collections.defaultdict(list)
+    seen = set(roots)
+    q = collections.deque(roots)
+    while q:
+        node = q.popleft()
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            out[nxt].append(node)
+            if nxt not in seen:
+                seen.add(nxt)
+                q.append(nxt)
+    return out
+
+
+def _closure(start: Sequence[Node], stop: set[Node], consumers: dict[Node, list[Node]]) -> tuple[set[Node], set[Node]]:
+    """(nodes reached from ``start`` along consumer edges, not entering ``stop``; the ``stop`` nodes met)."""
+    seen, met = set(start), set()
+    q = collections.deque(start)
+    while q:
+        for c in consumers.get(q.popleft(), ()):
+            if c in seen:
+                continue
+            if c in stop:
+                met.add(c)
+                continue
+            seen.add(c)
+            q.append(c)
+    return seen, met
+
+
+def backward_input(roots: list[torch.Tensor], grads: list[torch.Tensor | None], inputs: list[torch.Tensor]
+                   ) -> tuple[list[torch.Tensor | None], WeightPass]:
+    """``I`` ([Note: the I/W split]): the gradients of ``inputs``, and what ``W`` needs to finish."""
+    root_nodes = [r.grad_fn for r in roots if r.grad_fn is not None]
+    consumers = _consumers(root_nodes)
+    input_ids = {id(t) for t in inputs}
+    input_nodes = [n for n in (_leaf_node(t) for t in inputs) if n is not None]
+    weights = [n for n in consumers if type(n).__name__ == "AccumulateGrad"
+               and id(_variable(n)) not in input_ids and _variable(n).requires_grad]
+    if not roots or not inputs or not input_nodes:
+        return [None] * len(inputs), WeightPass(roots, grads, [], [_variable(n) for n in weights])
+    closure, _ = _closure(input_nodes, set(), consumers)
+    groups: dict[Node, _Group] = {}
+    orphans: list[torch.Tensor] = []
+    for w in weights:
+        _, met = _closure([w], closure, consumers)
+        if not met:
+            orphans.append(_variable(w))
+            continue
+        found = list({id(groups[n]): groups[n] for n in met if n in groups}.values())
+        group = found[0] if found else _Group([], [], [])
+        for other in found[1:]:  # one weight joins two groups: they become one
+            group.weights += other.weights
+            for n in other.intermediates:
+                group.intermediates.append(n)
+                group.grads.append(None)
+                groups[n] = group
+        group.weights.append(_variable(w))
+        for n in met:
+            if n not in group.intermediates:
+                group.intermediates.append(n)
+                group.grads.append(None)
+            groups[n] = group
+    unique = list({id(g): g for g in groups.values()}.values())
+    handles = []
+
+    def saver(group: _Group, i: int) -> Any:
+        def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+            group.grads[i] = grad_outputs
+        return hook
+
+    try:
+        for g in unique:
+            for i, node in enumerate(g.intermediates):
+                handles.append(node.register_prehook(saver(g, i)))
+        got = torch.autograd.grad(roots, inputs, grads, retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return list(got), WeightPass(roots, grads, unique, orphans)
