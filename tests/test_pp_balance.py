@@ -83,7 +83,7 @@ def test_balance_by_params_and_errors() -> None:
     ranks = run_ranks(_balanced, 2, "params", timeout=180)
     # bytes: the wide block (2 x 256 x 1024 weights, + biases) and two narrow ones weigh as much as the other ten
     assert ranks[0]["bounds"] == (0, 3), ranks[0]
-    with pytest.raises(ValueError, match="parallel.balance"):
+    with pytest.raises(ValueError, match=r"parallel\.balance"):
         memsave.load_profile("ddp", ["parallel.pp=2", "parallel.balance='time'", "parallel.split=['3']"])
-    with pytest.raises(ValueError, match="parallel.balance"):
+    with pytest.raises(ValueError, match=r"parallel\.balance"):
         memsave.load_profile("ddp", ["parallel.balance='even'"])
