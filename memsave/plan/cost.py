@@ -189,6 +189,11 @@ def _time(spec: ModelSpec, c: Candidate, hw: Hardware, seq: int, elem: int, gpus
         compute += hw.layer_overhead * spec.stage_layers(c.pp, 0) * c.micro_batches * (4 / 3 if c.recompute == "full"
                                                                                        else 1)
     t: dict[str, float] = {"compute": compute}
+    if hw.engine:  # what the engine pays besides FLOPs and bytes, calibrated on this machine
+        from memsave.plan.calibrate_engines import family_of
+
+        per_step, per_layer = hw.engine.get(family_of(c.tp, c.pp, c.stage), (0.0, 0.0))
+        t["engine"] = per_step + per_layer * c.micro_batches * spec.stage_layers(c.pp, 0)
     if c.tp > 1:
         per = c.micro_batch * seq * spec.hidden * elem
         count = 6 if c.recompute == "full" else 4

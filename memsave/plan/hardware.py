@@ -10,7 +10,9 @@
 - the collective bus bandwidth of two local ranks (an all-reduce), the data-parallel and tensor-parallel
   link when every rank is on this machine;
 - a small reference GPT's forward and backward at two batch sizes: the share of the matmul rate a training
-  step reaches (``efficiency``) and the fixed cost per layer and micro-batch (``layer_overhead``).
+  step reaches (``efficiency``) and the fixed cost per layer and micro-batch (``layer_overhead``);
+- each engine family's own cost per step and per micro-batch and layer, on two local ranks
+  (memsave/plan/calibrate_engines.py).
 
 For hardware that is not here, :data:`VENDOR` holds A100, H100 and H200 (SXM, 8 per node) from their vendors'
 data sheets, labelled as such; a TOML or JSON file with the same keys gives any other
@@ -61,6 +63,8 @@ class Hardware:
     overlap: float = 0.5
     latency: float = 20e-6  # per collective
     layer_overhead: float = 0.0  # seconds per layer and micro-batch besides its FLOPs (kernel launches, Python)
+    # engine family (memsave/plan/calibrate_engines.py) -> (seconds per step, per micro-batch and layer) measured
+    engine: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
     def rate(self, dtype: str) -> float:
         return self.flops.get(dtype, self.flops.get("fp32", 0.0)) * self.efficiency
@@ -212,7 +216,9 @@ def calibrate(*, device: str | None = None, folder: str | Path | None = None, re
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cache = _cache_file(device)
     if cache.is_file() and not refresh:
-        return Hardware(**json.loads(cache.read_text()))
+        data = json.loads(cache.read_text())
+        data["engine"] = {k: tuple(v) for k, v in data.get("engine", {}).items()}
+        return Hardware(**data)
     import psutil
 
     threads = torch.get_num_threads()
@@ -238,6 +244,10 @@ def calibrate(*, device: str | None = None, folder: str | Path | None = None, re
                   intra_bw=bus, inter_bw=bus, host_bw=host_bw, disk_bw=write,
                   host_memory=float(psutil.virtual_memory().total), efficiency=efficiency,
                   layer_overhead=overhead, overlap=0.0 if device == "cpu" else 0.8)
+    if collectives:  # what each engine pays besides FLOPs and bytes, on two local ranks
+        from memsave.plan.calibrate_engines import engine_overheads
+
+        hw = engine_overheads(hw)
     if collectives:  # a calibration without the collective bandwidth is used once, never cached
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(hw.to_dict(), indent=1) + "\n")
