@@ -32,6 +32,7 @@ from memsave.plan import (
     to_profile,
     zero_model_states,
 )
+from memsave.plan.calibrate_engines import train_step
 from tests.harness import run_ranks
 from tests.toy import hf_llama
 
@@ -175,14 +176,7 @@ def _run_choice(kind: str, c: Candidate, seq: int, steps: int) -> dict[str, Any]
         if kind == "llama":  # its 64 token ids, and the mask its estimate was made with
             batches = [{"input_ids": b["input_ids"] % 64, "labels": b["labels"] % 64,
                         "attention_mask": torch.ones_like(b["input_ids"])} for b in batches]
-        if c.pp > 1:
-            model.pipeline_step(batches)
-        else:
-            for i, b in enumerate(batches):
-                with model.no_sync() if i < len(batches) - 1 else torch.enable_grad():
-                    opt.backward(model(**b).loss / c.micro_batches)
-        opt.step()
-        opt.zero_grad()
+        train_step(model, opt, batches)
     peak = tracker.peak["total"]
     tracker.close()
     return {"peak": peak}

@@ -30,16 +30,10 @@ LLAMA_70B = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28
 
 
 def _step(model: Any, opt: Any, data: Any, c: Any, i: int) -> None:
-    """Optimizer step ``i`` of candidate ``c``: its micro-batches through the pipeline schedule, or accumulated."""
-    batches = [data.batch(i * c.micro_batches + j) for j in range(c.micro_batches)]
-    if c.pp > 1:
-        model.pipeline_step(batches)
-    else:
-        for j, b in enumerate(batches):
-            with model.no_sync() if j < len(batches) - 1 else torch.enable_grad():
-                opt.backward(model(**b).loss / c.micro_batches)
-    opt.step()
-    opt.zero_grad()
+    """Optimizer step ``i`` of candidate ``c``."""
+    from memsave.plan.calibrate_engines import train_step
+
+    train_step(model, opt, [data.batch(i * c.micro_batches + j) for j in range(c.micro_batches)])
 
 
 def _measure(cases: list[dict[str, Any]], size: str, seq: int, steps: int, warmup: int) -> list[dict[str, Any]]:

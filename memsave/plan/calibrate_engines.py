@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FAMILIES", "engine_overheads", "family_of"]
+__all__ = ["FAMILIES", "engine_overheads", "family_of", "train_step"]
 
 # family -> (profile, tp, pp, micro-batch counts measured)
 FAMILIES: dict[str, tuple[str, int, int, tuple[int, int]]] = {
@@ -30,6 +30,19 @@ _SEQ, _ROWS = 32, 2
 
 def family_of(tp: int, pp: int, stage: int) -> str:
     return "tp" if tp > 1 else "pp" if pp > 1 else f"zero{stage}"
+
+
+def train_step(model: Any, optimizer: Any, batches: list[Any]) -> None:
+    """One optimizer step of a wrapped model over ``batches`` (its micro-batches, each the model's keyword
+    arguments): the pipeline schedule under pp, else gradient accumulation (``no_sync`` but for the last)."""
+    if getattr(model, "pipeline_step", None) is not None:
+        model.pipeline_step(batches)
+    else:
+        for j, b in enumerate(batches):
+            with model.no_sync() if j < len(batches) - 1 else torch.enable_grad():
+                optimizer.backward(model(**b).loss / len(batches))
+    optimizer.step()
+    optimizer.zero_grad()
 
 
 def _worker(steps: int, peak: float) -> dict[str, Any]:
@@ -62,14 +75,7 @@ def _worker(steps: int, peak: float) -> dict[str, Any]:
                 batches = [data.batch(step * m + j) for j in range(m)]
                 barrier(None)
                 t0 = time.perf_counter()
-                if pp > 1:
-                    model.pipeline_step(batches)
-                else:
-                    for j, b in enumerate(batches):
-                        with model.no_sync() if j < m - 1 else torch.enable_grad():
-                            opt.backward(model(**b).loss / m)
-                opt.step()
-                opt.zero_grad()
+                train_step(model, opt, batches)
                 barrier(None)
                 seconds.append(time.perf_counter() - t0)
             times.append(statistics.median(seconds[2:]))
