@@ -21,7 +21,7 @@ def test_parallel_section_defaults_overrides_and_round_trip(tmp_path: Path) -> N
     p = load_profile("zero3", ["parallel.tp=2", "--parallel.pp=2"])
     assert (p.parallel.tp, p.parallel.pp, p.zero.stage) == (2, 2, 3)
     assert p.to_dict()["parallel"] == {"tp": 2, "pp": 2, "schedule": "1f1b", "virtual": 1, "split": (),
-                                       "gather": "step", "sequence": False}
+                                       "balance": "count", "gather": "step", "sequence": False}
     assert Profile.from_dict(p.to_dict()) == p
     path = tmp_path / "tp2.toml"
     path.write_text("[parallel]\ntp = 2\n\n[zero]\nstage = 2\n")
