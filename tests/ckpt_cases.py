@@ -92,7 +92,8 @@ def wrapped(layout: Layout, *, seed: int = 0, dropout: float = 0.0,
             scratch: Path | None = None) -> tuple[nn.Module, Any, mdist.Mesh]:
     """A fresh tiny model wrapped under ``layout`` (its weights from ``seed``: a load must replace them); a disk
     offload tier goes under ``scratch``."""
-    prof = load_profile(layout.profile)
+    preset, _, overrides = layout.profile.partition(":")  # "zero3-infinity:offload.params=\"disk\"": + overrides
+    prof = load_profile(preset, overrides.split(",") if overrides else [])
     prof = dataclasses.replace(prof, parallel=dataclasses.replace(prof.parallel, tp=layout.tp))
     if prof.offload.optimizer == "disk":
         assert scratch is not None

@@ -28,6 +28,7 @@ from tests.harness import run_ranks
 
 Z3, Z2, Z1, DDP = Layout("zero3"), Layout("zero2"), Layout("zero1"), Layout("ddp")
 TP2 = Layout("ddp", tp=2)
+PARAMS_DISK = Layout('zero3-infinity:offload.params="disk"')  # the parameter shards on disk too
 AF = {n: Layout(p, tp=t, opt="adafactor") for n, p, t in (("z2", "zero2", 1), ("z3", "zero3", 1), ("tp2", "ddp", 2),
                                                             ("ddp", "ddp", 1))}
 # name: (saved under, loaded into, dropout); same layout -> bit for bit
@@ -47,6 +48,9 @@ RESHARD_2 = {
     "disk offload zero3 -> zero3": (Layout("zero3-infinity"), Layout("zero3-infinity"), 0.0),
     "disk offload zero3 -> zero2": (Layout("zero3-infinity"), Z2, 0.0),
     "zero2 -> disk offload zero3": (Z2, Layout("zero3-infinity"), 0.0),
+    "disk offload params zero3 -> zero3": (PARAMS_DISK, PARAMS_DISK, 0.0),
+    "disk offload params zero3 -> zero1": (PARAMS_DISK, Z1, 0.0),
+    "zero2 -> disk offload params zero3": (Z2, PARAMS_DISK, 0.0),
     "llama tied zero3 -> tp2": (Layout("zero3", model="llama"), Layout("ddp", tp=2, model="llama"), 0.0),
     "llama untied tp2 -> zero2": (Layout("ddp", tp=2, model="llama-untied"), Layout("zero2", model="llama-untied"),
                                   0.0),

@@ -24,6 +24,8 @@ from memsave.checkpoint.state import (
     Target,
     merge_stage_metas,
     model_rects,
+    offloaded_params_in,
+    offloaded_params_out,
     optimizer_load,
     optimizer_meta,
     optimizer_rects,
@@ -186,15 +188,19 @@ def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
     assert manifest is not None
     keys = tensor_keys(read_metadata(path))
     _check_model_keys(t, keys)
-    rects = model_rects(t, for_load=True, keys=keys)
-    opt_load = None
-    if t.optimizer is not None:
-        if manifest.get("optimizer") is None:
-            raise ValueError(f"memsave.load: {path} was saved without an optimizer; pass optimizer=None")
-        opt_load = optimizer_load(t, t.optimizer, manifest["optimizer"], keys)
-        rects += opt_load.rects
+    if t.optimizer is not None and manifest.get("optimizer") is None:
+        raise ValueError(f"memsave.load: {path} was saved without an optimizer; pass optimizer=None")
     t.engine.reshard()  # ZeRO-3: the shards are what is read into
-    load_rects(path, rects)
+    po = offloaded_params_in(t)  # [offload] params: the shards in memory for the read, written back after
+    try:
+        rects = model_rects(t, for_load=True, keys=keys)
+        opt_load = None
+        if t.optimizer is not None:
+            opt_load = optimizer_load(t, t.optimizer, manifest["optimizer"], keys)
+            rects += opt_load.rects
+        load_rects(path, rects)
+    finally:
+        offloaded_params_out(po)
     if opt_load is not None:
         opt_load.install()
     if rng:

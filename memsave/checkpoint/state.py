@@ -24,7 +24,8 @@ from memsave.engines import MemsaveOptimizer
 from memsave.offload.chunks import MASTER
 from memsave.wrapped import MemsaveModule
 
-__all__ = ["Target", "buffers", "model_rects", "optimizer_meta", "optimizer_rects", "target_of"]
+__all__ = ["Target", "buffers", "model_rects", "offloaded_params_in", "offloaded_params_out", "optimizer_meta",
+           "optimizer_rects", "target_of"]
 
 
 @dataclasses.dataclass
@@ -53,9 +54,6 @@ def target_of(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Targ
                          "returned by memsave.wrap together with its model")
     if optimizer is not None and optimizer.engine is not engine:
         raise ValueError("memsave.save/load: the optimizer was wrapped with another model")
-    if optimizer is not None and optimizer.param_offload is not None:
-        raise NotImplementedError("memsave.save/load with [offload] params: the parameter shards live on the "
-                                  "offload tier, which checkpoints do not read yet; save without params offload")
     stepped = dict(engine.stepped())
     rows_sharded = {p: s for p, s in stepped.items() if isinstance(engine.placement_of(s).dp, Shard)}
     stage = int(getattr(engine, "stage", 0))
@@ -78,6 +76,8 @@ def model_rects(t: Target, *, for_load: bool, keys: dict[str, Any] | None = None
     the rank holds (ZeRO-3: its rows; otherwise the whole TP slice). On load a parameter whose checkpoint holds an
     fp32 master is read from it when the parameter itself is fp32 (the master is the exact value)."""
     rects: list[Rect] = []
+    po = t.optimizer.param_offload if t.optimizer is not None else None
+    unit_of = {id(p): u for u in getattr(t.engine, "units", ()) for p in u.params} if po is not None else {}
     for h in t.held.values():
         key = f"model/{h.name}"
         if for_load and keys is not None and h.param.dtype == torch.float32 and f"master/{h.name}" in keys:
@@ -86,10 +86,48 @@ def model_rects(t: Target, *, for_load: bool, keys: dict[str, Any] | None = None
             value, rows = h.local, h.local_rows
         else:
             value, rows = h.stepped, h.rows
+        unit = unit_of.get(id(h.param))
+        if po is not None and unit is not None and not for_load:  # [Note: offloaded parameters in checkpoints]
+            meta = torch.empty(value.shape, dtype=value.dtype, device="meta")
+            for r in h.rects(key, meta, (True,) * value.dim(), rows):
+                v = r.tensor
+                rects.append(dataclasses.replace(r, fill=functools.partial(
+                    _offloaded_param, po, unit, value, tuple(v.size()), tuple(v.stride()), int(v.storage_offset()))))
+            continue
         rects += h.rects(key, value.detach(), (True,) * value.dim(), rows)
     for name, b in buffers(t.model).items():
         rects.append(Rect(f"buffer/{name}", b.detach(), (0,) * b.dim(), tuple(b.shape)))
     return rects
+
+
+# [Note: offloaded parameters in checkpoints] With ``[offload] params`` a unit's shard lives on its tier and is
+# in memory only while used. A save reads each parameter's rows when DCP writes them (``Rect.fill``): the unit is
+# loaded, the rows copied out, the unit released (evicted again, it is clean). A load brings every unit in
+# (``enter``: loaded and marked changed), reads the checkpoint into the shards, and writes them back to the tier
+# (``finish``, then ``drain``): for the load only, this rank's parameter shards are all in memory once.
+def _offloaded_param(po: Any, unit: Any, value: torch.Tensor, size: tuple[int, ...], stride: tuple[int, ...],
+                     at: int) -> torch.Tensor:
+    po.load(unit)
+    try:
+        return value.detach().clone().as_strided(size, stride, at).clone()
+    finally:
+        po.release(unit)
+
+
+def offloaded_params_in(t: Target) -> Any:
+    """Load with ``[offload] params``: every unit's shard in memory and marked changed (see the Note above); call
+    :func:`offloaded_params_out` after the read."""
+    po = t.optimizer.param_offload if t.optimizer is not None else None
+    if po is not None:
+        for u in po.units:
+            po.enter(u)
+    return po
+
+
+def offloaded_params_out(po: Any) -> None:
+    if po is not None:
+        po.finish()
+        po.drain()
 
 
 def _stepped_pairs(opt: MemsaveOptimizer) -> list[torch.Tensor]:
