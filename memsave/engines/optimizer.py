@@ -108,20 +108,24 @@ class MemsaveOptimizer(WrappedOptimizer):
         """``[offload] optimizer``: the state of this rank's shards streamed from its tier (memsave/zero/offload.py);
         with ``overlap`` the chunks step in the background, a unit's gather waits for its rows and the end of the
         next forward for all of them ([Note: overlapped step] in memsave/offload/state.py)."""
-        if not isinstance(self.engine, ZeroEngine):
+        zero = getattr(self.engine, "inner", self.engine)  # under pp: the stage's ZeRO engine inside the pipeline's
+        if not isinstance(zero, ZeroEngine):
             raise NotImplementedError("[offload] optimizer needs a ZeRO stage (zero.stage = 1, 2 or 3): the state it "
                                       "streams is the shards' state")
+        if offload.overlap and zero is not self.engine:
+            raise NotImplementedError("[offload] overlap = true with [parallel] pp > 1 is not implemented: the "
+                                      "background step would race the next pipeline step's gathers; set "
+                                      "offload.overlap = false")
         masters: dict[torch.Tensor, torch.Tensor] = (
             {m: s for m, s in self.mp.pairs if m is not s} if self.mp is not None else {})
-        self.offloaded, self.param_offload = build_offloaded_state(self.optimizer, self.engine, offload,
-                                                                   masters=masters)
+        self.offloaded, self.param_offload = build_offloaded_state(self.optimizer, zero, offload, masters=masters)
         self.overlap = self.offloaded is not None and offload.overlap
         if self.overlap:
             state = self.offloaded
             assert state is not None
-            self.engine.attach_step_waiter(lambda unit: state.wait_for(f"unit{unit.index}"))
-            self.engine.before_zero_in_place = weak_method(self.settle)
-            self._settle_hook = self.engine.model.register_forward_hook(lambda *_: state.settle())
+            zero.attach_step_waiter(lambda unit: state.wait_for(f"unit{unit.index}"))
+            zero.before_zero_in_place = weak_method(self.settle)
+            self._settle_hook = zero.model.register_forward_hook(lambda *_: state.settle())
 
     # -- what the state dict and tests read ------------------------------------------------------------------
     @property

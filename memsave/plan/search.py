@@ -92,8 +92,8 @@ def candidates(spec: ModelSpec, world: int, global_batch: int, *, gpus_per_node:
                             if off.startswith("optimizer+params") and stage != 3:
                                 continue  # parameters are offloaded as ZeRO-3 shards
                             if off != "none" and (stage == 0 or pp > 1 or tp > 1):
-                                # offload streams ZeRO's shards, not yet a pipeline stage's (refused); with tp
-                                # the estimator misses ~30% of the peak (the replicated rows' buffers): not offered
+                                # offload streams ZeRO's shards; under pp its estimate is not validated against
+                                # the tracker, and with tp the estimator misses ~30% of the peak: not offered
                                 continue
                             if dp == 1 and stage and (off == "none" or stage not in (1, 3)):
                                 continue  # one rank: a stage only to offload (1: the optimizer, 3: parameters)
