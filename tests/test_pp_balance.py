@@ -12,7 +12,7 @@ import memsave
 from memsave.pp import by_count
 from tests.harness import run_ranks
 
-WIDTHS = (1024,) + (128,) * 12  # one wide block, then twelve narrow ones
+WIDTHS = (2048,) + (128,) * 16  # one wide block, then sixteen narrow ones
 D, ROWS = 256, 256
 
 
@@ -81,8 +81,8 @@ def test_balance_by_time_evens_the_stages() -> None:
 
 def test_balance_by_params_and_errors() -> None:
     ranks = run_ranks(_balanced, 2, "params", timeout=180)
-    # bytes: the wide block (2 x 256 x 1024 weights, + biases) and two narrow ones weigh as much as the other ten
-    assert ranks[0]["bounds"] == (0, 3), ranks[0]
+    # bytes: the wide block (2 x 256 x 2048 weights, + biases) weighs as much as the sixteen narrow ones
+    assert ranks[0]["bounds"] == (0, 1), ranks[0]
     with pytest.raises(ValueError, match=r"parallel\.balance"):
         memsave.load_profile("ddp", ["parallel.pp=2", "parallel.balance='time'", "parallel.split=['3']"])
     with pytest.raises(ValueError, match=r"parallel\.balance"):
