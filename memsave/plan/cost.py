@@ -214,7 +214,9 @@ def _time(spec: ModelSpec, c: Candidate, hw: Hardware, seq: int, elem: int, gpus
     shard = psi / (c.dp if c.stage >= 1 else 1)
     state_bytes = shard * (elem + (4 if c.precision != "fp32" else 0)) + _state_bytes(spec, shard, c.optimizer)
     if c.offload == "none":
-        t["optimizer"] = 2 * (state_bytes + shard * elem) / (hw.mem_bw * eff)
+        # a measured AdamW step rate (bytes of parameters, gradients and state per second), else memory traffic
+        t["optimizer"] = ((state_bytes + shard * elem) / hw.step_bw if hw.step_bw
+                          else 2 * (state_bytes + shard * elem) / (hw.mem_bw * eff))
     else:
         t["optimizer"] = 2 * (state_bytes + shard * 4) / (hw.mem_bw * eff if hw.device == "cpu" else 20e9)
         tier_bw = (hw.disk_bw if c.offload.endswith(":disk") else hw.host_bw) * eff

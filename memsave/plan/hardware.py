@@ -9,6 +9,7 @@
 - disk write and read bandwidth (a file written with ``fsync``) in the offload folder;
 - the collective bus bandwidth of two local ranks (an all-reduce), the data-parallel and tensor-parallel
   link when every rank is on this machine;
+- a plain AdamW step: the bytes of parameters, gradients and state it goes through per second (``step_bw``);
 - a small reference GPT's forward and backward at two batch sizes: the share of the matmul rate a training
   step reaches (``efficiency``) and the fixed cost per layer and micro-batch (``layer_overhead``);
 - each engine family's own cost per step and per micro-batch and layer, on two local ranks
@@ -63,6 +64,7 @@ class Hardware:
     overlap: float = 0.5
     latency: float = 20e-6  # per collective
     layer_overhead: float = 0.0  # seconds per layer and micro-batch besides its FLOPs (kernel launches, Python)
+    step_bw: float = 0.0  # bytes of parameters, gradients and AdamW state an optimizer step goes through per second
     # engine family (memsave/plan/calibrate_engines.py) -> (seconds per step, per micro-batch and layer) measured
     engine: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
@@ -186,6 +188,16 @@ def _allreduce_worker(nbytes: int) -> float:
     return 2 * (n - 1) / n * nbytes / seconds
 
 
+def _optimizer_rate(device: str) -> float:
+    """Bytes per second a plain AdamW step goes through (parameters, gradients and its two moments: 16 bytes
+    per fp32 parameter), on 4M parameters in 16 tensors."""
+    params = [torch.nn.Parameter(torch.randn(256, 1024, device=device)) for _ in range(16)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    return 16 * sum(p.numel() for p in params) / _timed(opt.step)
+
+
 def _step_rates(device: str, peak: float) -> tuple[float, float]:
     """(efficiency, layer_overhead): a small reference GPT's forward and backward at 1 and 8 rows, fitted to
     ``time = flops / (peak * efficiency) + layers * overhead``."""
@@ -228,6 +240,7 @@ def calibrate(*, device: str | None = None, folder: str | Path | None = None, re
         flops = {"fp32": _matmul_flops(device, torch.float32), "bf16": _matmul_flops(device, torch.bfloat16)}
         flops["fp16"] = _matmul_flops(device, torch.float16) if device == "cuda" else flops["bf16"]
         efficiency, overhead = _step_rates(device, flops["fp32"])
+        step_bw = _optimizer_rate(device)
     finally:
         torch.set_num_threads(threads)
     mem_bw, host_bw = _copy_rates(device)
@@ -243,7 +256,7 @@ def calibrate(*, device: str | None = None, folder: str | Path | None = None, re
                   f"{time.strftime('%Y-%m-%d')}", device=device, memory=memory, flops=flops, mem_bw=mem_bw,
                   intra_bw=bus, inter_bw=bus, host_bw=host_bw, disk_bw=write,
                   host_memory=float(psutil.virtual_memory().total), efficiency=efficiency,
-                  layer_overhead=overhead, overlap=0.0 if device == "cpu" else 0.8)
+                  layer_overhead=overhead, step_bw=step_bw, overlap=0.0 if device == "cpu" else 0.8)
     if collectives:  # what each engine pays besides FLOPs and bytes, on two local ranks
         from memsave.plan.calibrate_engines import engine_overheads
 
