@@ -91,9 +91,9 @@ def candidates(spec: ModelSpec, world: int, global_batch: int, *, gpus_per_node:
                         for off in offloads:
                             if off.startswith("optimizer+params") and stage != 3:
                                 continue  # parameters are offloaded as ZeRO-3 shards
-                            if off != "none" and (stage == 0 or pp > 1 or tp > 1):
-                                # offload streams ZeRO's shards; under pp its estimate is not validated against
-                                # the tracker, and with tp the estimator misses ~30% of the peak: not offered
+                            if off != "none" and (stage == 0 or tp > 1 or (pp > 1 and off.startswith("optimizer+"))):
+                                # offload streams ZeRO's shards; the estimator misses ~10% of the peak of
+                                # parameter offload under pp and ~30% of offload with tp: not offered
                                 continue
                             if dp == 1 and stage and (off == "none" or stage not in (1, 3)):
                                 continue  # one rank: a stage only to offload (1: the optimizer, 3: parameters)
