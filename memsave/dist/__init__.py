@@ -25,8 +25,8 @@ from memsave.dist.host_memory import (
     after_forward,
     configure_host_memory,
     host_memory_policy,
-    trim_host_memory,
     trim_held,
+    trim_host_memory,
 )
 from memsave.dist.init import default_device, init, launch_env
 from memsave.dist.mesh import AXES, Mesh, validate_degrees
@@ -47,6 +47,7 @@ __all__ = [
     "AXES",
     "COMM_STATS",
     "DATA_AXES",
+    "P2P",
     "AgreeOver",
     "Agreement",
     "CollectiveError",
@@ -54,7 +55,6 @@ __all__ = [
     "Handle",
     "HostMemoryPolicy",
     "Mesh",
-    "P2P",
     "Partial",
     "PeerFailed",
     "Placement",
@@ -78,7 +78,6 @@ __all__ = [
     "group_rank",
     "group_size",
     "host_memory_policy",
-    "trim_host_memory",
     "init",
     "launch_env",
     "new_subgroups",
@@ -87,5 +86,6 @@ __all__ = [
     "shutdown",
     "sum_over_shards",
     "trim_held",
+    "trim_host_memory",
     "validate_degrees",
 ]
