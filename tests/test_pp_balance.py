@@ -33,7 +33,9 @@ def _balanced(how: str) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     prof = memsave.load_profile("ddp", ["parallel.pp=2", f"parallel.balance={how!r}"])
     batches = _batches(4)
+    rng = torch.get_rng_state()
     model, opt = memsave.wrap(model, opt, prof, mesh=mesh, example_inputs=(batches[0]["input"],))
+    assert torch.equal(torch.get_rng_state(), rng)  # measuring the blocks drew nothing from the user's stream
     bal = model.memsave_engine.balance
     losses = []
     for step in range(2):
@@ -87,3 +89,21 @@ def test_balance_by_params_and_errors() -> None:
         memsave.load_profile("ddp", ["parallel.pp=2", "parallel.balance='time'", "parallel.split=['3']"])
     with pytest.raises(ValueError, match=r"parallel\.balance"):
         memsave.load_profile("ddp", ["parallel.balance='even'"])
+
+
+def test_measuring_the_blocks_leaves_training_as_it_was() -> None:
+    """balance = "time" runs forwards and backwards at wrap: the random stream (dropout) and the buffers (a norm's
+    running statistics) are as before, and no gradient is left behind."""
+    from memsave.pp.auto_split import block_times
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(D, 64), nn.BatchNorm1d(64), nn.Dropout(0.5), nn.Linear(64, D))
+                            for _ in range(3)])
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    x = torch.randn(8, D)
+    rng = torch.get_rng_state()
+    times = block_times(model, ["0", "1", "2"], (x,))
+    assert len(times) == 3 and all(t > 0 for t in times)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
+    assert all(p.grad is None for p in model.parameters())

@@ -71,17 +71,25 @@ def block_times(model: nn.Module, names: list[str], batch: Any, repeats: int = 3
     for i, m in enumerate(modules):
         handles += [m.register_forward_pre_hook(forward_pre(i)), m.register_forward_hook(forward_post(i)),
                     m.register_full_backward_pre_hook(backward_pre(i))]
+    # measuring must not change training: the random streams (dropout) and the buffers (running statistics)
+    # are as they were before it
+    kept = {name: b.detach().clone() for name, b in model.named_buffers()}
+    gpus = sorted({t.device.index or 0 for t in model.parameters() if t.is_cuda})
     try:
-        for r in range(repeats + 1):
-            run[0] = r
-            backward.clear()
-            with warnings.catch_warnings():  # the first block's input needs no gradient: its hook still fires
-                warnings.filterwarnings("ignore", message="Full backward hook is firing")
-                _run(model, batch).backward()
-            end = time.perf_counter()
-            for (i, t0), (_, t1) in zip(backward, [*backward[1:], (-1, end)]):
-                spent[r][i] += t1 - t0
+        with torch.random.fork_rng(devices=gpus):
+            for r in range(repeats + 1):
+                run[0] = r
+                backward.clear()
+                with warnings.catch_warnings():  # the first block's input needs no gradient: its hook still fires
+                    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                    _run(model, batch).backward()
+                end = time.perf_counter()
+                for (i, t0), (_, t1) in zip(backward, [*backward[1:], (-1, end)]):
+                    spent[r][i] += t1 - t0
     finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(kept[name])
         for h in handles:
             h.remove()
         model.zero_grad(set_to_none=True)
