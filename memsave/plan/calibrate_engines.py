@@ -57,9 +57,9 @@ def _worker(steps: int, peak: float) -> dict[str, Any]:
     from memsave.plan.hardware import _step_rates
 
     out: dict[str, Any] = {}
-    init()
+    device = init().device.type
     barrier(None)
-    out["rates"] = _step_rates("cpu", peak)
+    out["rates"] = _step_rates(device, peak)
     for fam, (profile, tp, pp, counts) in FAMILIES.items():
         mesh = init(tp=tp, pp=pp)
         times = []

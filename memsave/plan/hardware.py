@@ -248,16 +248,19 @@ def calibrate(*, device: str | None = None, folder: str | Path | None = None, re
                    else psutil.virtual_memory().total)
     write, _read = _disk(Path(folder or tempfile.gettempdir()), 64 * 2**20)
     bus = mem_bw
-    if collectives:
+    # two local ranks: on CPU, or on two GPUs (one GPU cannot host two NCCL ranks)
+    ranks = collectives and (device == "cpu" or torch.cuda.device_count() >= 2)
+    if ranks:
         from memsave._launch import spawn_local
 
         bus = min(spawn_local(_allreduce_worker, 2, (16 * 2**20,), timeout_s=120))
+    said = "" if ranks or not collectives else "; one GPU: collectives and engine costs not measured"
     hw = Hardware(name=f"{platform.node()} ({device})", source=f"measured by memsave calibrate on "
-                  f"{time.strftime('%Y-%m-%d')}", device=device, memory=memory, flops=flops, mem_bw=mem_bw,
+                  f"{time.strftime('%Y-%m-%d')}{said}", device=device, memory=memory, flops=flops, mem_bw=mem_bw,
                   intra_bw=bus, inter_bw=bus, host_bw=host_bw, disk_bw=write,
                   host_memory=float(psutil.virtual_memory().total), efficiency=efficiency,
                   layer_overhead=overhead, step_bw=step_bw, overlap=0.0 if device == "cpu" else 0.8)
-    if collectives:  # what each engine pays besides FLOPs and bytes, on two local ranks
+    if ranks:  # what each engine pays besides FLOPs and bytes, on two local ranks
         from memsave.plan.calibrate_engines import engine_overheads
 
         hw = engine_overheads(hw)
