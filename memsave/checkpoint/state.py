@@ -109,9 +109,10 @@ def _offloaded_param(po: Any, unit: Any, value: torch.Tensor, size: tuple[int, .
                      at: int) -> torch.Tensor:
     po.load(unit)
     try:
-        return value.detach().clone().as_strided(size, stride, at).clone()
+        rows = value.detach().clone()  # contiguous: the rectangle's strides are those of a tensor like it
     finally:
         po.release(unit)
+    return rows if tuple(rows.shape) == size and at == 0 else rows.as_strided(size, stride, at).clone()
 
 
 def offloaded_params_in(t: Target) -> Any:

@@ -22,13 +22,11 @@ from memsave.memory.schema import OFF_DEVICE, format_bytes
 from memsave.plan.cost import Candidate, price
 from memsave.plan.hardware import calibrate
 from memsave.plan.profile import exact_peak, to_profile
-from memsave.plan.search import PlanError
+from memsave.plan.search import HEADROOM, PlanError
 from memsave.plan.spec import from_module
 from memsave.recompute.policy import parse_size
 
-__all__ = ["HEADROOM", "auto_profile"]
-
-HEADROOM = 0.05  # the estimator's validated error on the peak, kept free
+__all__ = ["auto_profile"]
 
 
 def _optimizer_name(optimizer: torch.optim.Optimizer) -> str:

@@ -19,7 +19,10 @@ from memsave.plan.cost import Candidate, Priced, price
 from memsave.plan.hardware import Hardware
 from memsave.plan.spec import ModelSpec
 
-__all__ = ["Plan", "PlanError", "candidates", "plan"]
+__all__ = ["HEADROOM", "Plan", "PlanError", "candidates", "plan"]
+
+HEADROOM = 0.05  # of an exact peak (memsave.estimate), kept free: the estimator's validated error
+ANALYTIC_HEADROOM = 0.10  # of a closed-form peak
 
 _NAMES = {"params": "parameters", "grads": "gradients", "master": "fp32 masters", "optimizer_state":
           "optimizer state", "params_gathered": "gathered parameters", "activations": "activations"}
@@ -109,8 +112,8 @@ def plan(spec: ModelSpec, hw: Hardware, *, world: int, global_batch: int, seq: i
          host_budget: float | None = None, disk_budget: float = 0.0, gpus_per_node: int = 8,
          precisions: Sequence[str] | None = None, offloads: Sequence[str] | None = None,
          recomputes: Sequence[str] = ("none", "selective", "full"), optimizer: str = "adamw",
-         exact: Callable[[Candidate], dict[str, int]] | None = None, headroom: float = 0.05,
-         analytic_headroom: float = 0.10, tp_degrees: Sequence[int] | None = None,
+         exact: Callable[[Candidate], dict[str, int]] | None = None, headroom: float = HEADROOM,
+         analytic_headroom: float = ANALYTIC_HEADROOM, tp_degrees: Sequence[int] | None = None,
          pp_degrees: Sequence[int] | None = None) -> Plan:
     """Every configuration of ``spec`` on ``world`` devices of ``hw`` for ``global_batch`` sequences of ``seq``
     tokens per step, ranked ([module docstring]). ``exact``: bytes per category of a candidate from the model
