@@ -156,9 +156,9 @@ class OffloadConfig(_Checked):
 
     optimizer: Literal["none", "cpu", "disk"] = field(default="none", metadata=_doc(
         "Where the optimizer state of this rank's shards lives between steps (zero.stage >= 1; under mixed "
-        "precision the fp32 masters move with it): \"cpu\" is pinned host memory on a CUDA device, streamed to "
-        "the device in chunks during the step (on a CPU device nothing moves: said once); \"disk\" is files "
-        "under path, on a CPU device."))
+        "precision the fp32 masters move with it): \"cpu\" is host memory on a CUDA device (stepped there or on the "
+        "device: see step; on a CPU device nothing moves: said once); \"disk\" is files under path, read "
+        "through host buffers (on CUDA stepped on the host)."))
     params: Literal["none", "cpu", "disk"] = field(default="none", metadata=_doc(
         "Stage 3: where the units' parameter shards live between uses, loaded prefetch units ahead of each "
         "gather: \"cpu\" is pinned host memory on a CUDA device (with optimizer = \"cpu\", fraction = 1; on a "
@@ -170,6 +170,16 @@ class OffloadConfig(_Checked):
         "side stream during forward and back when backward needs them (on a CPU device nothing moves: said "
         "once).",
         "\"none\" when [recompute] compress is set (NotImplementedError at wrap)"))
+    step: Literal["auto", "device", "host"] = field(default="auto", metadata=_doc(
+        "On a CUDA device, where the step of the offloaded state runs. \"host\" (DeepSpeed's ZeRO-Offload): the "
+        "state and fp32 masters stay in host memory, each chunk's gradients are copied down through pinned "
+        "buffers, stepped by the CPU (torch's fused CPU kernel for Adam, AdamW, SGD and Adagrad) and its new "
+        "parameters copied up; ~4-6 bytes per element cross PCIe instead of the state both ways. \"device\": the "
+        "state is streamed to the device in chunks and stepped there. \"auto\": \"host\" for optimizer = "
+        "\"disk\" (the files are read into host buffers), \"device\" for \"cpu\". On a CPU device the step "
+        "always runs on the host.",
+        "\"auto\", \"device\" or \"host\"; \"device\" needs optimizer = \"cpu\" on CUDA; \"host\" needs fraction = 1 "
+        "on CUDA"))
     fraction: float = field(default=1.0, metadata=_doc(
         "Share of the optimizer state that is offloaded, in whole chunks; the rest stays in memory (the last "
         "units' chunks, or with overlap the first units', which the next forward needs first).",
@@ -197,6 +207,12 @@ class OffloadConfig(_Checked):
 
     _section = "offload"
 
+    def steps_on_host(self, device_type: str) -> bool:
+        """Where ``step`` puts the offloaded step on a ``device_type`` device (see the field's help)."""
+        if device_type == "cpu":
+            return True
+        return self.step == "host" or (self.step == "auto" and self.optimizer == "disk")
+
     def __post_init__(self) -> None:
         self._check_fields()
         if not 0.0 <= self.fraction <= 1.0:
@@ -207,6 +223,8 @@ class OffloadConfig(_Checked):
             raise _bad("offload.prefetch", self.prefetch, "a count of chunks >= 0")
         if not self.chunk_mb > 0:
             raise _bad("offload.chunk_mb", self.chunk_mb, "a positive size in MiB")
+        if self.step != "auto" and self.optimizer == "none":
+            raise _bad("offload.step", self.step, '"auto" when optimizer = "none" (no offloaded step to place)')
         if self.overlap and self.optimizer == "none":
             raise _bad("offload.overlap", self.overlap, 'false when optimizer = "none" (no offloaded step to overlap)')
 

@@ -299,12 +299,13 @@ def effective_offload(profile: Profile, device: torch.device) -> OffloadConfig |
     if off.params == "cpu" and device.type != "cuda":
         warn_once(f'[offload] params = "cpu" on a {device.type} device: the parameters already live in host '
                   "memory, nothing is moved")
-    if off.overlap and (profile.zero.stage != 3 or device.type != "cpu"):
+    host = off.steps_on_host(device.type)
+    if off.overlap and (profile.zero.stage != 3 or not host):
         raise NotImplementedError(
-            f"profile {name!r}: [offload] overlap = true with optimizer = {off.optimizer!r}, zero.stage = "
-            f"{profile.zero.stage} on a {device.type} device is not implemented: it overlaps the offloaded "
-            "optimizer step with the next forward, whose stage-3 gathers wait for each unit's rows; it needs "
-            'optimizer = "disk", zero.stage = 3 and a CPU device (set overlap = false)')
+            f"profile {name!r}: [offload] overlap = true with optimizer = {off.optimizer!r}, step = {off.step!r}, "
+            f"zero.stage = {profile.zero.stage} on a {device.type} device is not implemented: it overlaps the "
+            "offloaded optimizer step with the next forward, whose stage-3 gathers wait for each unit's rows; it "
+            'needs zero.stage = 3 and the step on the host (a CPU device, or step = "host") (set overlap = false)')
     if off.optimizer == "none":
         return None
     if profile.zero.stage == 0:
@@ -314,10 +315,24 @@ def effective_offload(profile: Profile, device: torch.device) -> OffloadConfig |
     if off.optimizer == "cpu" and device.type != "cuda":
         warn_once(cpu_noop(device))
         return None
-    if off.optimizer == "disk" and device.type != "cpu":
+    if device.type not in ("cpu", "cuda"):
+        raise NotImplementedError(f"profile {name!r}: [offload] optimizer = {off.optimizer!r} on a {device.type} "
+                                  "device is not implemented (CPU and CUDA devices only)")
+    if device.type == "cuda" and not host and off.optimizer == "disk":
         raise NotImplementedError(
-            f"profile {name!r}: [offload] optimizer = \"disk\" on a {device.type} device is not implemented (it "
-            'needs pinned bounce buffers between the files and the device); use optimizer = "cpu"')
+            f"profile {name!r}: [offload] optimizer = \"disk\" with step = \"device\" on CUDA is not implemented: "
+            'the files are read into host buffers, so the step runs on the host (step = "host" or "auto")')
+    if device.type == "cuda" and host and off.fraction != 1.0:
+        raise NotImplementedError(
+            f"profile {name!r}: [offload] fraction = {off.fraction} with the step on the host (step = {off.step!r}, "
+            f'optimizer = {off.optimizer!r}) on CUDA is not implemented: a part stepped on the device and a part on '
+            'the host; use fraction = 1, or step = "device" with optimizer = "cpu"')
+    if device.type == "cuda" and host and off.params == "cpu" and profile.precision.compute == "fp32":
+        raise NotImplementedError(
+            f"profile {name!r}: [offload] params = \"cpu\" with step = {off.step!r} (the step on the host) and fp32 "
+            "compute is not implemented on CUDA: the host step reads each chunk's fp32 parameters from the device, "
+            'which holds the shards only while they are gathered; use precision.compute = "bf16" (the fp32 masters '
+            'then live on the host) or step = "device"')
     return off
 
 

@@ -78,7 +78,7 @@ class MemsaveOptimizer(WrappedOptimizer):
         # Mixed precision: the optimizer steps fp32 masters (of the shards: 4/N bytes per parameter), cast into the
         # compute-dtype tensors after the step. With offload on CUDA the masters are made on the host and go to
         # the tier from there: the device never holds 4 bytes per parameter of them ([Note: offloaded masters]).
-        host_masters = offload is not None and offload.optimizer == "cpu" and engine.mesh.device.type == "cuda"
+        host_masters = offload is not None and offload.optimizer in ("cpu", "disk") and engine.mesh.device.type == "cuda"
         self.mp = (MixedPrecisionOptimizer(optimizer, scaler=scaler, group=self.agree_over, grad_of=engine.grad_of,
                                            master_device=torch.device("cpu") if host_masters else None,
                                            nonfinite=self.nonfinite)

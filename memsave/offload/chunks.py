@@ -29,6 +29,7 @@ class Piece:
     stop: int
     sub: nn.Parameter  # what the optimizer steps: the shard's rows, or (master mode) the fp32 master rows
     low: torch.Tensor | None = None  # master mode: the model's low-precision rows the master is cast into
+    dev: torch.Tensor | None = None  # host step without masters: the model's rows on the device ([Note: host step])
     keys: list[str] = dataclasses.field(default_factory=list)  # state key order; empty: no state yet
     scalars: dict[str, Any] = dataclasses.field(default_factory=dict)  # entries kept in memory (``step``)
     entries: list[tuple[str, torch.dtype, int]] = dataclasses.field(default_factory=list)  # (key, dtype, offset)
@@ -45,7 +46,7 @@ class Piece:
     @property
     def visible(self) -> torch.Tensor:
         """The rows the model sees (restored after a failed write)."""
-        return self.low if self.low is not None else self.sub
+        return self.low if self.low is not None else self.dev if self.dev is not None else self.sub
 
 
 @dataclasses.dataclass

@@ -26,6 +26,7 @@ class Consolidated:
     window_bytes: int
     hooks: Any
     _slots: int
+    _staging: Any
 
     if TYPE_CHECKING:
         def settle(self) -> None: ...
@@ -87,6 +88,13 @@ class Consolidated:
     def local_state(self) -> dict[torch.Tensor, dict[str, Any]]:
         """Every stepped tensor's state as the plain optimizer would hold it (per-element entries whole)."""
         return self.local()[0]
+
+    def _placed(self, state: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A chunk kept in memory holds its state where it steps: on the host for the host step ([Note: host
+        step] in host_step.py), whatever device a loaded state dict put it on."""
+        if state is None or self._staging is None:
+            return state
+        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
     def local_masters(self) -> dict[torch.Tensor, torch.Tensor]:
         """Master mode: each master's fp32 rows, whole (read back from the tier)."""
@@ -152,7 +160,7 @@ class Consolidated:
                 per_piece.append(st or None)
             if not chunk.offloaded:
                 for p, kept in zip(chunk.pieces, per_piece):
-                    p.state = kept
+                    p.state = self._placed(kept)
                 continue
             for p in chunk.pieces:
                 p.keys, p.entries, p.scalars = [], [], {}

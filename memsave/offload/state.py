@@ -53,11 +53,10 @@ on the tier is still the one of the region that stays current.
 
 from __future__ import annotations
 
-import itertools
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -74,15 +73,15 @@ from memsave.offload.chunks import (
     window_bytes,
 )
 from memsave.offload.consolidated import Consolidated
+from memsave.offload.host_step import HostStaging, HostStep, host_kernel
 from memsave.offload.stepping import hooked, post_hooks, pre_hooks, raw_step, shadow
 from memsave.offload.tiers import Handle, Tier, aligned_empty, round_up
 from memsave.offload.window import Run, Window
-from memsave.phases import MemoryCategory
 
 __all__ = ["OffloadedState"]
 
 
-class OffloadedState(Window, Consolidated):
+class OffloadedState(HostStep, Window, Consolidated):
     """The state of ``optimizer``'s tensors, chunked, a ``fraction`` of it on ``tier``.
 
     Args:
@@ -105,8 +104,10 @@ class OffloadedState(Window, Consolidated):
                  bytes_per_element: int, device: torch.device, group_order: list[str] | None = None,
                  hooks: Any = None, masters: dict[torch.Tensor, torch.Tensor] | None = None,
                  offload_last: bool = False,
-                 low_grad: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> None:
+                 low_grad: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+                 staging: HostStaging | None = None) -> None:
         self.optimizer, self.tier, self.prefetch, self.device, self.names = optimizer, tier, prefetch, device, names
+        self._staging = staging  # [Note: host step]: the window and the state on the host, the model on the device
         self._slots = tier.slots
         self.masters = dict(masters or {})
         self._low_grad = low_grad
@@ -120,7 +121,8 @@ class OffloadedState(Window, Consolidated):
                 for start, stop in row_pieces(shard.shape[0], math.prod(shard.shape[1:]), chunk_numel):
                     sub = nn.Parameter(shard.detach()[start:stop], requires_grad=shard.requires_grad)
                     low = self.masters[shard][start:stop] if shard in self.masters else None
-                    own.append(Piece(shard, gi, start, stop, sub, low))
+                    dev = sub.detach() if staging is not None and low is None else None
+                    own.append(Piece(shard, gi, start, stop, sub, low, dev))
                     pieces.append((group_of(shard), own[-1]))
         if group_order is not None:
             pieces.sort(key=lambda fp: group_order.index(fp[0]))  # stable: group order within a file
@@ -180,6 +182,10 @@ class OffloadedState(Window, Consolidated):
             if grad is not None:
                 grads.update((id(p), grad[p.start : p.stop]) for p in pieces)
         run = Run(shadow(self.optimizer), grads)
+        if self._staging is not None:
+            self._staging.after_compute()
+            for g in run.opt.param_groups:
+                g.update(host_kernel(self.optimizer))
         if not overlap:
             hooked(self.optimizer, lambda: self._step_chunks(run))
             self.wait_seconds += run.waited
@@ -255,7 +261,11 @@ class OffloadedState(Window, Consolidated):
         try:
             for k in range(self.prefetch):
                 issue_read(k)
-            if memory:
+            if self._staging is not None:
+                self._staging.begin(memory + remote, run.grads)
+            if memory and self._staging is not None:
+                self._step_memory_host(memory, run)
+            elif memory:
                 pieces = [p for c in memory for p in c.pieces if self._attach(p, None, run)]
                 try:
                     self._call(pieces, run)
@@ -276,8 +286,10 @@ class OffloadedState(Window, Consolidated):
                 self._finish_write(writes, k - 2, run)  # bounds the write-behind (also the snapshot reuse)
                 if self.hooks is not None:
                     self.hooks.enter(chunk.group_file)
+                if self._staging is not None:
+                    self._staging.fetch(chunk)
                 writes[k] = self._step_one(chunk, buf, k % nbuf, run)
-                run.writes_of.setdefault(chunk.group_file, []).append(writes[k][0])
+                run.writes_of.setdefault(chunk.group_file, []).extend(self._uploaded(writes[k][0]))
                 if last_of[chunk.group_file] == k and chunk.group_file in run.done:
                     run.done[chunk.group_file].set()  # every chunk of the file stepped, its writes issued
                 if not self.prefetch:
@@ -295,6 +307,8 @@ class OffloadedState(Window, Consolidated):
             except BaseException:
                 pass  # a read ahead of a stopped step: its chunk was not stepped
         self.tier.drain()
+        if self._staging is not None:
+            self._staging.end()
         if self.hooks is not None:
             try:
                 self.hooks.finish()
@@ -313,7 +327,7 @@ class OffloadedState(Window, Consolidated):
             snap, offset = self._snapshots[index], 0
             for p in stepped:
                 n = p.numel * p.visible.element_size()
-                snap[offset : offset + n].view(p.visible.dtype).view(p.shape).copy_(p.visible)
+                snap[offset : offset + n].view(p.visible.dtype).view(p.shape).copy_(self._before(p))
                 undo.append((p, offset, {k: v.clone() if isinstance(v, torch.Tensor) else v
                                          for k, v in p.scalars.items()}, list(p.keys), list(p.entries)))
                 offset += n
@@ -337,6 +351,8 @@ class OffloadedState(Window, Consolidated):
         try:
             handle.wait()
         except BaseException:
+            if self._staging is not None:
+                self._staging.synchronize()  # the step's copy up lands before the rows are put back
             snap = self._snapshots[index] if self._snapshots else None
             chunk.regions, chunk.region_bytes, chunk.slot = undo[0]
             for piece, offset, scalars, keys, entries in undo[1:]:  # back to the state before this step
@@ -351,23 +367,6 @@ class OffloadedState(Window, Consolidated):
         chunk.slot = target
 
     # -- accounting and lifetime ---------------------------------------------------------------------------
-    def offloaded_bytes(self) -> dict[str, int]:
-        held = sum(c.region_bytes for c in self.chunks if c.offloaded and c.slot >= 0)
-        return {"host": held if self.tier.kind == "host" else 0, "disk": held if self.tier.kind == "disk" else 0}
-
-    def memory_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:
-        for b in self._buffers:
-            yield MemoryCategory.OPTIMIZER_STATE, b
-        for s in self._snapshots:
-            yield MemoryCategory.COMM, s
-        for c in self.chunks:
-            for p in c.pieces:
-                if p.low is not None and not c.offloaded:
-                    yield MemoryCategory.MASTER, p.sub
-                for v in itertools.chain((p.state or {}).values(), p.scalars.values()):
-                    if isinstance(v, torch.Tensor):
-                        yield MemoryCategory.OPTIMIZER_STATE, v
-
     def close(self) -> None:
         try:
             self.settle()

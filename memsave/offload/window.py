@@ -1,6 +1,6 @@
 """A chunk's state in a window buffer (memsave/offload/state.py): the buffers themselves, the layout of a chunk's
 state in one (:meth:`Window._pack`), and the chunk's pieces lent to the step's shadow optimizer for one raw step
-and taken back (:meth:`Window._attach`, :meth:`Window._call`, :meth:`Window._cast`, :meth:`Window._detach`).
+and taken back (:meth:`Window._attach`, :meth:`Window._call`, :meth:`Window._detach`).
 :class:`Run` is what one step hands them: the shadow optimizer and each piece's gradient rows."""
 
 from __future__ import annotations
@@ -85,13 +85,6 @@ class Window:
     def _detach(piece: Piece, run: Run) -> dict[str, Any]:
         piece.sub.grad = None
         return run.opt.state.pop(piece.sub, {})
-
-    @staticmethod
-    def _cast(pieces: list[Piece]) -> None:
-        """Master mode: the stepped fp32 masters into the model's low-precision rows."""
-        for p in pieces:
-            if p.low is not None:
-                p.low.copy_(p.sub)
 
     def _pack(self, chunk: Chunk, states: list[dict[str, Any] | None], buf: torch.Tensor) -> None:
         """Record each piece's state layout and put its per-element entries into ``buf`` (regions allocated on

@@ -3,11 +3,14 @@ ZeRO-Infinity, Rajbhandari et al., 2021).
 
 What moves where, by device:
 
-- ``optimizer = "disk"`` on CPU: the state of a ``fraction`` of this rank's shards lives in files under
-  ``[offload] path`` (one per ZeRO unit) and is streamed through a window of ``prefetch + 2`` chunks during the
-  step (:mod:`memsave.offload.state`). On CUDA: not implemented (it needs pinned bounce buffers).
-- ``optimizer = "cpu"`` on CUDA: the state lives in pinned host memory and is streamed to the device in chunks
-  on a side stream; the step runs on the device. On CPU there is nothing to move: said once, no offload.
+- ``optimizer = "disk"``: the state of a ``fraction`` of this rank's shards lives in files under
+  ``[offload] path`` (one per ZeRO unit) and is streamed through a window of ``prefetch + 2`` chunks in host
+  memory during the step (:mod:`memsave.offload.state`); on CUDA the step runs on the host, the gradients and
+  parameters crossing through pinned buffers ([Note: host step] in memsave/offload/host_step.py).
+- ``optimizer = "cpu"`` on CUDA, ``step = "host"``: the state lives in host memory and is stepped there, chunk
+  by chunk, as for the disk tier. ``step = "device"``: it lives in pinned host memory and is streamed to the
+  device in chunks on a side stream; the step runs on the device. On CPU there is nothing to move: said once,
+  no offload.
 - ``params = "disk"`` on CPU, stage 3, with ``optimizer = "disk"`` and ``fraction = 1``: each unit's parameter
   shard lives in a file between uses too (memsave/zero/param_offload.py). ``params = "cpu"`` on CUDA, stage 3,
   with ``optimizer = "cpu"`` and ``fraction = 1``: each unit's shard lives in pinned host memory between uses
@@ -28,6 +31,7 @@ from memsave._logging import warn_once
 from memsave.config import OffloadConfig
 from memsave.offload import DiskTier, HostTier, OffloadedState, state_bytes_per_element
 from memsave.offload.chunks import MASTER_BYTES
+from memsave.offload.host_step import HostStaging
 from memsave.offload.tiers import Tier
 from memsave.zero.engine import ZeroEngine
 from memsave.zero.param_offload import ParamOffload, StepHooks
@@ -66,9 +70,10 @@ def build_offloaded_state(optimizer: torch.optim.Optimizer, engine: ZeroEngine, 
     if off.optimizer == "cpu" and device.type != "cuda":
         warn_once(cpu_noop(device))
         return None, None
-    if off.optimizer == "disk" and device.type != "cpu":
-        raise NotImplementedError(f'[offload] optimizer = "disk" on a {device.type} device is not implemented (it '
-                                  'needs pinned bounce buffers between the files and the device); use "cpu"')
+    host_step = device.type == "cuda" and off.steps_on_host(device.type)  # [Note: host step]
+    if device.type == "cuda" and not host_step and off.optimizer == "disk":
+        raise NotImplementedError('[offload] optimizer = "disk" with step = "device" on CUDA is not implemented: '
+                                  'the files are read into host buffers; use step = "host" or "auto"')
     # stage-3 parameter shards on the optimizer state's tier: files on a CPU device, pinned memory on CUDA
     moves_params = off.params == "disk" or (off.params == "cpu" and device.type == "cuda")
     masters = masters or {}
@@ -86,9 +91,12 @@ def build_offloaded_state(optimizer: torch.optim.Optimizer, engine: ZeroEngine, 
     units: dict[torch.Tensor, int] = {s: u.index for u in engine.units for s in u.shards}
     units |= {m: units[s] for m, s in masters.items()}
     names = dict(engine.name_of) | {m: engine.name_of[s] for m, s in masters.items()}
+    # the host step keeps host-tier state in host memory as it is (no chunk is moved: each steps in place)
+    fraction = 0.0 if host_step and off.optimizer == "cpu" else off.fraction
     state = OffloadedState(optimizer, tier, group_of=lambda s: f"unit{units[s]}", names=names,
-                           fraction=off.fraction, prefetch=off.prefetch, chunk_bytes=int(off.chunk_mb * 2**20),
-                           bytes_per_element=per_elem, device=device,
+                           fraction=fraction, prefetch=off.prefetch, chunk_bytes=int(off.chunk_mb * 2**20),
+                           bytes_per_element=per_elem, device=torch.device("cpu") if host_step else device,
+                           staging=HostStaging(device, off.prefetch) if host_step else None,
                            group_order=([f"unit{u.index}" for u in engine.units]
                                         if moves_params or off.overlap else None),
                            masters=masters, offload_last=off.overlap,
