@@ -40,6 +40,10 @@ FIT_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "zero3-bf16": ("zero3-bf16", ()),
     "zero3-bf16-offload": ("zero3-bf16", ("offload.optimizer=cpu", "offload.chunk_mb=16")),
     "zero3-bf16-offload-params": ("zero3-bf16", _OFFLOAD),
+    # the step on the host (ZeRO-Offload): the state and masters never cross PCIe, only gradients and parameters
+    "zero3-bf16-offload-host": ("zero3-bf16", ("offload.optimizer=cpu", "offload.step=host", "offload.chunk_mb=16")),
+    "zero3-bf16-offload-host-params": ("zero3-bf16", (*_OFFLOAD, "offload.step=host")),
+    "zero3-bf16-offload-disk": ("zero3-bf16", ("offload.optimizer=disk", "offload.path=/tmp", "offload.chunk_mb=16")),
 }
 
 

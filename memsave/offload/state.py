@@ -161,9 +161,9 @@ class OffloadedState(HostStep, Window, Consolidated):
                 if p.low is not None:
                     p.sub.data = torch.empty(0, dtype=p.sub.dtype, device=p.sub.device)
         self.tier.drain()
-        for master in self.masters:
-            if master.device != self.device:  # made on the host: an empty tensor on the device takes its place
-                empty = torch.empty_like(master, device=self.device)
+        for master, low in self.masters.items():
+            if master.device != low.device:  # made on the host: an empty tensor on the device takes its place
+                empty = torch.empty_like(master, device=low.device)
                 empty.untyped_storage().resize_(0)
                 master.data = empty
             master.untyped_storage().resize_(0)
