@@ -1,6 +1,6 @@
 """The offloaded step on the host while training on CUDA ([Note: host step] in memsave/offload/host_step.py):
 ``[offload] step = "host"`` with the state in host memory or on disk, stages 2-3, fp32 and bf16 (masters on the
-host), the step overlapped with the next forward, parameters in pinned memory; a state dict round trip and the
+host), parameters in pinned memory; a state dict round trip and the
 model's weights loaded after wrap. The CPU kernel and the device's differ in the last bits, so the reference (no
 offload, the step on the device) is matched to a tolerance; two host-step runs match each other bit for bit.
 Marked ``gpu``: skipped without CUDA."""
@@ -69,13 +69,6 @@ def test_disk_offload_on_cuda_steps_on_the_host(prefetch: int, tmp_path: Path) -
     assert run["held"].get(MemoryCategory.OPTIMIZER_STATE.value, 0) == 0
     opt.close()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("memsave-offload-")], list(tmp_path.iterdir())
-
-
-def test_overlapped_host_step_equals_the_synchronous_one() -> None:
-    """``overlap = true`` on CUDA: step() returns at once, each unit's gather waits for its own rows' copy up."""
-    sync = _run((*BF16, *HOST), 3)
-    over = _run((*BF16, *HOST, "offload.overlap=true"), 3)
-    _equal(sync, over)
 
 
 def test_host_step_with_parameters_in_pinned_memory() -> None:

@@ -36,7 +36,8 @@ __all__ = ["MixedPrecisionOptimizer"]
 
 def follow(master: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """``master`` where it still rounds to the low-precision ``p``, else ``p`` in fp32 (see ``refresh_masters``)."""
-    return torch.where(master.to(p.dtype) == p, master, p.to(master.device, torch.float32))
+    low = p.to(master.device)  # a master on the host (offload's host step) follows a parameter on the device
+    return torch.where(master.to(p.dtype) == low, master, low.float())
 
 
 def _own_grad(p: torch.Tensor) -> torch.Tensor | None:
