@@ -174,10 +174,11 @@ class OffloadConfig(_Checked):
         "On a CUDA device, where the step of the offloaded state runs. \"host\" (DeepSpeed's ZeRO-Offload): the "
         "state and fp32 masters stay in host memory, each chunk's gradients are copied down through pinned "
         "buffers, stepped by the CPU (torch's fused CPU kernel for Adam, AdamW, SGD and Adagrad) and its new "
-        "parameters copied up; ~4-6 bytes per element cross PCIe instead of the state both ways. \"device\": the "
-        "state is streamed to the device in chunks and stepped there. \"auto\": \"host\" for optimizer = "
-        "\"disk\" (the files are read into host buffers), \"device\" for \"cpu\". On a CPU device the step "
-        "always runs on the host.",
+        "parameters copied up: 4-8 bytes per element cross PCIe, not the state both ways. \"device\": the state "
+        "is streamed to the device in chunks and stepped there. \"auto\": \"host\", except \"device\" for "
+        "optimizer = \"cpu\" with fraction < 1 or with params = \"cpu\" under fp32 compute (what the host step "
+        "does not serve). On a CPU device the step always "
+        "runs on the host.",
         "\"auto\", \"device\" or \"host\"; \"device\" needs optimizer = \"cpu\" on CUDA; \"host\" needs fraction = 1 "
         "on CUDA"))
     fraction: float = field(default=1.0, metadata=_doc(
@@ -207,11 +208,14 @@ class OffloadConfig(_Checked):
 
     _section = "offload"
 
-    def steps_on_host(self, device_type: str) -> bool:
-        """Where ``step`` puts the offloaded step on a ``device_type`` device (see the field's help)."""
+    def steps_on_host(self, device_type: str, *, mixed: bool) -> bool:
+        """Where ``step`` puts the offloaded step on a ``device_type`` device, ``mixed``: under mixed precision
+        (see the field's help)."""
         if device_type == "cpu":
             return True
-        return self.step == "host" or (self.step == "auto" and self.optimizer == "disk")
+        if self.step == "auto":
+            return self.optimizer == "disk" or ((self.params != "cpu" or mixed) and self.fraction == 1.0)
+        return self.step == "host"
 
     def __post_init__(self) -> None:
         self._check_fields()

@@ -53,15 +53,19 @@ def offload_states(held: dict[str, int], states: dict[str, Any], prof: Profile, 
     held[tier] = held.get(tier, 0) + moved + moved_masters
     held["master"] = held.get("master", 0) - moved_masters
     buffers = off.prefetch + 2 if off.prefetch else 1
-    held["optimizer_state"] += buffers * window - moved
-    if off.optimizer == "disk":
+    host_step = device_type == "cuda" and off.steps_on_host(device_type, mixed=bool(masters))
+    if host_step:  # [Note: host step]: the window, the snapshots and the pinned slots are host memory
+        held["optimizer_state"] -= moved
+    else:
+        held["optimizer_state"] += buffers * window - moved
+    if off.optimizer == "disk" and not host_step:
         held["comm"] = held.get("comm", 0) + buffers * chunk_elems * states["param_bytes"]
     if moves_params:
         held[tier] += held["params"]
         held["params"] = 0
     notes.append(f"optimizer offload to {off.optimizer}: {format_bytes(moved)} of state"
                  + (f" and {format_bytes(moved_masters)} of fp32 masters" if moved_masters else "")
-                 + " off the device; streaming "
-                 f"window {buffers} x {format_bytes(window)}"
+                 + (" off the device, stepped on the host" if host_step else " off the device; streaming "
+                    f"window {buffers} x {format_bytes(window)}")
                  + (f"; parameters on {off.params} (resident shards around their use not modelled)"
                     if moves_params else ""))

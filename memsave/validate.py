@@ -299,7 +299,7 @@ def effective_offload(profile: Profile, device: torch.device) -> OffloadConfig |
     if off.params == "cpu" and device.type != "cuda":
         warn_once(f'[offload] params = "cpu" on a {device.type} device: the parameters already live in host '
                   "memory, nothing is moved")
-    host = off.steps_on_host(device.type)
+    host = off.steps_on_host(device.type, mixed=profile.precision.compute != "fp32")
     if off.overlap and (profile.zero.stage != 3 or device.type != "cpu"):
         # On CUDA the host step overlapped with the next forward ran, equal to the synchronous one, but 2.1x slower
         # per step on one H100 (the CPU kernel's threads and the forward's kernel launches contend for the host):

@@ -366,6 +366,12 @@ def test_estimate_host_offload_on_cuda_moves_state_masters_and_parameters() -> N
     assert est.bytes["offload_host"] == pytest.approx((12 + 2) * psi / 8, rel=0.02), est.bytes
     assert est.bytes.get("params", 0) == 0 and est.bytes.get("master", 0) == 0
     assert est.model_state < plain.model_state / 4, (est.model_state, plain.model_state)
+    # the host step (step "auto" here): no window on the device; the device step streams through one
+    assert est.bytes.get("optimizer_state", 0) < 1024, est.bytes  # the `step` counters
+    dev = estimate(model, memsave.load_profile("zero3-bf16", ("offload.optimizer=cpu", "offload.params=cpu",
+                                                              "offload.step=device")),
+                   world_size=8, batch=None, device="cuda")
+    assert dev.bytes["optimizer_state"] >= 4 * 2**20 and dev.bytes["offload_host"] == est.bytes["offload_host"]
     from memsave.validate import effective_offload  # what wrap refuses on CUDA, before anything changes
 
     assert effective_offload(over, torch.device("cuda")) is over.offload

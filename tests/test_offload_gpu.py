@@ -1,5 +1,5 @@
-"""Host-tier offload on CUDA (pinned memory, a side stream): exact against no offload, and the state leaves the
-device. Marked ``gpu``: skipped on machines without CUDA (never run on this project's CPU CI)."""
+"""Host-tier offload on CUDA with the step on the device (``[offload] step = "device"``: pinned memory, a side
+stream): exact against no offload, and the state leaves the device. The host step is test_offload_host_step_gpu.py. Marked ``gpu``: skipped on machines without CUDA (never run on this project's CPU CI)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ def _run(overrides: tuple[str, ...], stage: int, steps: int = 4, hf: bool = Fals
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_host_offload_is_exact_and_pinned(stage: int, prefetch: int) -> None:
     ref = _run((), stage)
-    run = _run(("offload.optimizer=cpu", "offload.chunk_mb=0.004", f"offload.prefetch={prefetch}"), stage)
+    run = _run(("offload.optimizer=cpu", "offload.step=device", "offload.chunk_mb=0.004",
+                f"offload.prefetch={prefetch}"), stage)
     for a, b in zip(run["losses"], ref["losses"], strict=True):
         assert torch.equal(a, b)
     for name, v in ref["params"].items():
@@ -67,7 +68,7 @@ def test_host_offload_moves_the_fp32_masters_under_bf16(stage: int) -> None:
     memory (12 bytes per element), the same losses, parameters and masters as bf16 without offload."""
     bf16 = ('precision.compute="bf16"',)
     ref = _run(bf16, stage)
-    run = _run((*bf16, "offload.optimizer=cpu", "offload.chunk_mb=0.004"), stage)
+    run = _run((*bf16, "offload.optimizer=cpu", "offload.step=device", "offload.chunk_mb=0.004"), stage)
     for a, b in zip(run["losses"], ref["losses"], strict=True):
         assert torch.equal(a, b)
     for name, v in ref["params"].items():
@@ -102,7 +103,8 @@ def test_params_in_pinned_host_memory_are_exact_and_leave_the_device(compute: st
     parameter shard left on the device after the step."""
     prec = () if compute == "fp32" else ('precision.compute="bf16"',)
     ref = _run(prec, 3, hf=hf)
-    run = _run((*prec, "offload.optimizer=cpu", "offload.params=cpu", "offload.chunk_mb=0.004"), 3, hf=hf)
+    run = _run((*prec, "offload.optimizer=cpu", "offload.step=device", "offload.params=cpu",
+                "offload.chunk_mb=0.004"), 3, hf=hf)
     for a, b in zip(run["losses"], ref["losses"], strict=True):
         assert torch.equal(a, b)
     for name, v in ref["params"].items():
@@ -123,7 +125,7 @@ def test_params_in_pinned_host_memory_are_exact_and_leave_the_device(compute: st
 def test_params_on_host_round_trip_a_state_dict() -> None:
     """A checkpoint of a params-offloaded run loads into another and both continue alike (the loaded shards are
     written to the host tier)."""
-    over = ("offload.optimizer=cpu", "offload.params=cpu", "offload.chunk_mb=0.004")
+    over = ("offload.optimizer=cpu", "offload.step=device", "offload.params=cpu", "offload.chunk_mb=0.004")
     first = _run(over, 3, steps=2)
     second = _run(over, 3, steps=1)
     second_model = second["model"]
@@ -141,7 +143,8 @@ def test_params_on_host_round_trip_a_state_dict() -> None:
 
 
 def test_host_offload_never_holds_the_fp32_masters_on_the_device() -> None:
-    """bf16 with the optimizer on the host: the fp32 masters are made on the host and go to the tier from there;
+    """bf16 with the optimizer on the host (the host step, step "auto"): the fp32 masters are made on the host and
+    stay there;
     the device peak of wrap and a step stays far below the 4 bytes per parameter the masters would add."""
     mesh = memsave.init()
     model = ToyLM(seed=0, d=256)

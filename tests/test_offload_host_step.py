@@ -106,12 +106,16 @@ def test_step_placement_refused_on_cuda_before_anything_moves(overrides: tuple[s
 
 
 def test_step_placement_accepted_on_cuda() -> None:
-    for overrides in [("offload.optimizer=disk", "offload.path=/tmp"),  # auto: on the host
-                      ("offload.optimizer=cpu", "offload.params=cpu", "offload.step=host",
-                       'precision.compute="bf16"')]:
+    """``step = "auto"`` takes the host step wherever it is implemented (what DeepSpeed's users expect), else the
+    device step."""
+    for overrides, host in [(("offload.optimizer=disk", "offload.path=/tmp"), True),
+                            (("offload.optimizer=cpu",), True),
+                            (("offload.optimizer=cpu", "offload.params=cpu", 'precision.compute="bf16"'), True),
+                            (("offload.optimizer=cpu", "offload.params=cpu"), False),  # fp32: the device step
+                            (("offload.optimizer=cpu", "offload.fraction=0.5"), False),
+                            (("offload.optimizer=cpu", "offload.step=device"), False)]:
         prof = memsave.load_profile("zero3", overrides)
         assert effective_offload(prof, torch.device("cuda")) is prof.offload
-        assert prof.offload.steps_on_host("cuda")
-    assert not memsave.load_profile("zero3", ("offload.optimizer=cpu",)).offload.steps_on_host("cuda")
+        assert prof.offload.steps_on_host("cuda", mixed=prof.precision.compute != "fp32") is host, overrides
     with pytest.raises(ValueError, match=r"offload\.step"):
         memsave.load_profile("zero3", ("offload.step=host",))

@@ -33,16 +33,17 @@ from memsave.models import GPT, GPTConfig, TokenBatches
 __all__ = ["FIT_VARIANTS", "FitOptions", "format_fit_table", "largest_fitting", "run_command", "run_fit_bench"]
 
 _OFFLOAD = ("offload.optimizer=cpu", "offload.params=cpu", "offload.chunk_mb=16")
+_DEVICE = ("offload.step=device",)  # the step on the device: the state streamed to it in chunks
+_HOST = ("offload.step=host",)  # the step on the host (ZeRO-Offload): only gradients and parameters cross PCIe
 FIT_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "zero3": ("zero3", ()),
-    "zero3-offload": ("zero3-offload", ("offload.chunk_mb=16",)),  # the optimizer state on the host
-    "zero3-offload-params": ("zero3-offload", _OFFLOAD),  # the parameter shards too
+    "zero3-offload": ("zero3-offload", ("offload.chunk_mb=16", *_DEVICE)),  # the optimizer state on the host
+    "zero3-offload-params": ("zero3-offload", (*_OFFLOAD, *_DEVICE)),  # the parameter shards too
     "zero3-bf16": ("zero3-bf16", ()),
-    "zero3-bf16-offload": ("zero3-bf16", ("offload.optimizer=cpu", "offload.chunk_mb=16")),
-    "zero3-bf16-offload-params": ("zero3-bf16", _OFFLOAD),
-    # the step on the host (ZeRO-Offload): the state and masters never cross PCIe, only gradients and parameters
-    "zero3-bf16-offload-host": ("zero3-bf16", ("offload.optimizer=cpu", "offload.step=host", "offload.chunk_mb=16")),
-    "zero3-bf16-offload-host-params": ("zero3-bf16", (*_OFFLOAD, "offload.step=host")),
+    "zero3-bf16-offload": ("zero3-bf16", ("offload.optimizer=cpu", "offload.chunk_mb=16", *_DEVICE)),
+    "zero3-bf16-offload-params": ("zero3-bf16", (*_OFFLOAD, *_DEVICE)),
+    "zero3-bf16-offload-host": ("zero3-bf16", ("offload.optimizer=cpu", "offload.chunk_mb=16", *_HOST)),
+    "zero3-bf16-offload-host-params": ("zero3-bf16", (*_OFFLOAD, *_HOST)),
     "zero3-bf16-offload-disk": ("zero3-bf16", ("offload.optimizer=disk", "offload.path=/tmp", "offload.chunk_mb=16")),
 }
 

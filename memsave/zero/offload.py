@@ -70,7 +70,7 @@ def build_offloaded_state(optimizer: torch.optim.Optimizer, engine: ZeroEngine, 
     if off.optimizer == "cpu" and device.type != "cuda":
         warn_once(cpu_noop(device))
         return None, None
-    host_step = device.type == "cuda" and off.steps_on_host(device.type)  # [Note: host step]
+    host_step = device.type == "cuda" and off.steps_on_host(device.type, mixed=bool(masters))  # [Note: host step]
     if device.type == "cuda" and not host_step and off.optimizer == "disk":
         raise NotImplementedError('[offload] optimizer = "disk" with step = "device" on CUDA is not implemented: '
                                   'the files are read into host buffers; use step = "host" or "auto"')
