@@ -346,13 +346,13 @@ def check_offload(optimizer: torch.optim.Optimizer, off: OffloadConfig, dp_size:
     """Before anything changes: the optimizer can be streamed in chunks, and the disk has room (for the state, and
     ``master_elements`` fp32 masters on this rank; None: as many as it has elements, an upper bound)."""
     name = type(optimizer).__name__
-    if isinstance(optimizer, Adafactor):
+    if isinstance(optimizer, Adafactor) and (off.params != "none" or off.overlap or off.fraction != 1.0):
         raise NotImplementedError(
-            f"[offload] optimizer = {off.optimizer!r} with memsave.optim.Adafactor is not implemented: its column "
-            "statistics span every row of a shard (and are reduced over dp in one call per step), so the state "
-            "cannot be stepped chunk by chunk; use AdamW/Adam/SGD, or Adafactor without offload (its state is "
-            "~0.2% of AdamW's)")
-    if name not in ELEMENTWISE:
+            f"[offload] optimizer = {off.optimizer!r} with memsave.optim.Adafactor and params = {off.params!r}, "
+            f"overlap = {off.overlap}, fraction = {off.fraction} is not implemented: Adafactor's statistics span "
+            "every row of a shard, so it steps whole shards in one call ([Note: whole-shard offload] in "
+            'memsave/offload/whole.py); use params = "none", overlap = false and fraction = 1')
+    if name not in ELEMENTWISE and not isinstance(optimizer, Adafactor):
         raise NotImplementedError(
             f"[offload] optimizer = {off.optimizer!r} with {name} is not implemented: offload steps the state chunk "
             f"by chunk, which is exact only for elementwise optimizers ({', '.join(sorted(ELEMENTWISE))})")

@@ -14,11 +14,11 @@ from tests.toy import ToyLM, hf_gpt2, param_groups, toy_batch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-def _run(overrides: tuple[str, ...], stage: int, steps: int = 4, hf: bool = False) -> dict:
+def _run(overrides: tuple[str, ...], stage: int, steps: int = 4, hf: bool = False, make_opt=None) -> dict:
     mesh = memsave.init()
     assert mesh.device.type == "cuda"
     model = hf_gpt2() if hf else ToyLM(seed=stage, d=64)
-    opt = torch.optim.AdamW(param_groups(model), lr=1e-2)
+    opt = (make_opt or (lambda groups: torch.optim.AdamW(groups, lr=1e-2)))(param_groups(model))
     model, opt = memsave.wrap(model, opt, memsave.load_profile(f"zero{stage}", overrides), mesh=mesh)
     losses = []
     for step in range(steps):

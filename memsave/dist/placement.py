@@ -147,14 +147,22 @@ def param_placement(p: torch.Tensor) -> Placement:
 
 
 def all_reduce_over(tensor: torch.Tensor, groups: AgreeOver | Iterable[ProcessGroup | None], *,
-                    op: Any = ReduceOp.SUM, count_as: str = "all_reduce") -> torch.Tensor:
+                    op: Any = ReduceOp.SUM, count_as: str = "all_reduce", via: torch.device | None = None,
+                    ) -> torch.Tensor:
     """All-reduce ``tensor`` in place over each group in turn: a sum (or max) over every rank of their product.
-    ``groups``: one group, several (the axes of a placement), or None (this process alone)."""
+    ``groups``: one group, several (the axes of a placement), or None (this process alone). ``via``: the groups'
+    device; a tensor elsewhere (a host step's statistics, [Note: host step] in memsave/offload/host_step.py) is
+    reduced through a copy there."""
     if groups is None or isinstance(groups, ProcessGroup):
         groups = [groups]
+    groups = [g for g in groups if g is not None]
+    if not groups:
+        return tensor
+    moved = tensor.to(via) if via is not None and tensor.device != via else tensor
     for group in groups:
-        if group is not None:
-            all_reduce(tensor, group, op=op, count_as=count_as)
+        all_reduce(moved, group, op=op, count_as=count_as)
+    if moved is not tensor:
+        tensor.copy_(moved)
     return tensor
 
 

@@ -93,7 +93,7 @@ class MemsaveOptimizer(WrappedOptimizer):
         if isinstance(optimizer, Adafactor) and self.any_sharded:  # its statistics sum over the cut rows/columns
             mesh = engine.mesh
             whole = {p: getattr(tp_param(p), "full_shape", None) or p.shape for p in self._opt_full.values()}
-            optimizer.shard(lambda t, axes: mdist.all_reduce_over(t, mesh.groups_for(axes)),  # (the shape before tp)
+            optimizer.shard(lambda t, axes: mdist.all_reduce_over(t, mesh.groups_for(axes), via=mesh.device),
                             {s: layout_of(self._placement[s], s.dim(), whole[p]) for s, p in self._opt_full.items()})
         if hasattr(engine, "scale_loss") and self.mp is not None:  # the pipeline engine runs the backwards itself
             engine.scale_loss = self.mp.scale

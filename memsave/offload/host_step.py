@@ -86,6 +86,7 @@ class HostStaging:
         self._order: list[Chunk] = []
         self._pos: dict[int, int] = {}
         self._slot = 0  # the in slot of the chunk being stepped
+        self._ahead_now = self.ahead
         self._pending: dict[int, tuple[Any, dict[int, tuple[torch.Tensor, torch.Tensor | None]]]] = {}
         self._issued = 0
         self._grads: dict[int, torch.Tensor] = {}
@@ -136,15 +137,18 @@ class HostStaging:
             self.down.wait_stream(self._compute)
             self.up.wait_stream(self._compute)
 
-    def begin(self, order: list[Chunk], grads: dict[int, torch.Tensor]) -> None:
+    def begin(self, order: list[Chunk], grads: dict[int, torch.Tensor], *, at_once: bool = False) -> None:
         """A step over ``order`` (the chunks, in step order) with ``grads`` (piece id -> its gradient rows, on the
-        device; fetched rows replace them): the slots sized."""
+        device; fetched rows replace them): the slots sized. ``at_once``: every chunk is fetched before one step
+        over all of them ([Note: whole-shard offload] in whole.py), and uploaded in one go."""
         self._order, self._grads, self._issued, self._pending = order, grads, 0, {}
         self._pos = {c.index: k for k, c in enumerate(order)}
-        self._grow(self.ins, self.ahead + 1, max((self._in_bytes(c, grads) for c in order), default=0))
+        self._ahead_now = len(order) if at_once else self.ahead
+        self._grow(self.ins, self._ahead_now + 1, max((self._in_bytes(c, grads) for c in order), default=0))
         if len(self.in_free) != len(self.ins):
             self.in_free = [None] * len(self.ins)
-        self._grow(self.outs, 2, max((self._out_bytes(c.pieces) for c in order), default=0))
+        outs = [self._out_bytes(c.pieces) for c in order]
+        self._grow(self.outs, 2, (sum(outs) if at_once else max(outs, default=0)))
 
     def _issue(self, k: int) -> None:
         chunk = self._order[k]
@@ -180,7 +184,7 @@ class HostStaging:
         """Before ``chunk`` steps: the copies of the next ``prefetch`` chunks issued, this one's waited, and its
         pieces pointed at the host rows (gradients in ``grads``, fp32 parameters as ``sub``)."""
         k = self._pos[chunk.index]
-        while self._issued <= min(k + self.ahead, len(self._order) - 1):
+        while self._issued <= min(k + self._ahead_now, len(self._order) - 1):
             self._issue(self._issued)
             self._issued += 1
         event, rows = self._pending.pop(chunk.index)

@@ -76,12 +76,13 @@ from memsave.offload.consolidated import Consolidated
 from memsave.offload.host_step import HostStaging, HostStep, host_kernel
 from memsave.offload.stepping import hooked, post_hooks, pre_hooks, raw_step, shadow
 from memsave.offload.tiers import Handle, Tier, aligned_empty, round_up
+from memsave.offload.whole import WholeStep
 from memsave.offload.window import Run, Window
 
 __all__ = ["OffloadedState"]
 
 
-class OffloadedState(HostStep, Window, Consolidated):
+class OffloadedState(HostStep, WholeStep, Window, Consolidated):
     """The state of ``optimizer``'s tensors, chunked, a ``fraction`` of it on ``tier``.
 
     Args:
@@ -105,7 +106,7 @@ class OffloadedState(HostStep, Window, Consolidated):
                  hooks: Any = None, masters: dict[torch.Tensor, torch.Tensor] | None = None,
                  offload_last: bool = False,
                  low_grad: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
-                 staging: HostStaging | None = None) -> None:
+                 staging: HostStaging | None = None, whole: bool = False) -> None:
         self.optimizer, self.tier, self.prefetch, self.device, self.names = optimizer, tier, prefetch, device, names
         self._staging = staging  # [Note: host step]: the window and the state on the host, the model on the device
         self._slots = tier.slots
@@ -113,13 +114,20 @@ class OffloadedState(HostStep, Window, Consolidated):
         self._low_grad = low_grad
         per_elem = max(bytes_per_element + (MASTER_BYTES if self.masters else 0), 1)
         chunk_numel = max(1, chunk_bytes // per_elem)
+        self._whole = whole  # [Note: whole-shard offload] in whole.py: one piece per tensor, one step over all
+        alias = getattr(optimizer, "alias", None)  # Adafactor: a piece is cut like its tensor
         self.pieces_of: dict[torch.Tensor, list[Piece]] = {}
         pieces: list[tuple[str, Piece]] = []
         for gi, g in enumerate(optimizer.param_groups):
             for shard in g["params"]:
                 own = self.pieces_of.setdefault(shard, [])
-                for start, stop in row_pieces(shard.shape[0], math.prod(shard.shape[1:]), chunk_numel):
-                    sub = nn.Parameter(shard.detach()[start:stop], requires_grad=shard.requires_grad)
+                rows = shard.shape[0] if shard.dim() else 1
+                for start, stop in ([(0, rows)] if whole else
+                                    row_pieces(shard.shape[0], math.prod(shard.shape[1:]), chunk_numel)):
+                    sub = nn.Parameter(shard.detach()[start:stop] if shard.dim() else shard.detach(),
+                                       requires_grad=shard.requires_grad)
+                    if whole and alias is not None:
+                        alias(sub, shard)
                     low = self.masters[shard][start:stop] if shard in self.masters else None
                     dev = sub.detach() if staging is not None and low is None else None
                     own.append(Piece(shard, gi, start, stop, sub, low, dev))
@@ -187,7 +195,7 @@ class OffloadedState(HostStep, Window, Consolidated):
             for g in run.opt.param_groups:
                 g.update(host_kernel(self.optimizer))
         if not overlap:
-            hooked(self.optimizer, lambda: self._step_chunks(run))
+            hooked(self.optimizer, lambda: self._step_whole(run) if self._whole else self._step_chunks(run))
             self.wait_seconds += run.waited
             return
         pre_hooks(self.optimizer)

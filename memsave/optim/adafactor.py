@@ -155,6 +155,12 @@ class Adafactor(torch.optim.Optimizer):
         sharding])."""
         self._reduce_over, self._layouts = reduce_over, dict(layouts)
 
+    def alias(self, view: torch.Tensor, of: torch.Tensor) -> None:
+        """Step ``view`` (a tensor sharing ``of``'s elements: offload steps a shard through a view of it) as cut
+        like ``of``."""
+        if of in self._layouts:
+            self._layouts[view] = self._layouts[of]
+
     def state_is_row_sharded(self, key: str, full_shape: torch.Size) -> bool:
         """Whether state ``key`` of a parameter holds one slice per parameter row (so gathers along dim 0 under
         sharding); ``col_var`` of a 2-D parameter and ``step`` are the same on every rank."""

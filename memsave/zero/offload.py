@@ -33,6 +33,7 @@ from memsave.offload import DiskTier, HostTier, OffloadedState, state_bytes_per_
 from memsave.offload.chunks import MASTER_BYTES
 from memsave.offload.host_step import HostStaging
 from memsave.offload.tiers import Tier
+from memsave.optim import Adafactor
 from memsave.zero.engine import ZeroEngine
 from memsave.zero.param_offload import ParamOffload, StepHooks
 
@@ -99,7 +100,7 @@ def build_offloaded_state(optimizer: torch.optim.Optimizer, engine: ZeroEngine, 
                            staging=HostStaging(device, off.prefetch) if host_step else None,
                            group_order=([f"unit{u.index}" for u in engine.units]
                                         if moves_params or off.overlap else None),
-                           masters=masters, offload_last=off.overlap,
+                           masters=masters, offload_last=off.overlap, whole=isinstance(optimizer, Adafactor),
                            low_grad=lambda master: engine.grad_of(masters[master]))
     params = None
     if moves_params:  # last: the step's row pieces are views of the shards, made while they are in memory
