@@ -106,7 +106,7 @@ def test_host_step_round_trips_a_state_dict_and_follows_loaded_weights(compute: 
                                    atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("tier", ["cpu", "disk"])
+@pytest.mark.parametrize("tier", ["cpu", "disk", "cpu-device-step"])
 def test_adafactor_with_host_and_disk_offload_on_cuda(tier: str, tmp_path: Path) -> None:
     """memsave's Adafactor steps whole shards in one call on the host ([Note: whole-shard offload]), its fp32
     masters and first moment off the device; it trains like Adafactor without offload."""
@@ -115,13 +115,13 @@ def test_adafactor_with_host_and_disk_offload_on_cuda(tier: str, tmp_path: Path)
     def make(groups: list) -> Adafactor:
         return Adafactor(groups, lr=1e-2, relative_step=False, beta1=0.9, weight_decay=0.1)
 
-    over = (("offload.optimizer=cpu",) if tier == "cpu" else
-            ("offload.optimizer=disk", f"offload.path={tmp_path}"))
+    over = {"cpu": ("offload.optimizer=cpu",), "disk": ("offload.optimizer=disk", f"offload.path={tmp_path}"),
+            "cpu-device-step": ("offload.optimizer=cpu", "offload.step=device")}[tier]
     ref = _run(BF16, 3, make_opt=make)
     run = _run((*BF16, *over, "offload.chunk_mb=0.004"), 3, make_opt=make)
     _close(run, ref, True)
     opt = run["opt"]
-    assert opt.offloaded._whole and opt.offloaded._staging is not None
+    assert opt.offloaded._whole and (opt.offloaded._staging is None) == (tier == "cpu-device-step")
     own = sum(s.numel() for s in opt._full_of if s.requires_grad)
-    assert opt.offloaded_bytes()["host" if tier == "cpu" else "disk"] >= 8 * own
+    assert opt.offloaded_bytes()["disk" if tier == "disk" else "host"] >= 8 * own
     assert run["held"].get(MemoryCategory.MASTER.value, 0) == 0
