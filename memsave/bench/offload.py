@@ -49,6 +49,7 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "zero3-bf16-offload-device": ("zero3-bf16", ("offload.optimizer=cpu", "offload.step=device",
                                                  "offload.chunk_mb=16")),
     "zero3-bf16-offload-host": ("zero3-bf16", ("offload.optimizer=cpu", "offload.step=host", "offload.chunk_mb=16")),
+    "zero3-offload-host": ("zero3", ("offload.optimizer=cpu", "offload.step=host", "offload.chunk_mb=16")),
     "zero3-bf16-offload-host-64": ("zero3-bf16", ("offload.optimizer=cpu", "offload.step=host",
                                                   "offload.chunk_mb=64")),
     "zero3-bf16-offload-host-4": ("zero3-bf16", ("offload.optimizer=cpu", "offload.step=host", "offload.chunk_mb=4")),
