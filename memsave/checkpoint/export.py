@@ -107,18 +107,24 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True) -> 
     rects += [Rect(n, b.detach(), (0,) * b.dim(), tuple(b.shape)) for n, b in buffers(model).items()]
     used: set[str] = set()
     missing: list[str] = []
-    handles: dict[Path, Any] = {}
+    sources: list[tuple[Rect, str]] = []
+    for r in rects:
+        owner = params.get(r.key)
+        source = next((n for n in ([r.key] if owner is None else aliases[owner]) if n in where), None)
+        if source is None:
+            missing.append(r.key)
+        else:
+            sources.append((r, source))
+    # file by file, one open at a time: an open file's pages that were read stay resident until it is closed
+    sources.sort(key=lambda rs: str(where[rs[1]]))
+    current: tuple[Path, Any] | None = None
     with torch.no_grad():
-        for r in rects:
-            owner = params.get(r.key)
-            source = next((n for n in ([r.key] if owner is None else aliases[owner]) if n in where), None)
-            if source is None:
-                missing.append(r.key)
-                continue
+        for r, source in sources:
             used.add(source)
-            if where[source] not in handles:
-                handles[where[source]] = safe_open(str(where[source]), framework="pt")
-            piece = handles[where[source]].get_slice(source)
+            if current is None or current[0] != where[source]:
+                current = None  # the previous file's mapping goes before the next is opened
+                current = (where[source], safe_open(str(where[source]), framework="pt"))
+            piece = current[1].get_slice(source)
             if tuple(piece.get_shape()) != r.shape:
                 raise ValueError(f"load_weights: {source} in {where[source]} has shape {tuple(piece.get_shape())}, "
                                  f"the model's is {r.shape}")
