@@ -86,6 +86,10 @@ class HostStaging:
         self._order: list[Chunk] = []
         self._pos: dict[int, int] = {}
         self._slot = 0  # the in slot of the chunk being stepped
+        self._casts = torch.empty(0, dtype=torch.uint8)
+        self._cast_used = 0
+        self._cast_need = 0
+        self._spare: list[torch.Tensor] = []
         self._ahead_now = self.ahead
         self._pending: dict[int, tuple[Any, dict[int, tuple[torch.Tensor, torch.Tensor | None]]]] = {}
         self._issued = 0
@@ -126,7 +130,7 @@ class HostStaging:
         return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
 
     def tensors(self) -> list[torch.Tensor]:
-        return [*self.ins, *self.outs]
+        return [*self.ins, *self.outs, self._casts, *self._spare]
 
     # -- one step ------------------------------------------------------------------------------------------
     def after_compute(self) -> None:
@@ -149,6 +153,10 @@ class HostStaging:
             self.in_free = [None] * len(self.ins)
         outs = [self._out_bytes(c.pieces) for c in order]
         self._grow(self.outs, 2, (sum(outs) if at_once else max(outs, default=0)))
+        # fp32 casts of low-precision gradients: a chunk's at a time, every chunk's when stepped at once
+        casts = [2 * self._out_bytes(c.pieces) for c in order]
+        self._cast_need = sum(casts) if at_once else max(casts, default=0)
+        self._spare = []
 
     def _issue(self, k: int) -> None:
         chunk = self._order[k]
@@ -193,14 +201,30 @@ class HostStaging:
         for p in chunk.pieces:
             if id(p) in rows:
                 grad, param = rows[id(p)]
+                if grad.dtype != p.sub.dtype:  # low-precision gradients, cast for an fp32 master's step
+                    grad = self._cast_into(grad, p.sub.dtype)
                 self._grads[id(p)] = grad
                 if param is not None:
                     p.sub.data = param
+
+    def _cast_into(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``grad`` cast into a host buffer kept from step to step (a fresh tensor each step would fault in new
+        pages: about as long as the optimizer's own step on large chunks)."""
+        n = round_up(grad.numel() * dtype.itemsize, _ALIGN)
+        if self._cast_used + n > self._casts.numel():
+            if self._cast_used:  # this step's earlier casts are in use: a further buffer beside them
+                self._spare.append(self._casts)
+            self._casts = torch.empty(max(n, self._cast_need), dtype=torch.uint8)
+            self._cast_used = 0
+        out = self._casts[self._cast_used : self._cast_used + grad.numel() * dtype.itemsize]
+        self._cast_used += n
+        return out.view(dtype).view(grad.shape).copy_(grad)
 
     def upload(self, pieces: Sequence[Piece]) -> Any:
         """After the step: the pieces' new rows copied into the model's rows on ``up``; returns the copy's event."""
         slot = self._next_out
         self._next_out = (slot + 1) % 2
+        self._cast_used = 0  # the step that read this chunk's casts is over
         if self.out_free[slot] is not None:
             self.out_free[slot].synchronize()  # the host refills it: the copy that read it must be done
         buf, offset = self.outs[slot], 0
