@@ -104,7 +104,7 @@ def _check(prof: Profile, world_size: int) -> int:
     if prof.parallel.tp > 1:
         raise NotImplementedError(
             f"memsave.estimate: tensor parallelism inside pipeline stages (tp = {prof.parallel.tp} x pp = {pp}) is "
-            "not implemented (memsave.wrap refuses it too); use tp = 1 with pp, or pp = 1 with tp")
+            "not estimated yet (memsave.wrap trains it); estimate tp = 1 with pp, and pp = 1 with tp, for bounds")
     if world_size % pp:
         raise ValueError(f"world_size = {world_size} is not divisible by [parallel] pp = {pp}; the ranks are dp x pp")
     return world_size // pp

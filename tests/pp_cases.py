@@ -217,13 +217,13 @@ def profile(base: str = "ddp", *, pp: int, schedule: str = "1f1b", virtual: int 
                                                                   virtual=virtual, split=split, gather=gather))
 
 
-def pipelined(kind: Kind, mesh: memsave.Mesh, prof: Profile, n: int = MICRO, schedule: Any = None
-              ) -> tuple[Run, nn.Module, Any]:
+def pipelined(kind: Kind, mesh: memsave.Mesh, prof: Profile, n: int = MICRO, schedule: Any = None,
+              tp_plan: dict[str, str] | None = None) -> tuple[Run, nn.Module, Any]:
     """The same training under ``prof`` on ``mesh``: each dp rank its rows, in ``n`` micro-batches per step. The
     parameters returned are this rank's (its stages'), whole (unsharded)."""
     model = kind.build()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    model, opt = memsave.wrap(model, opt, prof, mesh=mesh)
+    model, opt = memsave.wrap(model, opt, prof, mesh=mesh, tp_plan=tp_plan)
     dp, r = mesh.degree("dp"), mesh.axis_rank("dp")
     losses, norms = [], []
     for batch in kind.data():

@@ -253,6 +253,9 @@ PP2_CASES: dict[str, Case] = {
     "sequential-1f1b": _train("seq"),
     "gpt-virtual-2": _train("gpt", schedule="interleaved", virtual=2, hand="looped"),
     "gpt-interleaved-2": _train("gpt", schedule="interleaved", virtual=2),  # memsave.pp.interleaved
+    # ZeRO-3 with virtual stages: a rank's earlier stage's blocks pass the received activation through in the forward
+    # of its later stage, without their gather hooks (they raised "no tensor that requires grad" before)
+    "gpt-zero3-interleaved-2": _train("gpt", base="zero3", schedule="interleaved", virtual=2),
     "llama-virtual-2-interleaved": _train("llama-untied", schedule="interleaved", virtual=2, hand="greedy"),
     "llama-iw-split": _train("llama", schedule="zero-bubble", hand="iw"),
     "llama-zero-bubble": _train("llama", schedule="zero-bubble"),  # memsave.pp.zero_bubble (ZB-H1)

@@ -97,6 +97,8 @@ class PipelineEngine:
                 if self.pp_rank != ranks[0]:
                     self._tie_copies.add(id(p))
         self._stepped_param = {id(s): p for p, s in inner.stepped()}
+        if getattr(inner, "stage", 0) == 3:
+            self._skip_other_stages(list(getattr(inner, "units", ())))
 
     def _local_param(self, names: tuple[str, ...], params: dict[str, nn.Parameter]) -> nn.Parameter:
         """This rank's copy of a tied parameter (under whichever of its names this rank holds it)."""
@@ -142,6 +144,14 @@ class PipelineEngine:
         instead of the configured one (schedules are data: any list of F/B/I/W actions per rank over this
         pipeline's stages). Returns the mean loss, on every rank. Collective over the whole mesh; call
         ``optimizer.step()`` after it."""
+        if getattr(self.inner, "stage", 0) == 1 and (self.schedule_name == "zero-bubble" or (
+                schedule is not None and any(a.kind == "W" for acts in schedule.actions for a in acts))):
+            # measured: a weight pass after the synchronizing one found its gradient reduced already; the rank
+            # raised and its peer waited in the reduction
+            raise NotImplementedError(
+                "a split backward (I then W: schedule = 'zero-bubble') with zero.stage = 1 is not implemented: "
+                "stage 1 reduces each gradient once per step, which the separate weight passes do not keep to; use "
+                "zero.stage = 2 or 3 (the same optimizer memory, gradients sharded too) or schedule = '1f1b'")
         m, run, loss_of = self._prepare(micro_batches, targets, loss_fn)
         if schedule is None:
             schedule = self.schedule(m)
@@ -203,6 +213,24 @@ class PipelineEngine:
 
         self.runner.ensure_layout(signature, lambda: loss_of(0, run(0)))
         return m, run, loss_of
+
+    def _skip_other_stages(self, units: list[Any]) -> None:
+        """With virtual stages a rank holds several stages, and the forward of a later one calls the earlier one's
+        modules only to pass the received activation through ([Note: the stage runner] in memsave/pp/runtime.py):
+        their ZeRO-3 hooks (gather, the check that the output carries a gradient) must not run then."""
+        stage_of: dict[int, int] = {}
+        for u in units[1:]:
+            stages = {self.split.stage_of[a] for a in self.split.atoms
+                      if a == u.name or a.startswith(u.name + ".") or u.name.startswith(a + ".")}
+            if len(stages) == 1:
+                stage_of[u.index] = stages.pop()
+        runner = self.runner
+
+        def passes_through(unit: Any) -> bool:
+            ctx = runner.ctx
+            return ctx is not None and stage_of.get(unit.index, ctx.stage) != ctx.stage
+
+        self._zero.schedule.passes_through = passes_through
 
     def _pin_units(self) -> list[Any]:
         """ZeRO-3 (``[parallel] gather``): ``"step"`` gathers this stage's units once for the whole step, held

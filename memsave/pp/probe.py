@@ -145,8 +145,7 @@ class Probe:
                         f"pipeline split: module {name!r} (held by stage {self.stage_of_atom[name]}) cannot run on "
                         "the meta device, which the other stages need to learn the shapes of its outputs: "
                         f"{type(exc).__name__}: {exc}") from exc
-                out = tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=self.device)
-                               if isinstance(t, torch.Tensor) else t, out_meta)
+                out = tree_map(lambda t: _zeros_like(t, self.device) if isinstance(t, torch.Tensor) else t, out_meta)
         finally:
             self.depth -= 1
         self.structure[key] = _structure(out)
@@ -190,3 +189,14 @@ class Probe:
         last_call = {stage_of[k]: k for k in self.order}
         return Layout(list(self.order), stage_of, dict(self.structure), reads,
                       {k: sorted(v) for k, v in readers.items()}, last_call)
+
+
+def _zeros_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Zeros in place of a meta output; a tensor subclass keeps its class and attributes (tp's vocab-parallel
+    ``ShardedLogits``: the model's loss code then takes the same path as on the stage that holds the head)."""
+    out = torch.zeros(t.shape, dtype=t.dtype, device=device)
+    if type(t) is not torch.Tensor:
+        with torch._C.DisableTorchFunctionSubclass():
+            out = out.as_subclass(type(t))
+        out.__dict__.update(t.__dict__)
+    return out

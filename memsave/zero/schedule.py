@@ -101,6 +101,9 @@ class Stage3Schedule:
         self.creating_graph = False  # the backward running now creates a graph (create_graph=True)
         self.gather_order: list[Unit] = self.units  # the order the next gathers come in (for disk reads ahead)
         self.keep_root = False  # a pipeline step: the root unit stays gathered across its micro-batches
+        # a pipeline with virtual stages: a unit of this rank's other stage that the forward of this stage calls
+        # only to pass the received activation through (memsave/pp/runtime.py); its hooks do nothing then
+        self.passes_through: Callable[[Unit], bool] | None = None
 
     def _enter(self, state: TrainingState) -> None:
         if state not in _TRANSITIONS[self.state]:
@@ -144,6 +147,8 @@ class Stage3Schedule:
 
     def _make_pre_forward(self, unit: Unit) -> Any:
         def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+            if self.passes_through is not None and self.passes_through(unit):
+                return None
             k = unit.index
             mdist.doing(self.engine.agreement.step, "forward", unit.name)
             with record_function("memsave::zero3::pre_forward"):
@@ -195,6 +200,8 @@ class Stage3Schedule:
 
     def _make_post_forward(self, unit: Unit) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self.passes_through is not None and self.passes_through(unit):
+                return
             if not self._keep_for_backward(unit) and not (self.nested and unit.index in self.nested[-1][-1]):
                 unit.reshard()
             if torch.is_grad_enabled():
