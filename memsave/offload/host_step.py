@@ -301,6 +301,18 @@ class HostStep:
             return piece.sub.detach()
         return piece.visible
 
+    def _step_in_memory(self, pieces: list[Piece], run: Run) -> None:
+        """One raw step over attached pieces whose state is kept in memory; the new rows go to the model's (cast,
+        or copied up); the state is taken back, and an fp32 piece points at the device's rows again."""
+        try:
+            self._call(pieces, run)
+            self._cast(pieces)
+        finally:
+            for p in pieces:
+                p.state = self._detach(p, run) or p.state
+                if p.dev is not None:
+                    p.sub.data = p.dev
+
     def _step_memory_host(self, memory: list[Chunk], run: Run) -> None:
         """The chunks whose state lives in host memory, one at a time through the staging slots."""
         assert self._staging is not None
@@ -310,14 +322,7 @@ class HostStep:
             if self.hooks is not None:
                 self.hooks.enter(chunk.group_file)
             pieces = [p for p in chunk.pieces if self._attach(p, None, run)]
-            try:
-                self._call(pieces, run)
-                self._cast(pieces)
-            finally:
-                for p in pieces:
-                    p.state = self._detach(p, run) or p.state
-                    if p.dev is not None:
-                        p.sub.data = p.dev
+            self._step_in_memory(pieces, run)
             if pieces:
                 run.writes_of.setdefault(chunk.group_file, []).append(_EventHandle(self._last_upload))
             if last[chunk.group_file] is chunk and chunk.group_file in run.done:

@@ -274,13 +274,7 @@ class OffloadedState(HostStep, WholeStep, Window, Consolidated):
             if memory and self._staging is not None:
                 self._step_memory_host(memory, run)
             elif memory:
-                pieces = [p for c in memory for p in c.pieces if self._attach(p, None, run)]
-                try:
-                    self._call(pieces, run)
-                    self._cast(pieces)
-                finally:
-                    for p in pieces:
-                        p.state = self._detach(p, run) or p.state
+                self._step_in_memory([p for c in memory for p in c.pieces if self._attach(p, None, run)], run)
             for file, event in run.done.items():
                 if file not in last_of:
                     event.set()
