@@ -228,6 +228,7 @@ def _pipeline(model: nn.Module, plan: Plan, inner: Engine) -> Engine:
     engine = PipelineEngine(inner, runner, plan.pp_split, schedule=par.schedule, virtual=par.virtual,
                             gather=par.gather)
     engine.balance = plan.pp_balance  # [parallel] balance: the split chosen and its costs (None: by count)
+    engine.balance_by = par.balance if plan.pp_balance is not None else "count"
     for name, value in (("memsave_engine", engine), ("pipeline_step", engine.pipeline_step),
                         ("pipeline_loss", engine.pipeline_loss)):
         setattr(model, name, value)  # (plain attributes: nn.Module keeps non-tensor values in __dict__)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -44,7 +45,10 @@ def _balanced(how: str) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         losses.append(None if loss is None else float(loss))
-    return {"bounds": bal.bounds, "times": bal.times, "names": bal.names, "losses": losses}
+    rep = memsave.report(model, opt)  # the split and its measured costs are in the report (validated)
+    memsave.memory.validate_report(rep.data)
+    return {"bounds": bal.bounds, "times": bal.times, "names": bal.names, "losses": losses,
+            "pipeline": rep.data["pipeline"], "text": rep.to_text()}
 
 
 def test_balance_by_time_evens_the_stages() -> None:
@@ -55,6 +59,12 @@ def test_balance_by_time_evens_the_stages() -> None:
     times = ranks[0]["times"]
     ideal = sum(times) / 2
     assert max(times) / ideal <= 1.10, times
+    pipe = ranks[0]["pipeline"]  # the chosen balance in the memory report: stage, blocks, measured ms, bytes
+    assert pipe["balance"] == "time" and [s["ms"] for s in pipe["stages"]] == pytest.approx([t * 1e3 for t in times])
+    names, bounds = ranks[0]["names"], [*ranks[0]["bounds"], len(ranks[0]["names"])]
+    assert [s["blocks"] for s in pipe["stages"]] == [list(names[a:b]) for a, b in itertools.pairwise(bounds)]
+    assert all(s["bytes"] is not None and s["bytes"] >= 0 for s in pipe["stages"])
+    assert "pipeline: pp = 2, schedule 1f1b, virtual 1, balance by time" in ranks[0]["text"]
     # the same measured blocks cut by count: per-block costs back from the chosen stages are not kept, so
     # measure the blocks here the way the split did
     from memsave.pp.auto_split import block_times

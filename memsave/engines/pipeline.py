@@ -80,6 +80,7 @@ class PipelineEngine:
         self.load_listeners = inner.load_listeners
         self.schedule_name, self.virtual, self.gather = schedule, virtual, gather
         self.balance: Any = None  # [parallel] balance = params / time: the memsave.pp.Balance (set by wrap)
+        self.balance_by = "count"  # the [parallel] balance that chose the split (set by wrap)
         self._zero: Any = inner  # (a ZeroEngine where its stage-3 schedule is read)
         self.pp_size, self.pp_rank = self.mesh.degree("pp"), self.mesh.axis_rank("pp")
         self.scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss

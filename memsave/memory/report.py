@@ -175,4 +175,26 @@ def report(*holders: object, profile: str = "", name: str = "", group: mdist.Pro
         "ranks": ranks,
         "estimate": estimate,
     }
+    pipeline = _pipeline_of(holders)
+    if pipeline is not None:
+        data["pipeline"] = pipeline
     return MemoryReport(data)
+
+
+def _pipeline_of(holders: tuple[object, ...]) -> dict[str, Any] | None:
+    """A pipelined model's stages (``[parallel] pp > 1``): blocks, and with ``[parallel] balance`` their measured
+    cost: ms and bytes for ``"time"`` (``null`` otherwise: ``"params"`` weighs parameter counts, ``"count"``
+    blocks)."""
+    engine = next((e for h in holders if hasattr(e := getattr(h, "memsave_engine", None), "split")
+                   and hasattr(e, "pp_size")), None)
+    if engine is None:
+        return None
+    split, bal, by = engine.split, engine.balance, getattr(engine, "balance_by", "count")
+    stages = []
+    for k in range(engine.pp_size * engine.virtual):
+        ms = bal.times[k] * 1e3 if bal is not None and by == "time" else None
+        nbytes = int(bal.bytes[k]) if bal is not None and by == "time" else None  # ("params": counts)
+        stages.append({"stage": k, "rank": k % engine.pp_size, "blocks": list(split.atoms_of(k)), "ms": ms,
+                       "bytes": nbytes})
+    return {"pp": engine.pp_size, "schedule": engine.schedule_name, "virtual": engine.virtual, "balance": by,
+            "stages": stages}

@@ -217,4 +217,14 @@ def format_text(data: Mapping[str, Any]) -> str:
         lines += _format_step(r, cats)
     if est is not None:
         lines += [f"note: {n}" for n in est["notes"]]
+    pipe = data.get("pipeline")
+    if pipe is not None:
+        lines.append(f"pipeline: pp = {pipe['pp']}, schedule {pipe['schedule']}, virtual {pipe['virtual']}, "
+                     f"balance by {pipe['balance']}")
+        for st in pipe["stages"]:
+            blocks = st["blocks"]
+            shown = blocks[0] if len(blocks) == 1 else f"{blocks[0]} .. {blocks[-1]} ({len(blocks)})"
+            cost = "".join([f", {st['ms']:.2f} ms" if st["ms"] is not None else "",
+                            f", {format_bytes(st['bytes'])}" if st["bytes"] is not None else ""])
+            lines.append(f"  stage {st['stage']} (pp rank {st['rank']}): {shown}{cost}")
     return "\n".join(lines)

@@ -175,9 +175,36 @@ def _estimate(value: Any, path: str, cats: tuple[str, ...]) -> None:
         _int(stage["peak_total"], f"{where}.peak_total")
 
 
+def _pipeline(value: Any, path: str) -> None:
+    """The optional ``pipeline`` section: the stage split of a ``pp > 1`` run and what each stage costs."""
+    p = _keys(value, path, ("pp", "schedule", "virtual", "balance", "stages"))
+    pp, virtual = _int(p["pp"], f"{path}.pp", 2), _int(p["virtual"], f"{path}.virtual", 1)
+    if not isinstance(p["schedule"], str) or not p["schedule"]:
+        raise _fail(f"{path}.schedule", p["schedule"], "a schedule name")
+    if p["balance"] not in ("count", "params", "time"):
+        raise _fail(f"{path}.balance", p["balance"], "one of 'count', 'params', 'time'")
+    stages = _list(p["stages"], f"{path}.stages")
+    if len(stages) != pp * virtual:
+        raise _fail(f"{path}.stages", f"{len(stages)} stages", f"pp x virtual = {pp * virtual} stages")
+    for i, stage in enumerate(stages):
+        where = f"{path}.stages[{i}]"
+        st = _keys(stage, where, ("stage", "rank", "blocks", "ms", "bytes"))
+        if st["stage"] != i or st["rank"] != i % pp:
+            raise _fail(where, (st["stage"], st["rank"]), f"stage {i} on pp rank {i % pp}")
+        if not isinstance(st["blocks"], list) or not st["blocks"] or not all(isinstance(b, str) for b in st["blocks"]):
+            raise _fail(f"{where}.blocks", st["blocks"], "a non-empty list of module names")
+        if st["ms"] is not None and not (isinstance(st["ms"], (int, float)) and st["ms"] >= 0):
+            raise _fail(f"{where}.ms", st["ms"], "null or a time >= 0")
+        if st["bytes"] is not None:
+            _int(st["bytes"], f"{where}.bytes")
+
+
 def validate_report(data: Any, *, where: str = "report") -> None:
     """Raise ``ValueError`` naming the first field of ``data`` that breaks ``memsave.report/2``."""
-    top = _keys(data, where, ("schema", "run", "categories", "ranks", "estimate"))
+    optional = ("pipeline",) if isinstance(data, dict) and "pipeline" in data else ()
+    top = _keys(data, where, ("schema", "run", "categories", "ranks", "estimate", *optional))
+    if optional:
+        _pipeline(top["pipeline"], f"{where}.pipeline")
     if top["schema"] != SCHEMA:
         raise _fail(f"{where}.schema", top["schema"], f"{SCHEMA!r} (load_report also converts {SCHEMA_V1!r})")
     world_size = _run(top["run"], f"{where}.run")
