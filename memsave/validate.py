@@ -145,11 +145,6 @@ def check_parallel(profile: Profile, mesh: Mesh, optimizer: torch.optim.Optimize
         raise ValueError(
             f"profile {profile.name!r}: [parallel] pp = {want} but the mesh has pp = {have}; build the mesh with "
             "memsave.init(profile=...) (or Mesh.build(pp=...)) so the two agree")
-    if have > 1 and profile.parallel.schedule == "zero-bubble" and profile.zero.stage == 1:
-        raise NotImplementedError(
-            f"profile {profile.name!r}: [parallel] schedule = 'zero-bubble' with zero.stage = 1 is not implemented: "
-            "stage 1 reduces each gradient once per step, which the separate weight passes (W) do not keep to; use "
-            "zero.stage = 2 or 3 (the same optimizer memory, gradients sharded too) or schedule = '1f1b'")
     if have == 1:
         if profile.parallel.schedule != "1f1b" or profile.parallel.split or profile.parallel.virtual != 1:
             warn_once(f"profile {profile.name!r}: [parallel] schedule / split / virtual set with pp = 1: there is no "

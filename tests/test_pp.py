@@ -256,6 +256,9 @@ PP2_CASES: dict[str, Case] = {
     # ZeRO-3 with virtual stages: a rank's earlier stage's blocks pass the received activation through in the forward
     # of its later stage, without their gather hooks (they raised "no tensor that requires grad" before)
     "gpt-zero3-interleaved-2": _train("gpt", base="zero3", schedule="interleaved", virtual=2),
+    # ZeRO-1 with the backward split: a weight pass makes several autograd calls, reduced once after the last (a
+    # reduce after each raised "keeps one reduced gradient per step" on one rank and hung its peer)
+    "llama-zero1-zero-bubble": _train("llama", base="zero1", schedule="zero-bubble"),
     "llama-virtual-2-interleaved": _train("llama-untied", schedule="interleaved", virtual=2, hand="greedy"),
     "llama-iw-split": _train("llama", schedule="zero-bubble", hand="iw"),
     "llama-zero-bubble": _train("llama", schedule="zero-bubble"),  # memsave.pp.zero_bubble (ZB-H1)

@@ -29,7 +29,7 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("llama", "zero3", {"schedule": "zero-bubble"}),
     ("llama-untied", "zero1", {"sequence": True}),
     ("seq", "ddp", {}),
-    ("seq", "zero2", {"schedule": "zero-bubble"}),
+    ("seq", "zero1", {"schedule": "zero-bubble"}),
 ]
 
 
@@ -65,12 +65,6 @@ def _cases(root: str) -> dict[str, Any]:
     for sequence in (False, True):
         out[f"sent sequence={sequence}"] = _sent_per_step(sequence)
     out["checkpoint"] = _checkpoint(Path(root), mesh)
-    model = pc.KINDS["gpt"].build()
-    try:  # refused before anything changes (it raised on one rank and hung its peer)
-        memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=pc.LR), _profile("zero1", {"schedule": "zero-bubble"}),
-                     mesh=mesh)
-    except NotImplementedError as exc:
-        out["zero1-zb"] = str(exc)
     return out
 
 
@@ -122,7 +116,6 @@ def test_tp_inside_pipeline_stages(tmp_path: Path) -> None:
             # stage 0 sends each micro-batch's activation forward, stage 1 its gradient back: rows x seq x d fp32,
             # a 1/tp slice of the sequence under sequence parallelism
             assert s["sent"] == pc.MICRO * s["rows"] * s["seq"] * s["d"] * 4 // (2 if sequence else 1), (rank, s)
-        assert "'zero-bubble' with zero.stage = 1 is not implemented" in res.get("zero1-zb", ""), rank
         ck = res["checkpoint"]
         assert ck["losses"][0] == ck["losses"][1] and ck["same_after"], (rank, ck["losses"])
     # every stage's parameters are in the export, equal to what the ranks holding them gathered

@@ -145,14 +145,6 @@ class PipelineEngine:
         instead of the configured one (schedules are data: any list of F/B/I/W actions per rank over this
         pipeline's stages). Returns the mean loss, on every rank. Collective over the whole mesh; call
         ``optimizer.step()`` after it."""
-        if getattr(self.inner, "stage", 0) == 1 and (self.schedule_name == "zero-bubble" or (
-                schedule is not None and any(a.kind == "W" for acts in schedule.actions for a in acts))):
-            # measured: a weight pass after the synchronizing one found its gradient reduced already; the rank
-            # raised and its peer waited in the reduction
-            raise NotImplementedError(
-                "a split backward (I then W: schedule = 'zero-bubble') with zero.stage = 1 is not implemented: "
-                "stage 1 reduces each gradient once per step, which the separate weight passes do not keep to; use "
-                "zero.stage = 2 or 3 (the same optimizer memory, gradients sharded too) or schedule = '1f1b'")
         m, run, loss_of = self._prepare(micro_batches, targets, loss_fn)
         if schedule is None:
             schedule = self.schedule(m)

@@ -287,13 +287,15 @@ class StageRunner(Messages):
                 [t for t in tensors if t.requires_grad], grads[key])]
             self._send(out, layout.stage_of[key], stage, mb, key, backward=True)
 
-    def backward(self, kind: str, stage: int, mb: int, scale: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """``B`` (full), ``I`` (to the received tensors only) or ``W`` (into the parameters, after an ``I``)."""
+    def backward(self, kind: str, stage: int, mb: int, scale: Callable[[torch.Tensor], torch.Tensor],
+                 quiet: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> None:
+        """``B`` (full), ``I`` (to the received tensors only) or ``W`` (into the parameters, after an ``I``; its
+        autograd calls but the last inside ``quiet()``, the engine's ``no_sync``)."""
         mdist.doing(0, f"pipeline backward ({kind}) of stage {stage}, micro-batch {mb}")
         held = self._held[(stage, mb)]
         if kind == "W":
             assert held.weight_pass is not None, f"W{stage}.{mb} before its I"
-            held.weight_pass.run()
+            held.weight_pass.run(quiet)
             del self._held[(stage, mb)]
             return
         roots, grads = self._roots(stage, mb, held, scale)
@@ -363,7 +365,7 @@ class StageRunner(Messages):
                                      functools.partial(loss_of, a.mb))
                 else:
                     with backward_ctx(i == last_bwd):
-                        self.backward(a.kind, a.stage, a.mb, scale)
+                        self.backward(a.kind, a.stage, a.mb, scale, quiet=lambda: backward_ctx(False))
                 if timing is not None:
                     timing.append((a.kind, a.stage, a.mb, t0, clock(), self._waited))
             t0 = clock()

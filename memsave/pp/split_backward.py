@@ -20,8 +20,9 @@ Before, ``W`` ran the whole backward again from the roots (``I`` + ``W`` about t
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -46,27 +47,37 @@ class WeightPass:
     groups: list[_Group]
     orphans: list[torch.Tensor]  # weights no input reaches: from the roots
 
-    def run(self) -> None:
+    def run(self, quiet: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext) -> None:
+        """One autograd backward per group of weights (and one for the orphans); all but the last inside
+        ``quiet()``: the engine's ``no_sync``, so a data-parallel engine reduces the gradients once, after the last
+        (ZeRO-1 keeps one reduced gradient per step: a reduce after each call broke it)."""
+        calls: list[tuple[_Group | None, list[Any], list[Any]]] = []
         for g in self.groups:
-            edges, grads = [], []
+            edges: list[Any] = []
+            grads: list[Any] = []
             for node, got in zip(g.intermediates, g.grads):
                 for i, grad in enumerate(got or ()):
                     if grad is not None:
                         edges.append(GradientEdge(node, i))
                         grads.append(grad)
-            if not edges:
-                continue
-            handles = []
-            if len(g.intermediates) > 1:  # each intermediate takes exactly what it got in I
-                handles = [node.register_prehook(lambda _, saved=got: saved)
-                           for node, got in zip(g.intermediates, g.grads)]
-            try:
-                torch.autograd.backward(edges, grads, retain_graph=True, inputs=g.weights)
-            finally:
-                for h in handles:
-                    h.remove()
+            if edges:
+                calls.append((g, edges, grads))
         if self.orphans and self.roots:
-            torch.autograd.backward(self.roots, self.root_grads, retain_graph=True, inputs=self.orphans)
+            calls.append((None, list(self.roots), list(self.root_grads)))
+        for k, (group, edges, grads) in enumerate(calls):
+            with quiet() if k + 1 < len(calls) else contextlib.nullcontext():
+                if group is None:
+                    torch.autograd.backward(edges, grads, retain_graph=True, inputs=self.orphans)
+                    continue
+                handles = []
+                if len(group.intermediates) > 1:  # each intermediate takes exactly what it got in I
+                    handles = [node.register_prehook(lambda _, saved=got: saved)
+                               for node, got in zip(group.intermediates, group.grads)]
+                try:
+                    torch.autograd.backward(edges, grads, retain_graph=True, inputs=group.weights)
+                finally:
+                    for h in handles:
+                        h.remove()
         self.groups.clear()
         self.roots.clear()
 
