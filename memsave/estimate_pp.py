@@ -25,7 +25,7 @@ backward; where no op of the stage saves it (then it is not among the activation
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -100,19 +100,32 @@ def stage_activations(meta: nn.Module, split: StageSplit, modules: list[nn.Modul
 
 
 def _check(prof: Profile, world_size: int) -> int:
-    pp = prof.parallel.pp
-    if prof.parallel.tp > 1:
-        raise NotImplementedError(
-            f"memsave.estimate: tensor parallelism inside pipeline stages (tp = {prof.parallel.tp} x pp = {pp}) is "
-            "not estimated yet (memsave.wrap trains it); estimate tp = 1 with pp, and pp = 1 with tp, for bounds")
-    if world_size % pp:
-        raise ValueError(f"world_size = {world_size} is not divisible by [parallel] pp = {pp}; the ranks are dp x pp")
-    return world_size // pp
+    pp, tp = prof.parallel.pp, prof.parallel.tp
+    if world_size % (pp * tp):
+        what = f"[parallel] pp = {pp}" if tp == 1 else f"pp x tp = {pp} x {tp}"
+        raise ValueError(f"world_size = {world_size} is not divisible by {what}; the ranks are dp x "
+                         + ("pp" if tp == 1 else "tp x pp"))
+    return world_size // (pp * tp)
+
+
+def _copy(model: nn.Module, dtype: torch.dtype | None, tp: int, tp_plan: Mapping[str, str] | None) -> nn.Module:
+    """A meta copy of ``model`` in the compute dtype, cut to tp rank 0's shapes under ``tp > 1``
+    (:func:`memsave.tp.cut_shapes`, as :func:`memsave.estimate` does at pp = 1)."""
+    meta = meta_copy(model)
+    if dtype is not None:
+        for p in meta.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+    if tp > 1:
+        from memsave.tp import cut_shapes  # layer 3
+
+        cut_shapes(meta, tp, tp_plan)
+    return meta
 
 
 def estimate_stages(model: nn.Module, prof: Profile, *, world_size: int, batch: Any = None,
                     units: Sequence[nn.Module] | None = None, device: str = "cpu", micro_batches: int = 1,
-                    schedule: Schedule | None = None) -> list[Estimate]:
+                    schedule: Schedule | None = None, tp_plan: Mapping[str, str] | None = None) -> list[Estimate]:
     """One :class:`~memsave.estimator.Estimate` per pipeline rank (in pp rank order) of training ``model`` under
     ``prof`` (``[parallel] pp > 1``) on ``world_size`` ranks, ``micro_batches`` per step under the profile's
     schedule or ``schedule``; see [Note: a stage's estimate]. ``batch``: one micro-batch (None: model states
@@ -128,11 +141,7 @@ def estimate_stages(model: nn.Module, prof: Profile, *, world_size: int, batch: 
                          f"micro-batches; the profile has pp = {pp} and micro_batches = {micro_batches}")
     mixed = prof.precision.compute != "fp32"
     dtype = compute_dtype(prof.precision) if mixed else None
-    whole = meta_copy(model)
-    if dtype is not None:
-        for p in whole.parameters():
-            if p.is_floating_point():
-                p.data = p.data.to(dtype)
+    whole = _copy(model, dtype, par.tp, tp_plan)
     split = plan_split(whole, schedule.n_stages, par.split)
     names = {id(m): name for name, m in model.named_modules()}
     if units is not None:  # the same modules, found in each copy by name
@@ -148,18 +157,19 @@ def estimate_stages(model: nn.Module, prof: Profile, *, world_size: int, batch: 
     sim = simulate(schedule, dataclasses.replace(Costs.uniform(schedule.n_stages), activation_bytes=per_mb))
     out = []
     for r in range(pp):
-        meta = meta_copy(model)
-        if dtype is not None:
-            for p in meta.parameters():
-                if p.is_floating_point():
-                    p.data = p.data.to(dtype)
+        meta = _copy(model, dtype, par.tp, tp_plan)
         strip_atoms(meta, split, schedule.stages_of(r), dtype=dtype)
         by_name = dict(meta.named_modules())
         mine = [(u, by_name[u]) for u in unit_names if any(True for _ in by_name[u].parameters())]
         groups = [[p for _, p in g] for g in unit_parameters(meta, [m for _, m in mine])]
         notes: list[str] = []
         held, states, model_state = held_states(meta, groups, prof, n, device, notes,
-                                                over=f" of dp in each of {pp} pipeline ranks")
+                                                over=f" of dp in each of {pp} pipeline ranks"
+                                                + (f", each cut over tp = {par.tp} (per-rank shapes of tp rank 0)"
+                                                   if par.tp > 1 else ""))
+        if par.tp > 1 and par.sequence:
+            notes.append(f"sequence parallelism: activations estimated as without it (each tp rank's share of "
+                         f"the norms' and residuals' inputs is 1/{par.tp} of this): an upper bound")
         peak = _walk(r, schedule, split, acts, held, states, prof, [u for u, _ in mine], notes)
         outputs = acts.outputs if acts is not None and split.n_stages - 1 in schedule.stages_of(r) else 0
         stage_params = sum(p.numel() for p in meta.parameters())
@@ -177,7 +187,7 @@ def estimate_stages(model: nn.Module, prof: Profile, *, world_size: int, batch: 
                              + (f" ({' + '.join(format_bytes(acts.unsaved[s]) for s in local)} that no op saves, "
                                 "counted as comm)" if any(acts.unsaved[s] for s in local) else
                                 " (saved by the stage's first op: among the activations)"))
-        out.append(Estimate(profile=prof.name, world_size=world_size, model=user_class(model).__name__,
+        out.append(Estimate(profile=prof.name, world_size=world_size, tp=par.tp, model=user_class(model).__name__,
                             num_params=sum(p.numel() for p in model.parameters()),
                             bytes={k: int(v) for k, v in peak.items() if v}, model_state=model_state,
                             activations=int(sim.peak_bytes[r]) + outputs, notes=tuple(notes),

@@ -224,7 +224,7 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
         from memsave.estimate_pp import estimate_stages  # (it builds on this module)
 
         stages = estimate_stages(model, prof, world_size=world_size, batch=batch, units=units, device=device_type,
-                                 micro_batches=micro_batches, schedule=schedule)
+                                 micro_batches=micro_batches, schedule=schedule, tp_plan=tp_plan)
         busiest = max(stages, key=lambda e: e.peak_total)
         others = tuple(e.notes[0] for e in stages if e is not busiest)  # which stages each rank holds
         return dataclasses.replace(busiest, stages=tuple(stages),

@@ -160,8 +160,13 @@ def test_estimate_under_pp_refuses_bad_input() -> None:
         memsave.estimate(meta, pp2, world_size=2, micro_batches=4, schedule=build("gpipe", 2, 2))
     with pytest.raises(ValueError, match="schedule= is for \\[parallel\\] pp > 1 only"):
         memsave.estimate(meta, "ddp", world_size=2, schedule=build("gpipe", 2, 2))
-    with pytest.raises(NotImplementedError, match="tensor parallelism inside pipeline stages"):
-        memsave.estimate(meta, memsave.load_profile("ddp", ["parallel.pp=2", "parallel.tp=2"]), world_size=4)
+    with pytest.raises(ValueError, match="world_size = 6 is not divisible by pp x tp = 2 x 2"):
+        memsave.estimate(meta, memsave.load_profile("ddp", ["parallel.pp=2", "parallel.tp=2"]), world_size=6)
+    # tp inside the stages: each stage's matrices cut over tp (measured against the ranks in tests/test_pp_tp.py)
+    tp2 = memsave.estimate(meta, memsave.load_profile("ddp", ["parallel.pp=2", "parallel.tp=2"]), world_size=4)
+    tp1 = memsave.estimate(meta, pp2, world_size=2)
+    for a, b in zip(tp2.stages, tp1.stages, strict=True):
+        assert 0.5 * b.bytes["params"] < a.bytes["params"] < 0.75 * b.bytes["params"], (a.bytes, b.bytes)
     # a schedule given as data is estimated as given
     est = memsave.estimate(meta, pp2, world_size=2, micro_batches=2, schedule=build("gpipe", 2, 2),
                            batch=TokenBatches(seq_len=64, batch_size=2).batch(0))

@@ -65,6 +65,14 @@ def _cases(root: str) -> dict[str, Any]:
     for sequence in (False, True):
         out[f"sent sequence={sequence}"] = _sent_per_step(sequence)
     out["checkpoint"] = _checkpoint(Path(root), mesh)
+    kind = pc.KINDS["llama-untied"]  # memsave.estimate under tp x pp: this rank's parameter bytes
+    model = kind.build()
+    prof = _profile("zero1", {})
+    with torch.device("meta"):
+        meta = kind.build()
+    est = memsave.estimate(meta, prof, world_size=4).stages[mesh.axis_rank("pp")]
+    model, opt = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=pc.LR), prof, mesh=mesh)
+    out["estimate"] = (est.bytes.get("params", 0), memsave.memory.account([model, opt]).bytes.get("params", 0))
     return out
 
 
@@ -116,6 +124,8 @@ def test_tp_inside_pipeline_stages(tmp_path: Path) -> None:
             # stage 0 sends each micro-batch's activation forward, stage 1 its gradient back: rows x seq x d fp32,
             # a 1/tp slice of the sequence under sequence parallelism
             assert s["sent"] == pc.MICRO * s["rows"] * s["seq"] * s["d"] * 4 // (2 if sequence else 1), (rank, s)
+        est, measured = res["estimate"]
+        assert est == measured, (rank, est, measured)  # the stage's parameters, cut over tp
         ck = res["checkpoint"]
         assert ck["losses"][0] == ck["losses"][1] and ck["same_after"], (rank, ck["losses"])
     # every stage's parameters are in the export, equal to what the ranks holding them gathered
