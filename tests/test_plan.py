@@ -186,7 +186,8 @@ def _measure(cases: list[tuple[str, dict[str, Any], int]]) -> list[dict[str, Any
     return [_run_choice(kind, Candidate(**c), seq, 2) for kind, c, seq in cases]
 
 
-def _choices(kind: str, seq: int, grid: list[tuple[float, tuple[int, ...] | None]]) -> list[tuple[float, Priced]]:
+def _choices(kind: str, seq: int, grid: list[tuple[float, tuple[int, ...] | None]], world: int = 2
+             ) -> list[tuple[float, Priced]]:
     with torch.device("meta"):
         meta = _model(kind)
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
@@ -201,8 +202,8 @@ def _choices(kind: str, seq: int, grid: list[tuple[float, tuple[int, ...] | None
 
     out = []
     for budget, only in grid:
-        pl = plan(spec, CPU, world=2, global_batch=8, seq=seq, budget=budget, disk_budget=2**30, tp_degrees=only,
-                  pp_degrees=only, exact=exact)
+        pl = plan(spec, CPU, world=world, global_batch=8, seq=seq, budget=budget, disk_budget=2**30,
+                  tp_degrees=only, pp_degrees=only, exact=exact)
         out.append((budget, pl.best))
     return out
 
@@ -229,6 +230,19 @@ def test_the_choice_fits_when_run() -> None:
               f"{measured / 2**20:.2f} MiB ({p.peak / measured - 1:+.1%})")
         assert measured <= budget, (p.candidate.label(), measured, budget)
         assert p.peak == pytest.approx(measured, rel=0.05), p.candidate.label()
+
+
+def test_a_tp_x_pp_choice_fits_when_run() -> None:
+    """tp = 2 inside pp = 2 stages on 4 ranks: the planner offers it, the choice runs within the budget, and its
+    predicted peak is not below the measured one (sequence parallelism's activations are estimated as without it:
+    an upper bound)."""
+    [(budget, p)] = _choices("gpt", 64, [(16 * 2**20, (2,))], world=4)
+    assert (p.candidate.tp, p.candidate.pp) == (2, 2), p.candidate.label()
+    results = run_ranks(_measure, 4, [("gpt", dataclasses.asdict(p.candidate), 64)], timeout=300)
+    measured = max(r[0]["peak"] for r in results)
+    print(f"{p.candidate.label()}: predicted {p.peak / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB "
+          f"({p.peak / measured - 1:+.1%})")
+    assert measured <= budget and measured * 0.98 <= p.peak <= measured * 1.25, (p.peak, measured)
 
 
 def test_cli_plan_write_explain(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -76,8 +76,8 @@ def candidates(spec: ModelSpec, world: int, global_batch: int, *, gpus_per_node:
         for pp in _divisors(world // tp):
             if pp_degrees and pp not in pp_degrees:
                 continue
-            if pp > spec.layers or (tp > 1 and pp > 1):
-                continue  # tp inside pipeline stages is refused by memsave.wrap (NotImplementedError)
+            if pp > spec.layers:
+                continue
             dp = world // (tp * pp)
             if global_batch % dp:
                 continue
