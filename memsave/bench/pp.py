@@ -10,9 +10,9 @@ so the drift of a shared machine falls on both alike. Per (schedule, m) it repor
 
 1. the step time (median of the timed steps, the slowest rank) of each, and memsave / torch; both losses (the same
    trajectory: the same model, data and schedule);
-2. each rank's idle fraction in memsave: the time spent waiting for point-to-point messages (and the step's
-   closing drain) over the step, against the formula's bubble ((p-1)/(m+p-1) GPipe and 1F1B, (p-1)/(v m+p-1)
-   interleaved, (p-1)/(3m+p-1) ZB-H1);
+2. each rank's idle fraction in memsave: the share of the step it does not compute (1 - its actions' time less
+   their receive waits, over the step), against the formula's bubble ((p-1)/(m+p-1) GPipe and 1F1B,
+   (p-1)/(v m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1);
 3. :func:`memsave.pp.simulate` fed the per-action times measured inside the runtime ([Note: action timing] in
    memsave/pp/runtime.py; memsave/bench/pp_sim.py): predicted step and idle against the measured ones, and the
    predicted activation peak per rank against the tracker's.
@@ -128,10 +128,12 @@ def _worker(d: int, blocks: int, rows: int, ms: list[int], steps: int, warmup: i
                             theirs.append(step)
                             theirs_cpu.append(cpu)
             step, timing = sorted(ours, key=lambda s: s[0])[len(ours) // 2]
-            waited = sum(t[5] for t in timing)
+            # the bubble: the share of the step this rank does not compute (its actions less their receive
+            # waits), as the formula and the simulator count it; the waits alone miss the step's start and end
+            busy = sum(t[4] - t[3] - t[5] for t in timing if t[0] in ("F", "B", "I", "W"))
             peak = _activation_peak(net, mbs, targets)
             out.append({"schedule": name, "virtual": virtual, "m": m, "pp": pp, "rank": rank, "step_s": step,
-                        "idle": waited / step, "timing": [tm for _, tm in ours],
+                        "idle": max(0.0, 1.0 - busy / step), "timing": [tm for _, tm in ours],
                         "steps": [s for s, _ in ours], "torch_step_s": statistics.median(theirs) if theirs else None,
                         "cpu_s": statistics.median(ours_cpu),
                         "torch_cpu_s": statistics.median(theirs_cpu) if theirs_cpu else None,
@@ -182,8 +184,8 @@ def run_pp_bench(opts: BenchOptions, *, d: int = 1024, blocks: int = 8, rows: in
 def run_command(opts: BenchOptions, json_path: Path | None) -> int:
     rows = run_pp_bench(opts)
     print(f"memsave bench --pp: pp = {opts.nproc}, nn.Sequential of 8 Linear(1024) + GELU blocks (uniform stages), "
-          "64 rows per micro-batch; memsave against torch.distributed.pipelining in the same run; idle = time in "
-          "P2P waits / step (median step); simulated: memsave.pp.simulate fed the runtime's per-action times")
+          "64 rows per micro-batch; memsave against torch.distributed.pipelining in the same run; idle = 1 - the "
+          "rank's compute time / step (median step); simulated: memsave.pp.simulate fed the runtime's per-action times")
     print(format_pp_table(rows))
     if json_path is not None:
         json_path.write_text(json.dumps(rows, indent=2))

@@ -16,7 +16,7 @@ memsave/pp/runtime.py; every rank's clock is the machine's monotonic clock, so r
 Means, not medians: on a shared machine an action's time has a long tail, and a step is the sum of its actions'
 times, whose mean is the sum of their means. Predicted step = fixed before + :func:`memsave.pp.simulate` step +
 fixed after, against the mean measured step (the slowest rank's); predicted idle of a rank = (the simulated step
-less the rank's busy time) / the predicted step, against the measured receive waits / step. *Replay*: each timed
+less the rank's busy time) / the predicted step, against the measured idle (1 - the rank's busy time / its step). *Replay*: each timed
 step against the simulator fed that step's own records (the median of the ratios): what is left when the
 step-to-step drift of the machine is taken out, i.e. what the simulator's model (dependencies, one latency per
 message, a fixed cost per step) misses.
