@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import memsave
 from memsave.phases import MemoryCategory
 from tests.test_offload_gpu import _run
-from tests.toy import toy_batch
+from tests.toy import ToyLM, param_groups, toy_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -125,3 +126,43 @@ def test_adafactor_with_host_and_disk_offload_on_cuda(tier: str, tmp_path: Path)
     own = sum(s.numel() for s in opt._full_of if s.requires_grad)
     assert opt.offloaded_bytes()["disk" if tier == "disk" else "host"] >= 8 * own
     assert run["held"].get(MemoryCategory.MASTER.value, 0) == 0
+
+
+def _user_loop(overrides: tuple[str, ...], steps: int = 5) -> dict:
+    """A user's loop: fp16 with a dynamic loss scale (the first steps overflow and are skipped), gradient
+    clipping, ``model.zero_grad()``, a ``no_grad`` evaluation pass between backward and step, and an EMA copy of
+    the weights updated after each step."""
+    mesh = memsave.init()
+    model = ToyLM(seed=5, d=64)
+    opt = torch.optim.AdamW(param_groups(model), lr=1e-2)
+    prof = memsave.load_profile("zero3", ('precision.compute="fp16"', 'precision.loss_scale="dynamic"', *overrides))
+    model, opt = memsave.wrap(model, opt, prof, mesh=mesh)
+    ema = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    losses, norms, skipped = [], [], []
+    for step in range(steps):
+        batch = {k: v.cuda() for k, v in toy_batch(step, 4).items()}
+        loss = model(**batch).loss
+        opt.backward(loss)
+        with torch.no_grad():
+            model(**{k: v.cuda() for k, v in toy_batch(100 + step, 2).items()})
+        norms.append(float(opt.clip_grad_norm(0.5)))
+        opt.step()
+        skipped.append(opt.mp.last_step_skipped)
+        model.zero_grad()
+        with torch.no_grad():
+            for k, v in model.state_dict().items():
+                ema[k].mul_(0.9).add_(v.float(), alpha=0.1)
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "norms": norms, "skipped": skipped, "ema": ema,
+            "params": {k: v.float().clone() for k, v in model.state_dict().items()}}
+
+
+def test_host_step_in_a_users_fp16_loop() -> None:
+    ref = _user_loop(())
+    run = _user_loop(HOST)
+    assert run["skipped"] == ref["skipped"] and not all(ref["skipped"]), ref["skipped"]
+    torch.testing.assert_close(run["losses"], ref["losses"], rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(run["norms"], ref["norms"], rtol=1e-3, atol=1e-4)
+    for name, v in ref["params"].items():  # fp16: a master a few ulp apart may round to the next fp16 value
+        torch.testing.assert_close(run["params"][name], v, rtol=1 / 256, atol=1e-4, msg=name)
+        torch.testing.assert_close(run["ema"][name], ref["ema"][name], rtol=1 / 256, atol=1e-4, msg=name)
