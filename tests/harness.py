@@ -98,7 +98,9 @@ def run_ranks(
     ctx = _context()
     queue = ctx.SimpleQueue()
     port = free_port()
-    child_env = {**os.environ, **(env or {})}
+    # multi-rank tests run on CPU with gloo: on a GPU machine every rank would otherwise take its own GPU (or, with
+    # one GPU, two ranks the same one, which NCCL cannot serve)
+    child_env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env or {})}
     procs = [
         ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue, child_env), daemon=True)
         for r in range(world_size)

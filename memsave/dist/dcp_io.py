@@ -106,7 +106,10 @@ def raw_record(data: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> torch
     for s in shape:
         numel *= s
     item = torch.empty((), dtype=dtype).element_size()
-    if reader.get_record_size(storages[0]) != numel * item:
+    size_of = getattr(reader, "get_record_size", None)
+    if size_of is None:  # torch 2.11's reader cannot size a record without reading it: torch.load reads it
+        return None
+    if size_of(storages[0]) != numel * item:
         return None
     storage = reader.get_storage_from_record(storages[0], numel * item, torch.uint8).untyped_storage()
     stride: list[int] = []
