@@ -14,6 +14,7 @@ import torch
 import memsave
 from memsave.cli import main
 from memsave.cli_plan import _rows
+from memsave.dist import COMM_STATS
 from memsave.memory import MemoryTracker
 from memsave.models import GPT, TokenBatches, gpt_config
 from memsave.plan import (
@@ -33,6 +34,7 @@ from memsave.plan import (
     zero_model_states,
 )
 from memsave.plan.calibrate_engines import train_step
+from memsave.plan.cost import collective_counts
 from tests.harness import run_ranks
 from tests.toy import hf_llama
 
@@ -176,10 +178,16 @@ def _run_choice(kind: str, c: Candidate, seq: int, steps: int) -> dict[str, Any]
         if kind == "llama":  # its 64 token ids, and the mask its estimate was made with
             batches = [{"input_ids": b["input_ids"] % 64, "labels": b["labels"] % 64,
                         "attention_mask": torch.ones_like(b["input_ids"])} for b in batches]
-        train_step(model, opt, batches)
+        with COMM_STATS.measure() as comm:
+            train_step(model, opt, batches)
     peak = tracker.peak["total"]
     tracker.close()
-    return {"peak": peak}
+    kinds = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0, "p2p": 0}
+    for name, calls in comm.calls.items():  # COMM_STATS's kinds, as the cost model groups them
+        kinds["p2p" if name.startswith("pp_send") or name.startswith("pp_recv") else "all_gather"
+              if name.endswith("all_gather") or name == "tp_regather" else "reduce_scatter"
+              if name.endswith("reduce_scatter") else "all_reduce"] += calls
+    return {"peak": peak, "calls": kinds}
 
 
 def _measure(cases: list[tuple[str, dict[str, Any], int]]) -> list[dict[str, Any]]:
@@ -224,12 +232,19 @@ def test_the_choice_fits_when_run() -> None:
     cases = [("gpt", dataclasses.asdict(p.candidate), 64) for _, p in gpt]
     cases += [("llama", dataclasses.asdict(p.candidate), 32) for _, p in llama]
     results = run_ranks(_measure, 2, cases, timeout=300)
+    gpt_labels = {p.candidate.label() for _, p in gpt}
+    with torch.device("meta"):
+        llama_spec = from_module(_model("llama"))
     for (budget, p), *per_rank in zip(gpt + llama, *results):
         measured = max(r["peak"] for r in per_rank)
         print(f"{budget / 2**20:6.2f} MiB: {p.candidate.label()}: predicted {p.peak / 2**20:.2f} MiB, measured "
               f"{measured / 2**20:.2f} MiB ({p.peak / measured - 1:+.1%})")
         assert measured <= budget, (p.candidate.label(), measured, budget)
         assert p.peak == pytest.approx(measured, rel=0.05), p.candidate.label()
+        # the time model's collectives, one by one, are those the engines issued in the step (busiest rank)
+        spec = from_gpt(gpt_config("small", dropout=0.0)) if p.candidate.label() in gpt_labels else llama_spec
+        counted = {k: max(r["calls"][k] for r in per_rank) for k in per_rank[0]["calls"]}
+        assert collective_counts(spec, p.candidate) == counted, p.candidate.label()
 
 
 def test_a_tp_x_pp_choice_fits_when_run() -> None:

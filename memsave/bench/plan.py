@@ -2,8 +2,8 @@
 
 1. On this machine (rates from ``memsave calibrate``), every configuration the planner offers for the reference
    GPT on ``--nproc`` ranks at a global batch, in fresh processes: predicted peak per rank (memsave.estimate) and
-   step time (the cost model) beside the measured ones (the tracker's peak, the median step). The planner's
-   choice for a budget is then compared with the fastest *measured* configuration that fits it.
+   step time (the cost model) beside the measured ones (the tracker's peak; the median over three fresh runs of
+   each run's median step, and the runs' spread, the measurement's own error). The planner's choice for a budget is then compared with the fastest *measured* configuration that fits it.
 2. A full plan for a 70B-parameter Llama over 1,024 H100s (vendor rates): seconds to answer, configurations
    considered, the choice.
 """
@@ -72,7 +72,7 @@ def _measure(cases: list[dict[str, Any]], size: str, seq: int, steps: int, warmu
     return out
 
 
-def run_plan_bench(opts: BenchOptions, *, global_batch: int = 8, budget_mib: float = 64.0,
+def run_plan_bench(opts: BenchOptions, *, global_batch: int = 8, budget_mib: float = 64.0, rounds: int = 3,
                    timeout_s: float = 1800) -> dict[str, Any]:
     from memsave._launch import spawn_local
     from memsave.cli_plan import _rows
@@ -99,14 +99,19 @@ def run_plan_bench(opts: BenchOptions, *, global_batch: int = 8, budget_mib: flo
         c = p.candidate
         seen.setdefault((c.tp, c.pp, c.stage, c.recompute, c.schedule if c.pp > 1 else ""), p)
     chosen = list(seen.values())
-    measured = spawn_local(_measure, opts.nproc, ([dataclasses.asdict(p.candidate) for p in chosen], opts.size,
-                                                  opts.seq_len, opts.steps, opts.warmup), timeout_s=timeout_s)
+    # the machine's speed drifts between runs: every configuration is measured in each of ``rounds`` fresh runs,
+    # and its step is the median of the runs' medians; the spread of the runs is the measurement's own error
+    runs = [spawn_local(_measure, opts.nproc, ([dataclasses.asdict(p.candidate) for p in chosen], opts.size,
+                                               opts.seq_len, opts.steps, opts.warmup), timeout_s=timeout_s)
+            for _ in range(rounds)]
     rows = []
     for i, p in enumerate(chosen):
-        peak = max(r[i]["peak"] for r in measured)
-        step = max(r[i]["step_s"] for r in measured)
+        peak = max(r[i]["peak"] for r in runs[0])
+        steps = [max(r[i]["step_s"] for r in run) for run in runs]
+        step = statistics.median(steps)
         rows.append({"config": p.candidate.label(), "predicted_peak": p.peak, "peak": peak,
-                     "predicted_step_s": p.step_time, "step_s": step, "bottleneck": p.bottleneck})
+                     "predicted_step_s": p.step_time, "step_s": step, "runs_s": steps,
+                     "run_spread": (max(steps) - min(steps)) / step, "bottleneck": p.bottleneck})
     fits = [r for r in rows if r["peak"] <= budget]
     fastest = min(fits, key=lambda r: r["step_s"]) if fits else None
     t0 = time.perf_counter()
@@ -121,11 +126,17 @@ def run_plan_bench(opts: BenchOptions, *, global_batch: int = 8, budget_mib: flo
 
 
 def format_plan_table(res: dict[str, Any]) -> str:
-    lines = [f"{'configuration':<52} {'peak MiB':>8} {'pred':>7} {'err':>6}  {'step ms':>8} {'pred':>8} {'err':>6}"]
+    lines = [f"{'configuration':<58} {'peak MiB':>8} {'pred':>7} {'err':>6}  {'step ms':>8} {'runs':>6} "
+             f"{'pred':>8} {'err':>6}"]
     for r in res["rows"]:
-        lines.append(f"{r['config']:<52} {r['peak'] / 2**20:>8.2f} {r['predicted_peak'] / 2**20:>7.2f} "
+        lines.append(f"{r['config']:<58} {r['peak'] / 2**20:>8.2f} {r['predicted_peak'] / 2**20:>7.2f} "
                      f"{r['predicted_peak'] / r['peak'] - 1:>+6.1%}  {r['step_s'] * 1e3:>8.1f} "
-                     f"{r['predicted_step_s'] * 1e3:>8.1f} {r['predicted_step_s'] / r['step_s'] - 1:>+6.1%}")
+                     f"{r['run_spread']:>6.0%} {r['predicted_step_s'] * 1e3:>8.1f} "
+                     f"{r['predicted_step_s'] / r['step_s'] - 1:>+6.1%}")
+    errors = sorted(abs(r["predicted_step_s"] / r["step_s"] - 1) for r in res["rows"])
+    lines.append(f"step time: {sum(e <= 0.2 for e in errors)} of {len(errors)} within 20%, median error "
+                 f"{statistics.median(errors):.0%}, largest {errors[-1]:.0%}; the runs' own spread (max - min over "
+                 f"median) {statistics.median(r['run_spread'] for r in res['rows']):.0%} in the median row")
     lines.append(f"planner's choice: {res['choice']} ({res['choice_step_s'] * 1e3:.1f} ms measured); fastest measured "
                  f"that fits: {res['fastest_measured']} ({(res['fastest_step_s'] or 0) * 1e3:.1f} ms): the choice is "
                  f"{res['choice_step_s'] / res['fastest_step_s']:.2f}x the fastest")

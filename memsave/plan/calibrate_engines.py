@@ -1,31 +1,36 @@
-"""What each engine costs besides FLOPs and bytes, measured: part of ``memsave calibrate``.
+"""What each engine costs besides FLOPs and collectives, measured: part of ``memsave calibrate``.
 
-A step of memsave's engines pays for more than its matrix multiplies and its collectives' bytes: Python around
-every unit's hooks, the gradient buckets, ZeRO's gathers and reshards, the pipeline runner's actions, the
-optimizer's loop over its tensors, each collective's latency. :func:`engine_overheads` runs a tiny reference GPT
-under each engine family (ddp, zero1, zero2, zero3, tp = 2, pp = 2) on two local ranks at two micro-batch counts,
-subtracts what the rest of the cost model predicts for it, and fits the remainder to
-``per_step + micro_batches * layers * per_layer`` seconds; the planner adds that ``engine`` term to every
-candidate of the family.
+A step of memsave's engines pays for more than its matrix multiplies and its collectives (whose latency and
+bandwidth ``memsave calibrate`` measures per kind): its compute runs slower than one rank's plain forward and
+backward alone (two ranks share the machine's memory bandwidth and cores with the collectives' threads; tensor
+parallelism's halves of each matmul run at a lower rate), and it touches every parameter byte outside the
+matmuls (gradient buckets and ZeRO's flat staging copies, the norm for clipping, the first touch of freshly
+allocated pages). :func:`engine_overheads` runs a reference GPT under each engine family (ddp, zero1, zero2,
+zero3, tp = 2, pp = 2) on two local ranks at two widths and two micro-batch counts, and fits, per family, the
+measured step less the collectives the cost model counts to ``stretch * compute + per_byte * parameter bytes +
+per_step`` (least squares on the relative error, no coefficient negative); the planner applies the family's
+figures to every candidate of it ([Note: the planner's time model] in memsave/plan/cost.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 import time
 from typing import Any
 
 import torch
 
-__all__ = ["FAMILIES", "engine_overheads", "family_of", "train_step"]
+__all__ = ["FAMILIES", "engine_overheads", "family_of", "fit_nonnegative", "train_step"]
 
 # family -> (profile, tp, pp, micro-batch counts measured)
 FAMILIES: dict[str, tuple[str, int, int, tuple[int, int]]] = {
     "zero0": ("ddp", 1, 1, (1, 2)), "zero1": ("zero1", 1, 1, (1, 2)), "zero2": ("zero2", 1, 1, (1, 2)),
     "zero3": ("zero3", 1, 1, (1, 2)), "tp": ("ddp", 2, 1, (1, 2)), "pp": ("ddp", 1, 2, (2, 4)),
 }
-_SEQ, _ROWS = 32, 2
+_SEQ, _ROWS, _LAYERS = 64, 2, 2
+_WIDTHS = (64, 192)  # d_model of the two calibration models (heads of 32 columns)
 
 
 def family_of(tp: int, pp: int, stage: int) -> str:
@@ -45,69 +50,107 @@ def train_step(model: Any, optimizer: Any, batches: list[Any]) -> None:
     optimizer.zero_grad()
 
 
-def _worker(steps: int, peak: float) -> dict[str, Any]:
+def _config(width: int) -> Any:
+    from memsave.models import gpt_config
+
+    return gpt_config("small", dropout=0.0, d_model=width, n_head=width // 32, n_layer=_LAYERS)
+
+
+def _candidate(fam: str, m: int) -> Any:
+    from memsave.plan.cost import Candidate
+
+    profile, tp, pp, _ = FAMILIES[fam]
+    stage = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[profile]
+    return Candidate(dp=2 // (tp * pp), tp=tp, pp=pp, stage=stage, precision="fp32", recompute="none",
+                     offload="none", micro_batch=_ROWS, micro_batches=m, sequence=tp > 1)
+
+
+def _worker(steps: int, peak: float, rounds: int) -> dict[str, Any]:
     """In each of two ranks: the step rate of a plain forward and backward while the other rank runs too (the
-    ranks share the machine as in training), then the median step seconds of every family at its two
-    micro-batch counts."""
-    from memsave.api import wrap
-    from memsave.config import load_profile
+    ranks share the machine as in training), then the median step seconds of every family (its profile as the
+    planner writes it) at each width and micro-batch count, over ``rounds`` passes through all of them (the
+    machine's speed drifts: each point is measured at several moments)."""
+    import memsave
     from memsave.dist import barrier
     from memsave.dist.init import init
-    from memsave.models import GPT, TokenBatches, gpt_config
+    from memsave.models import GPT, TokenBatches
     from memsave.plan.hardware import _step_rates
+    from memsave.plan.profile import to_profile
 
     out: dict[str, Any] = {}
     device = init().device.type
     barrier(None)
     out["rates"] = _step_rates(device, peak)
-    for fam, (profile, tp, pp, counts) in FAMILIES.items():
-        mesh = init(tp=tp, pp=pp)
-        times = []
-        for m in counts:
-            torch.manual_seed(0)
-            model: Any = GPT(gpt_config("tiny", dropout=0.0))
-            opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            model, opt = wrap(model, opt, load_profile(profile, [f"parallel.tp={tp}", f"parallel.pp={pp}"]),
-                              mesh=mesh)
-            data = TokenBatches(seq_len=_SEQ, batch_size=_ROWS, dp_rank=mesh.dp_rank, dp_size=mesh.dp_size)
-            seconds = []
-            for step in range(2 + steps):
-                batches = [data.batch(step * m + j) for j in range(m)]
-                barrier(None)
-                t0 = time.perf_counter()
-                train_step(model, opt, batches)
-                barrier(None)
-                seconds.append(time.perf_counter() - t0)
-            times.append(statistics.median(seconds[2:]))
-        out[fam] = times
+    seconds: dict[tuple[str, int], list[float]] = {}
+    for _ in range(rounds):
+        for fam, (_profile, tp, pp, counts) in FAMILIES.items():
+            mesh = init(tp=tp, pp=pp)
+            for i, (width, m) in enumerate(itertools.product(_WIDTHS, counts)):
+                c = _candidate(fam, m)
+                torch.manual_seed(0)
+                model: Any = GPT(_config(width))
+                prof = to_profile(c)
+                opt: Any = memsave.optim.build_optimizer(model.parameters(), prof.optimizer)
+                model, opt = memsave.wrap(model, opt, prof, mesh=mesh)
+                data = TokenBatches(seq_len=_SEQ, batch_size=_ROWS, dp_rank=mesh.dp_rank, dp_size=mesh.dp_size)
+                for step in range(2 + steps):
+                    batches = [data.batch(step * m + j) for j in range(m)]
+                    barrier(None)
+                    t0 = time.perf_counter()
+                    train_step(model, opt, batches)
+                    barrier(None)
+                    if step >= 2:
+                        seconds.setdefault((fam, i), []).append(time.perf_counter() - t0)
+    for (fam, _point), got in seconds.items():
+        out.setdefault(fam, []).append(statistics.median(got))
     return out
 
 
-def engine_overheads(hw: Any, *, steps: int = 5, timeout_s: float = 300) -> Any:
+def fit_nonnegative(rows: list[tuple[float, ...]], targets: list[float]) -> tuple[float, ...]:
+    """The coefficients ``x >= 0`` of ``rows @ x ~ targets`` with the least squared relative error: the best
+    unconstrained least squares over every subset of the columns whose solution has no negative entry."""
+    import numpy as np
+
+    a, b = np.asarray(rows, dtype=float), np.asarray(targets, dtype=float)
+    weight = 1.0 / np.maximum(np.abs(b), 1e-9)
+    best: tuple[float, Any] | None = None
+    for mask in itertools.product((False, True), repeat=a.shape[1]):
+        cols = [i for i, on in enumerate(mask) if on]
+        if not cols:
+            continue
+        x, *_ = np.linalg.lstsq(a[:, cols] * weight[:, None], b * weight, rcond=None)
+        if (x < 0).any():
+            continue
+        full = np.zeros(a.shape[1])
+        full[cols] = x
+        err = float(np.sum(((a @ full - b) * weight) ** 2))
+        if best is None or err < best[0]:
+            best = (err, full)
+    return tuple(float(v) for v in best[1]) if best is not None else (0.0,) * a.shape[1]
+
+
+def engine_overheads(hw: Any, *, steps: int = 4, rounds: int = 2, timeout_s: float = 300) -> Any:
     """``hw`` with the step rate measured on two ranks at once (``efficiency``, ``layer_overhead``) and ``engine``:
-    family -> (seconds per step, seconds per micro-batch and layer) beyond what :func:`memsave.plan.price`
-    predicts for it."""
+    family -> (seconds per step, seconds per byte of a stage's parameters, the compute's stretch) beyond what
+    :func:`memsave.plan.price` predicts for it without them (module docstring)."""
     from memsave._launch import spawn_local
-    from memsave.models import gpt_config
-    from memsave.plan.cost import Candidate, price
+    from memsave.plan.cost import price
     from memsave.plan.spec import from_gpt
 
-    per_rank = spawn_local(_worker, 2, (steps, hw.flops["fp32"]), timeout_s=timeout_s)
-    cfg = gpt_config("tiny", dropout=0.0)
-    spec = from_gpt(cfg)
+    per_rank = spawn_local(_worker, 2, (steps, hw.flops["fp32"], rounds), timeout_s=timeout_s)
     efficiency = min(r["rates"][0] for r in per_rank)
     overhead = max(r["rates"][1] for r in per_rank)
     hw = dataclasses.replace(hw, engine={}, efficiency=efficiency, layer_overhead=overhead)
-    fitted: dict[str, tuple[float, float]] = {}
-    for fam, (profile, tp, pp, counts) in FAMILIES.items():
-        stage = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[profile]
-        rest = []
-        for i, m in enumerate(counts):
+    fitted: dict[str, tuple[float, float, float]] = {}
+    for fam, (_profile, tp, pp, counts) in FAMILIES.items():
+        rows, targets = [], []
+        for i, (width, m) in enumerate(itertools.product(_WIDTHS, counts)):
+            spec = from_gpt(_config(width))
             measured = max(r[fam][i] for r in per_rank)
-            c = Candidate(dp=2 // (tp * pp), tp=tp, pp=pp, stage=stage, precision="fp32", recompute="none",
-                          offload="none", micro_batch=_ROWS, micro_batches=m, sequence=False)
-            rest.append(max(0.0, measured - price(spec, c, hw, _SEQ).step_time))
-        layers = spec.stage_layers(pp, 0)
-        per_layer = max(0.0, (rest[1] - rest[0]) / ((counts[1] - counts[0]) * layers))
-        fitted[fam] = (max(0.0, rest[0] - counts[0] * layers * per_layer), per_layer)
+            t = price(spec, _candidate(fam, m), hw, _SEQ).time
+            param_bytes = 4 * max(spec.stage_params(pp, s, tp) for s in range(pp))
+            rows.append((1.0, param_bytes, t["compute"]))
+            targets.append(measured - (sum(t.values()) - t["compute"]))
+        per_step, per_byte, stretch = fit_nonnegative(rows, targets)
+        fitted[fam] = (per_step, per_byte, stretch)
     return dataclasses.replace(hw, engine=fitted)

@@ -12,25 +12,30 @@
   stage; under full recomputation one layer's activations are rebuilt at a time on top.
 
 [Note: the planner's time model] Step seconds are a sum of terms, each bytes or FLOPs over a rate of
-:class:`memsave.plan.hardware.Hardware`: compute (FLOPs, Narayanan et al.'s count, recomputation included,
-spread over every rank) stretched by the schedule's bubble; tensor-parallel all-reduces (four per layer and
-micro-batch, six with full recomputation), never hidden; data-parallel reduction (2 (n-1)/n of the gradients,
-3 (n-1)/n at stage 3 with the gathers), hidden behind the backward up to the hardware's ``overlap``; pipeline
-sends; the optimizer step (every byte of state read and written once) on the device or, offloaded, on the host
-with the gradients down and the parameters back up; the offload tier's reads and writes.
+:class:`memsave.plan.hardware.Hardware`: compute (FLOPs, Narayanan et al.'s count, recomputation included, a
+second recomputation under zero-bubble's separate weight pass, spread over every rank) stretched by the
+schedule's bubble; the collectives, counted one by one as the engines issue them (:func:`collective_counts`),
+each paying its kind's latency and its bytes at its kind's bandwidth (both measured per kind by ``memsave
+calibrate``): the agreements, tensor parallelism's gathers and scatters (never hidden), data parallelism's
+reduction and gathers (hidden behind the backward up to the hardware's ``overlap``), pipeline sends on the
+critical path; the optimizer step (every byte of state read and written once) on the device or, offloaded, on
+the host with the gradients down and the parameters back up; the offload tier's reads and writes. On calibrated
+hardware each engine family adds what it was measured to pay beyond these (memsave/plan/calibrate_engines.py): a
+stretch of its compute, a cost per byte of the stage's parameters and per step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 from memsave.plan.formulas import LayerActivations, gpt_step_flops, layer_activation_bytes
 from memsave.plan.hardware import Hardware
 from memsave.plan.spec import ModelSpec
 
-__all__ = ["Candidate", "Priced", "in_flight", "price"]
+__all__ = ["Candidate", "Priced", "collective_counts", "in_flight", "price"]
 
 _ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}
 _STATE = {"adamw": 8.0, "adam": 8.0, "sgd": 4.0}  # bytes per parameter (Adafactor: its factored rows and columns)
@@ -175,11 +180,77 @@ def price(spec: ModelSpec, c: Candidate, hw: Hardware, seq: int, *, gpus_per_nod
     return Priced(c, device, host, disk, _time(spec, c, hw, seq, elem, gpus_per_node), busiest)
 
 
+def _collective(hw: Hardware, kind: str, volume: float, inter: bool, count: float = 1.0) -> float:
+    """Seconds of ``count`` collectives of ``kind`` (``all_reduce``, ``reduce_scatter``, ``all_gather``, ``p2p``)
+    moving ``volume`` bytes per rank in all: each pays the kind's latency, the bytes its bandwidth (measured per
+    kind by ``memsave calibrate``, else the link's bus bandwidth and ``latency``)."""
+    lat, bw = hw.collectives.get(kind, (hw.latency, 0.0))
+    if not bw or inter:
+        bw = (hw.inter_bw if inter else hw.intra_bw) * hw.bw_efficiency
+    return count * lat + volume / bw
+
+
+def collective_counts(spec: ModelSpec, c: Candidate) -> dict[str, int]:
+    """Collectives one rank of the busiest stage issues in a step of ``c``, by kind, as memsave's engines issue
+    them (tests/test_plan.py checks them against :data:`memsave.dist.COMM_STATS`):
+
+    - ``all_reduce``: the agreements, a few bytes each (a step's loss scale and skip; data parallelism's
+      used-gradient flags and checks, ZeRO one more and one per micro-batch at stage 3; the pipeline's shape
+      broadcast and, with tied weights, their reduction; tensor parallelism's loss reductions, three per micro-batch, and its
+      gradient check), and stage 0's gradient buckets;
+    - ``reduce_scatter`` / ``all_gather``: ZeRO's, one per unit (the stage's blocks and its root) and, at stage 3,
+      a gather per block for forward and again for backward, every micro-batch without a pipeline; tensor
+      parallelism's with sequence parallelism, per block and micro-batch four of each, two re-gathers in
+      backward and, under full recomputation, two gathers and a scatter more, and the head's three;
+    - ``p2p``: a pipeline rank's sends and receives, one each per micro-batch, chunk and neighbour.
+    """
+    terms = _count_terms(spec, c)
+    kinds = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0, "p2p": 0}
+    for term, count in terms.items():
+        kinds[_KIND[term]] += count
+    return kinds
+
+
+_KIND = {"agreements": "all_reduce", "dp buckets": "all_reduce", "dp scatters": "reduce_scatter",
+         "dp gathers": "all_gather", "tp all-reduces": "all_reduce", "tp gathers": "all_gather",
+         "tp scatters": "reduce_scatter", "pp sends": "p2p"}
+
+
+def _count_terms(spec: ModelSpec, c: Candidate) -> dict[str, int]:
+    m, layers = c.micro_batches, spec.stage_layers(c.pp, 0)
+    n = dict.fromkeys(_KIND, 0)
+    n["agreements"] = 1
+    if c.dp > 1:
+        n["agreements"] += 2 + (c.stage >= 1) + (m if c.stage >= 3 else 0)
+        if c.stage == 0:
+            psi = max(spec.stage_params(c.pp, s, c.tp) for s in range(c.pp))
+            n["dp buckets"] = max(1, math.ceil(psi * _ELEM[c.precision] / (25 * 2**20)))
+        else:
+            n["dp scatters"] = layers + 1
+            n["dp gathers"] = 2 * layers * (m if c.pp == 1 else 1) if c.stage >= 3 else layers + 1
+    if c.pp > 1:
+        n["agreements"] += 1 + spec.tied  # the shapes' broadcast; the tied weights' reduction
+        # each of the rank's v chunks sends to and receives from both neighbours (the model's first and last
+        # chunk from one), forward and backward, every micro-batch; with p = 2 a rank holds one of those two
+        n["pp sends"] = 2 * m * (2 * c.virtual - (1 if c.pp == 2 else 0))
+    if c.tp > 1:
+        n["agreements"] += 1 + 3 * m
+        if c.sequence:
+            n["tp gathers"] = m * ((6 if c.recompute == "full" else 4) * layers + 2 + 2 * layers + 1)
+            n["tp scatters"] = m * ((5 if c.recompute == "full" else 4) * layers + 1)
+        else:
+            n["tp all-reduces"] = m * (6 if c.recompute == "full" else 4) * layers
+    return n
+
+
 def _time(spec: ModelSpec, c: Candidate, hw: Hardware, seq: int, elem: int, gpus_per_node: int) -> dict[str, float]:
     world = c.dp * c.tp * c.pp
     rows = c.dp * c.micro_batch * c.micro_batches
     if spec.heads and spec.vocab:
         flops = gpt_step_flops(rows, seq, spec.layers, spec.hidden, spec.vocab, recompute=c.recompute)
+        if c.recompute == "full" and c.pp > 1 and c.schedule == "zero-bubble":
+            # the weight pass is a second autograd call: the checkpointed forward runs again for it
+            flops += flops - gpt_step_flops(rows, seq, spec.layers, spec.hidden, spec.vocab)
     else:
         flops = (8 if c.recompute == "full" else 6) * spec.num_params * rows * seq
     compute = flops / world / hw.rate(c.precision)
@@ -188,32 +259,41 @@ def _time(spec: ModelSpec, c: Candidate, hw: Hardware, seq: int, elem: int, gpus
 
         compute /= 1 - bubble_formula(c.schedule, c.pp, c.micro_batches, c.virtual)
     eff = hw.bw_efficiency
+    layers = spec.stage_layers(c.pp, 0)
     if hw.layer_overhead:  # per layer and micro-batch on the busiest stage; a forward more under full recompute
-        compute += hw.layer_overhead * spec.stage_layers(c.pp, 0) * c.micro_batches * (4 / 3 if c.recompute == "full"
-                                                                                       else 1)
+        compute += hw.layer_overhead * layers * c.micro_batches * (4 / 3 if c.recompute == "full" else 1)
+    psi = max(spec.stage_params(c.pp, s, c.tp) for s in range(c.pp))
     t: dict[str, float] = {"compute": compute}
-    if hw.engine:  # what the engine pays besides FLOPs and bytes, calibrated on this machine
+    if hw.engine:  # what the engine pays besides FLOPs and collectives, calibrated on this machine
         from memsave.plan.calibrate_engines import family_of
 
-        per_step, per_layer = hw.engine.get(family_of(c.tp, c.pp, c.stage), (0.0, 0.0))
-        t["engine"] = per_step + per_layer * c.micro_batches * spec.stage_layers(c.pp, 0)
+        per_step, per_byte, stretch = hw.engine.get(family_of(c.tp, c.pp, c.stage), (0.0, 0.0, 1.0))
+        t["compute"] = compute * stretch
+        t["engine"] = per_step + per_byte * psi * elem
+    n = _count_terms(spec, c)
+    t["agreements"] = _collective(hw, "all_reduce", 0.0, world > gpus_per_node, n["agreements"])
     if c.tp > 1:
-        per = c.micro_batch * seq * spec.hidden * elem
-        count = 6 if c.recompute == "full" else 4
-        one = 2 * (c.tp - 1) / c.tp * per / (hw.intra_bw * eff) + hw.latency
-        t["tp comm"] = spec.stage_layers(c.pp, 0) * c.micro_batches * count * one
-    psi = max(spec.stage_params(c.pp, s, c.tp) for s in range(c.pp))
+        inter = c.tp > gpus_per_node
+        share = (c.tp - 1) / c.tp * c.micro_batch * seq * spec.hidden * elem  # of a block's activations
+        t["tp comm"] = (_collective(hw, "all_gather", n["tp gathers"] * share, inter, n["tp gathers"])
+                        + _collective(hw, "reduce_scatter", n["tp scatters"] * share, inter, n["tp scatters"])
+                        + _collective(hw, "all_reduce", n["tp all-reduces"] * 2 * share, inter, n["tp all-reduces"]))
     if c.dp > 1:
-        bw = (hw.inter_bw if world > gpus_per_node else hw.intra_bw) * eff
-        volume = (3 if c.stage >= 3 else 2) * (c.dp - 1) / c.dp * psi * elem
-        if c.stage >= 3 and c.micro_batches > 1 and c.pp == 1:
-            volume *= c.micro_batches  # gathered again for every micro-batch's forward and backward
-        comm = volume / bw + 2 * spec.layers / c.pp * hw.latency
+        inter = world > gpus_per_node
+        share = (c.dp - 1) / c.dp * psi * elem
+        if c.stage == 0:
+            comm = _collective(hw, "all_reduce", 2 * share, inter, n["dp buckets"])
+        else:  # ZeRO: the gradients scattered once; the parameters gathered after the step, or at stage 3 for
+            # forward and again for backward, every micro-batch without a pipeline
+            m = c.micro_batches if c.stage >= 3 and c.pp == 1 else 1
+            comm = (_collective(hw, "reduce_scatter", share, inter, n["dp scatters"])
+                    + _collective(hw, "all_gather", (2 if c.stage >= 3 else 1) * m * share, inter, n["dp gathers"]))
         t["dp comm"] = max(comm - hw.overlap * compute * 2 / 3, (1 - hw.overlap) * comm)
     if c.pp > 1:
         per = c.micro_batch * seq * spec.hidden * elem
-        bw = (hw.inter_bw if c.tp * c.pp > gpus_per_node else hw.intra_bw) * eff
-        t["pp p2p"] = 2 * (c.micro_batches + c.pp - 1) * (per / bw + hw.latency)
+        # on the critical path: every micro-batch (through each of the rank's chunks), the fill and the drain
+        hops = 2 * (c.micro_batches * c.virtual + c.pp - 1)
+        t["pp p2p"] = _collective(hw, "p2p", hops * per, c.tp * c.pp > gpus_per_node, hops)
     shard = psi / (c.dp if c.stage >= 1 else 1)
     state_bytes = shard * (elem + (4 if c.precision != "fp32" else 0)) + _state_bytes(spec, shard, c.optimizer)
     if c.offload == "none":

@@ -8,12 +8,13 @@
 - host-device bandwidth (pinned copies; on CPU, the memory bandwidth);
 - disk write and read bandwidth (a file written with ``fsync``) in the offload folder;
 - the collective bus bandwidth of two local ranks (an all-reduce), the data-parallel and tensor-parallel
-  link when every rank is on this machine;
+  link when every rank is on this machine, and each collective kind's latency and bandwidth (all-reduce,
+  reduce-scatter, all-gather, a pipeline send): the mean of calls back to back at 16 KiB and 4 MiB;
 - a plain AdamW step: the bytes of parameters, gradients and state it goes through per second (``step_bw``);
 - a small reference GPT's forward and backward at two batch sizes: the share of the matmul rate a training
   step reaches (``efficiency``) and the fixed cost per layer and micro-batch (``layer_overhead``);
-- each engine family's own cost per step and per micro-batch and layer, on two local ranks
-  (memsave/plan/calibrate_engines.py).
+- each engine family's own cost per step and per byte of parameters and the stretch of its compute, on two local
+  ranks at two model widths (memsave/plan/calibrate_engines.py).
 
 For hardware that is not here, :data:`VENDOR` holds A100, H100 and H200 (SXM, 8 per node) from their vendors'
 data sheets, labelled as such; a TOML or JSON file with the same keys gives any other
@@ -65,8 +66,12 @@ class Hardware:
     latency: float = 20e-6  # per collective
     layer_overhead: float = 0.0  # seconds per layer and micro-batch besides its FLOPs (kernel launches, Python)
     step_bw: float = 0.0  # bytes of parameters, gradients and AdamW state an optimizer step goes through per second
-    # engine family (memsave/plan/calibrate_engines.py) -> (seconds per step, per micro-batch and layer) measured
-    engine: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    # collective kind (all_reduce, reduce_scatter, all_gather, p2p) -> (latency s, bytes/s of a rank's share),
+    # measured on this machine's two local ranks; absent: ``latency`` and the link's bandwidth
+    collectives: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    # engine family (memsave/plan/calibrate_engines.py) -> (seconds per step, seconds per byte of a stage's
+    # parameters, the compute's stretch) measured
+    engine: dict[str, tuple[float, float, float]] = dataclasses.field(default_factory=dict)
 
     def rate(self, dtype: str) -> float:
         return self.flops.get(dtype, self.flops.get("fp32", 0.0)) * self.efficiency
@@ -174,18 +179,66 @@ def _disk(folder: Path, nbytes: int) -> tuple[float, float]:
     return write, read
 
 
-def _allreduce_worker(nbytes: int) -> float:
-    """Run in each of two spawned ranks: the bus bandwidth of an all-reduce of ``nbytes`` (2 (n-1)/n bytes per
-    rank over the time)."""
+def _mean_seconds(fn: Any, min_s: float) -> float:
+    """Mean seconds per call of ``fn`` called back to back (the mean, not the best: a step pays every call's
+    latency, the slow ones too) over about ``min_s``, the same number of calls on every rank (rank 0's count)."""
+    from memsave import dist as mdist
+
+    fn()
+    mdist.barrier(None)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        fn()
+    reps = torch.tensor([max(3.0, min(2000.0, min_s * 3 / (time.perf_counter() - t0)))])
+    mdist.broadcast(reps, 0, None)
+    mdist.barrier(None)
+    t0 = time.perf_counter()
+    for _ in range(int(reps.item())):
+        fn()
+    return (time.perf_counter() - t0) / int(reps.item())
+
+
+def _collectives_worker(small: int, large: int) -> dict[str, tuple[float, float]]:
+    """Run in each of two spawned ranks: for each collective kind memsave's engines issue, (latency in seconds,
+    bandwidth in bytes per second of each rank's share) from its mean time at ``small`` and ``large`` bytes
+    (all-reduce 2 (n-1)/n of the tensor per rank, reduce-scatter and all-gather (n-1)/n, a pipeline send the
+    tensor, timed as half a round trip through :class:`memsave.dist.P2P`). ``bus``: the all-reduce's bus
+    bandwidth at ``large``."""
     from memsave import dist as mdist
     from memsave.dist.init import init
 
-    init()
-    t = torch.ones(nbytes // 4)
-    group = None
-    n = mdist.group_size(group)
-    seconds = _timed(lambda: mdist.all_reduce(t, group), min_s=0.5)
-    return 2 * (n - 1) / n * nbytes / seconds
+    mesh = init()
+    n, rank = mdist.group_size(None), mesh.rank
+    p2p = mdist.P2P(torch.device("cpu"))
+    peer = 1 - rank
+
+    def ping(t: torch.Tensor) -> None:
+        if rank == 0:
+            p2p.send(t, peer, 0)
+            p2p.wait(p2p.recv(t.shape, t.dtype, peer, 1))
+        else:
+            p2p.wait(p2p.recv(t.shape, t.dtype, peer, 0))
+            p2p.send(t, peer, 1)
+        p2p.drain()
+
+    out: dict[str, tuple[float, float]] = {}
+    for kind, share in (("all_reduce", 2 * (n - 1) / n), ("reduce_scatter", (n - 1) / n),
+                        ("all_gather", (n - 1) / n), ("p2p", 1.0)):
+        seconds, volume = [], []
+        for nbytes in (small, large):
+            full = torch.ones(nbytes // 4)
+            part = torch.empty(full.numel() // n)
+            calls = {"all_reduce": lambda f=full: mdist.all_reduce(f, None),
+                     "reduce_scatter": lambda f=full, s=part: mdist.reduce_scatter_into(s, f, None),
+                     "all_gather": lambda f=full, s=part: mdist.all_gather_into(f, s, None),
+                     "p2p": lambda f=full: ping(f)}
+            seconds.append(_mean_seconds(calls[kind], 0.25) / (2 if kind == "p2p" else 1))
+            volume.append(share * nbytes)
+        bw = (volume[1] - volume[0]) / max(seconds[1] - seconds[0], 1e-9)
+        out[kind] = (max(0.0, seconds[0] - volume[0] / bw), bw)
+    out["bus"] = (0.0, 2 * (n - 1) / n * large / _mean_seconds(lambda: mdist.all_reduce(torch.ones(large // 4), None),
+                                                                   0.25))
+    return out
 
 
 def _optimizer_rate(device: str) -> float:
@@ -227,9 +280,11 @@ def calibrate(*, device: str | None = None, folder: str | Path | None = None, re
     not cached)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cache = _cache_file(device)
-    if cache.is_file() and not refresh:
-        data = json.loads(cache.read_text())
-        data["engine"] = {k: tuple(v) for k, v in data.get("engine", {}).items()}
+    data = json.loads(cache.read_text()) if cache.is_file() and not refresh else None
+    # a cache from before the per-kind collectives and the three engine figures is measured again
+    if data is not None and "collectives" in data and all(len(v) == 3 for v in data.get("engine", {}).values()):
+        for key in ("engine", "collectives"):
+            data[key] = {k: tuple(v) for k, v in data.get(key, {}).items()}
         return Hardware(**data)
     import psutil
 
@@ -247,19 +302,22 @@ def calibrate(*, device: str | None = None, folder: str | Path | None = None, re
     memory = float(torch.cuda.get_device_properties(0).total_memory if device == "cuda"
                    else psutil.virtual_memory().total)
     write, _read = _disk(Path(folder or tempfile.gettempdir()), 64 * 2**20)
-    bus = mem_bw
+    bus, kinds = mem_bw, {}
     # two local ranks: on CPU, or on two GPUs (one GPU cannot host two NCCL ranks)
     ranks = collectives and (device == "cpu" or torch.cuda.device_count() >= 2)
     if ranks:
         from memsave._launch import spawn_local
 
-        bus = min(spawn_local(_allreduce_worker, 2, (16 * 2**20,), timeout_s=120))
+        per_rank = spawn_local(_collectives_worker, 2, (16 * 2**10, 4 * 2**20), timeout_s=120)
+        kinds = {k: (max(r[k][0] for r in per_rank), min(r[k][1] for r in per_rank)) for k in per_rank[0]}
+        bus = kinds.pop("bus")[1]
     said = "" if ranks or not collectives else "; one GPU: collectives and engine costs not measured"
     hw = Hardware(name=f"{platform.node()} ({device})", source=f"measured by memsave calibrate on "
                   f"{time.strftime('%Y-%m-%d')}{said}", device=device, memory=memory, flops=flops, mem_bw=mem_bw,
                   intra_bw=bus, inter_bw=bus, host_bw=host_bw, disk_bw=write,
                   host_memory=float(psutil.virtual_memory().total), efficiency=efficiency,
-                  layer_overhead=overhead, step_bw=step_bw, overlap=0.0 if device == "cpu" else 0.8)
+                  layer_overhead=overhead, step_bw=step_bw, overlap=0.0 if device == "cpu" else 0.8,
+                  collectives=kinds, latency=kinds["all_reduce"][0] if kinds else Hardware.latency)
     if ranks:  # what each engine pays besides FLOPs and bytes, on two local ranks
         from memsave.plan.calibrate_engines import engine_overheads
 
