@@ -341,3 +341,16 @@ def test_estimate_of_a_forward_that_reads_values_says_what_to_pass() -> None:
     est = memsave.estimate(model, "ddp", batch={"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)},
                            device="cpu")
     assert est.activations > 0
+
+
+def test_engine_fit_is_exact_and_never_negative() -> None:
+    """The calibration's fit (memsave/plan/calibrate_engines.py) recovers the figures that made the data, and where
+    the best unconstrained fit would give a negative coefficient it drops that term instead."""
+    from memsave.plan.calibrate_engines import fit_nonnegative
+
+    rows = [(1.0, b, c) for b, c in ((1e6, 0.01), (1e6, 0.02), (9e6, 0.03), (9e6, 0.06))]
+    exact = [0.002 + 3e-9 * b + 1.4 * c for _, b, c in rows]
+    assert fit_nonnegative(rows, exact) == pytest.approx((0.002, 3e-9, 1.4), rel=1e-6)
+    falling = [0.05 - 1e-9 * b + 1.0 * c for _, b, c in rows]  # a per-byte cost below zero is not physical
+    fitted = fit_nonnegative(rows, falling)
+    assert min(fitted) >= 0 and fitted[1] == 0.0

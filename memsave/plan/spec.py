@@ -141,6 +141,9 @@ def from_module(model: nn.Module, name: str | None = None) -> ModelSpec:
     heads = next((int(v) for v in [getattr(config, k, None) for k in ("num_attention_heads", "n_head")]
                   + [getattr(units[0], k, None) for k in ("n_head", "num_heads", "num_attention_heads")]
                   if isinstance(v, int)), 1)
+    # an output layer that shares an embedding's weight (a tied head: the pipeline keeps a copy on the last stage)
+    tables = {id(e.weight) for e in embeds}
+    tied = any(isinstance(m, nn.Linear) and id(m.weight) in tables for m in model.modules())
     return ModelSpec(name=name or type(model).__name__, layers=len(units), hidden=h, heads=heads, vocab=vocab,
                      max_seq=0, layer_params=max(counts), layer_split=split, embed_params=outside, head_params=0,
-                     final_params=0, tied=False, module=model)
+                     final_params=0, tied=tied, module=model)
