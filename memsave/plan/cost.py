@@ -12,16 +12,18 @@
   stage; under full recomputation one layer's activations are rebuilt at a time on top.
 
 [Note: the planner's time model] Step seconds are a sum of terms, each bytes or FLOPs over a rate of
-:class:`memsave.plan.hardware.Hardware`: compute (FLOPs, Narayanan et al.'s count, recomputation included, a
-second recomputation under zero-bubble's separate weight pass, spread over every rank) stretched by the
-schedule's bubble; the collectives, counted one by one as the engines issue them (:func:`collective_counts`),
-each paying its kind's latency and its bytes at its kind's bandwidth (both measured per kind by ``memsave
-calibrate``): the agreements, tensor parallelism's gathers and scatters (never hidden), data parallelism's
-reduction and gathers (hidden behind the backward up to the hardware's ``overlap``), pipeline sends on the
-critical path; the optimizer step (every byte of state read and written once) on the device or, offloaded, on
-the host with the gradients down and the parameters back up; the offload tier's reads and writes. On calibrated
-hardware each engine family adds what it was measured to pay beyond these (memsave/plan/calibrate_engines.py): a
-stretch of its compute, a cost per byte of the stage's parameters and per step.
+:class:`memsave.plan.hardware.Hardware`:
+- compute: FLOPs (Narayanan et al.'s count, recomputation included) spread over every rank, stretched by the
+  schedule's bubble;
+- the collectives, counted one by one as the engines issue them (:func:`collective_counts`), each paying its
+  kind's latency and its bytes at its kind's bandwidth (both measured per kind by ``memsave calibrate``): the
+  agreements, tensor parallelism's gathers and scatters (never hidden), data parallelism's reduction and
+  gathers (hidden behind the backward up to the hardware's ``overlap``), pipeline sends on the critical path;
+- the optimizer step (every byte of state read and written once) on the device or, offloaded, on the host with
+  the gradients down and the parameters back up; the offload tier's reads and writes;
+- on calibrated hardware, what each engine family was measured to pay beyond these
+  (memsave/plan/calibrate_engines.py): a stretch of its compute, a cost per byte of the stage's parameters and
+  per step.
 """
 
 from __future__ import annotations
@@ -248,9 +250,6 @@ def _time(spec: ModelSpec, c: Candidate, hw: Hardware, seq: int, elem: int, gpus
     rows = c.dp * c.micro_batch * c.micro_batches
     if spec.heads and spec.vocab:
         flops = gpt_step_flops(rows, seq, spec.layers, spec.hidden, spec.vocab, recompute=c.recompute)
-        if c.recompute == "full" and c.pp > 1 and c.schedule == "zero-bubble":
-            # the weight pass is a second autograd call: the checkpointed forward runs again for it
-            flops += flops - gpt_step_flops(rows, seq, spec.layers, spec.hidden, spec.vocab)
     else:
         flops = (8 if c.recompute == "full" else 6) * spec.num_params * rows * seq
     compute = flops / world / hw.rate(c.precision)
