@@ -6,7 +6,7 @@ backward alone (two ranks share the machine's memory bandwidth and cores with th
 parallelism's halves of each matmul run at a lower rate), and it touches every parameter byte outside the
 matmuls (gradient buckets and ZeRO's flat staging copies, the norm for clipping, the first touch of freshly
 allocated pages). :func:`engine_overheads` runs a reference GPT under each engine family (ddp, zero1, zero2,
-zero3, tp = 2, pp = 2) on two local ranks at two widths and two micro-batch counts, and fits, per family, the
+zero3, tp = 2, pp = 2) on two local ranks at two widths and two micro-batch shapes, and fits, per family, the
 measured step less the collectives the cost model counts to ``stretch * compute + per_byte * parameter bytes +
 per_step`` (least squares on the relative error, no coefficient negative); the planner applies the family's
 figures to every candidate of it ([Note: the planner's time model] in memsave/plan/cost.py).
@@ -24,12 +24,14 @@ import torch
 
 __all__ = ["FAMILIES", "engine_overheads", "family_of", "fit_nonnegative", "train_step"]
 
-# family -> (profile, tp, pp, micro-batch counts measured)
-FAMILIES: dict[str, tuple[str, int, int, tuple[int, int]]] = {
-    "zero0": ("ddp", 1, 1, (1, 2)), "zero1": ("zero1", 1, 1, (1, 2)), "zero2": ("zero2", 1, 1, (1, 2)),
-    "zero3": ("zero3", 1, 1, (1, 2)), "tp": ("ddp", 2, 1, (1, 2)), "pp": ("ddp", 1, 2, (2, 4)),
+# family -> (profile, tp, pp, the (rows per micro-batch, micro-batches) measured): the compute grows fourfold
+# between the two shapes while the parameters stay, so the fit can tell a cost per token from one per byte
+_SHAPES = ((2, 1), (8, 1))
+FAMILIES: dict[str, tuple[str, int, int, tuple[tuple[int, int], ...]]] = {
+    "zero0": ("ddp", 1, 1, _SHAPES), "zero1": ("zero1", 1, 1, _SHAPES), "zero2": ("zero2", 1, 1, _SHAPES),
+    "zero3": ("zero3", 1, 1, _SHAPES), "tp": ("ddp", 2, 1, _SHAPES), "pp": ("ddp", 1, 2, ((2, 2), (4, 4))),
 }
-_SEQ, _ROWS, _LAYERS = 64, 2, 2
+_SEQ, _LAYERS = 64, 2
 _WIDTHS = (64, 192)  # d_model of the two calibration models (heads of 32 columns)
 
 
@@ -56,13 +58,13 @@ def _config(width: int) -> Any:
     return gpt_config("small", dropout=0.0, d_model=width, n_head=width // 32, n_layer=_LAYERS)
 
 
-def _candidate(fam: str, m: int) -> Any:
+def _candidate(fam: str, rows: int, m: int) -> Any:
     from memsave.plan.cost import Candidate
 
     profile, tp, pp, _ = FAMILIES[fam]
     stage = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[profile]
     return Candidate(dp=2 // (tp * pp), tp=tp, pp=pp, stage=stage, precision="fp32", recompute="none",
-                     offload="none", micro_batch=_ROWS, micro_batches=m, sequence=tp > 1)
+                     offload="none", micro_batch=rows, micro_batches=m, sequence=tp > 1)
 
 
 def _worker(steps: int, peak: float, rounds: int) -> dict[str, Any]:
@@ -83,16 +85,16 @@ def _worker(steps: int, peak: float, rounds: int) -> dict[str, Any]:
     out["rates"] = _step_rates(device, peak)
     seconds: dict[tuple[str, int], list[float]] = {}
     for _ in range(rounds):
-        for fam, (_profile, tp, pp, counts) in FAMILIES.items():
+        for fam, (_profile, tp, pp, shapes) in FAMILIES.items():
             mesh = init(tp=tp, pp=pp)
-            for i, (width, m) in enumerate(itertools.product(_WIDTHS, counts)):
-                c = _candidate(fam, m)
+            for i, (width, (rows, m)) in enumerate(itertools.product(_WIDTHS, shapes)):
+                c = _candidate(fam, rows, m)
                 torch.manual_seed(0)
                 model: Any = GPT(_config(width))
                 prof = to_profile(c)
                 opt: Any = memsave.optim.build_optimizer(model.parameters(), prof.optimizer)
                 model, opt = memsave.wrap(model, opt, prof, mesh=mesh)
-                data = TokenBatches(seq_len=_SEQ, batch_size=_ROWS, dp_rank=mesh.dp_rank, dp_size=mesh.dp_size)
+                data = TokenBatches(seq_len=_SEQ, batch_size=rows, dp_rank=mesh.dp_rank, dp_size=mesh.dp_size)
                 for step in range(2 + steps):
                     batches = [data.batch(step * m + j) for j in range(m)]
                     barrier(None)
@@ -142,12 +144,12 @@ def engine_overheads(hw: Any, *, steps: int = 4, rounds: int = 2, timeout_s: flo
     overhead = max(r["rates"][1] for r in per_rank)
     hw = dataclasses.replace(hw, engine={}, efficiency=efficiency, layer_overhead=overhead)
     fitted: dict[str, tuple[float, float, float]] = {}
-    for fam, (_profile, tp, pp, counts) in FAMILIES.items():
+    for fam, (_profile, tp, pp, shapes) in FAMILIES.items():
         rows, targets = [], []
-        for i, (width, m) in enumerate(itertools.product(_WIDTHS, counts)):
+        for i, (width, (micro, m)) in enumerate(itertools.product(_WIDTHS, shapes)):
             spec = from_gpt(_config(width))
             measured = max(r[fam][i] for r in per_rank)
-            t = price(spec, _candidate(fam, m), hw, _SEQ).time
+            t = price(spec, _candidate(fam, micro, m), hw, _SEQ).time
             param_bytes = 4 * max(spec.stage_params(pp, s, tp) for s in range(pp))
             rows.append((1.0, param_bytes, t["compute"]))
             targets.append(measured - (sum(t.values()) - t["compute"]))
