@@ -18,6 +18,7 @@ import dataclasses
 import itertools
 import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -108,7 +109,7 @@ def _worker(steps: int, peak: float, rounds: int) -> dict[str, Any]:
     return out
 
 
-def fit_nonnegative(rows: list[tuple[float, ...]], targets: list[float]) -> tuple[float, ...]:
+def fit_nonnegative(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> tuple[float, ...]:
     """The coefficients ``x >= 0`` of ``rows @ x ~ targets`` with the least squared relative error: the best
     unconstrained least squares over every subset of the columns whose solution has no negative entry."""
     import numpy as np

@@ -25,12 +25,14 @@ and ``bw_efficiency`` (assumptions, stated with the entry).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import platform
 import tempfile
 import time
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -228,10 +230,11 @@ def _collectives_worker(small: int, large: int) -> dict[str, tuple[float, float]
         for nbytes in (small, large):
             full = torch.ones(nbytes // 4)
             part = torch.empty(full.numel() // n)
-            calls = {"all_reduce": lambda f=full: mdist.all_reduce(f, None),
-                     "reduce_scatter": lambda f=full, s=part: mdist.reduce_scatter_into(s, f, None),
-                     "all_gather": lambda f=full, s=part: mdist.all_gather_into(f, s, None),
-                     "p2p": lambda f=full: ping(f)}
+            calls: dict[str, Callable[[], Any]] = {
+                "all_reduce": functools.partial(mdist.all_reduce, full, None),
+                "reduce_scatter": functools.partial(mdist.reduce_scatter_into, part, full, None),
+                "all_gather": functools.partial(mdist.all_gather_into, full, part, None),
+                "p2p": functools.partial(ping, full)}
             seconds.append(_mean_seconds(calls[kind], 0.25) / (2 if kind == "p2p" else 1))
             volume.append(share * nbytes)
         bw = (volume[1] - volume[0]) / max(seconds[1] - seconds[0], 1e-9)
