@@ -33,7 +33,7 @@ from memsave.plan import (
     to_profile,
     zero_model_states,
 )
-from memsave.plan.calibrate_engines import train_step
+from memsave.plan.calibrate_engines import FAMILIES, train_step
 from memsave.plan.cost import collective_counts
 from tests.harness import run_ranks
 from tests.toy import hf_llama
@@ -316,8 +316,12 @@ def test_calibrate_caches_and_hardware_files(tmp_path: Path, monkeypatch: pytest
     assert all(v > 0 for v in (hw.flops["fp32"], hw.mem_bw, hw.disk_bw, hw.memory)) and 0 < hw.efficiency <= 1
     assert "measured by memsave calibrate" in hw.source
     assert not (tmp_path / "cache").exists()  # no bus bandwidth measured: not cached
-    full = calibrate(folder=tmp_path)
+    full = calibrate(folder=tmp_path, engine_rounds=1)
     assert 0 < full.intra_bw and calibrate(folder=tmp_path) == full  # from the cache, not measured again
+    # each collective kind's latency and bandwidth; each engine family's three figures, none negative
+    assert set(full.collectives) == {"all_reduce", "reduce_scatter", "all_gather", "p2p"}
+    assert all(lat > 0 and bw > 0 for lat, bw in full.collectives.values())
+    assert set(full.engine) == set(FAMILIES) and all(len(v) == 3 and min(v) >= 0 for v in full.engine.values())
     assert len(list((tmp_path / "cache").iterdir())) == 1
     bad = tmp_path / "rates.toml"
     bad.write_text('flops = {fp32 = 1e12}\nbandwith = 1e9\n')

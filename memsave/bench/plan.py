@@ -1,7 +1,7 @@
 """``memsave bench --plan``: the planner's predictions against measurement, and its speed.
 
 1. On this machine (rates from ``memsave calibrate``), every configuration the planner offers for the reference
-   GPT on ``--nproc`` ranks at a global batch, in fresh processes: predicted peak per rank (memsave.estimate) and
+   GPT on ``--nproc`` ranks at a global batch (with a disk budget: its disk offload too), in fresh processes: predicted peak per rank (memsave.estimate) and
    step time (the cost model) beside the measured ones (the tracker's peak; the median over three fresh runs of
    each run's median step, and the runs' spread, the measurement's own error). The planner's choice for a budget is then compared with the fastest *measured* configuration that fits it.
 2. A full plan for a 70B-parameter Llama over 1,024 H100s (vendor rates): seconds to answer, configurations
@@ -73,7 +73,7 @@ def _measure(cases: list[dict[str, Any]], size: str, seq: int, steps: int, warmu
 
 
 def run_plan_bench(opts: BenchOptions, *, global_batch: int = 8, budget_mib: float = 64.0, rounds: int = 3,
-                   timeout_s: float = 1800) -> dict[str, Any]:
+                   disk_gib: float = 4.0, timeout_s: float = 1800) -> dict[str, Any]:
     from memsave._launch import spawn_local
     from memsave.cli_plan import _rows
     from memsave.models import GPT, gpt_config
@@ -91,13 +91,16 @@ def run_plan_bench(opts: BenchOptions, *, global_batch: int = 8, budget_mib: flo
         return exact_peak(meta, c, _rows(batch, c.micro_batch), device="cpu")
 
     budget = budget_mib * 2**20
+    # with a disk budget: the optimizer's (and at stage 3 the parameters') offload to the disk is offered too
     result = plan(from_gpt(cfg), hw, world=opts.nproc, global_batch=global_batch, seq=opts.seq_len, budget=budget,
-                  exact=exact, recomputes=("none", "full"))
-    # one of each (mesh, stage, recompute, schedule): the fastest micro-batch split of each
+                  exact=exact, recomputes=("none", "full"), disk_budget=disk_gib * 2**30)
+    # one of each (mesh, stage, recompute, schedule, offload): the fastest micro-batch split of each (offload:
+    # without recomputation only)
     seen: dict[Any, Any] = {}
     for p in result.ranked:
         c = p.candidate
-        seen.setdefault((c.tp, c.pp, c.stage, c.recompute, c.schedule if c.pp > 1 else ""), p)
+        if c.offload == "none" or c.recompute == "none":
+            seen.setdefault((c.tp, c.pp, c.stage, c.recompute, c.schedule if c.pp > 1 else "", c.offload), p)
     chosen = list(seen.values())
     # the machine's speed drifts between runs: every configuration is measured in each of ``rounds`` fresh runs,
     # and its step is the median of the runs' medians; the spread of the runs is the measurement's own error
@@ -151,7 +154,7 @@ def run_command(opts: BenchOptions, json_path: Path | None) -> int:
     hw = res["hardware"]
     print(f"memsave bench --plan: reference GPT {opts.size}, {opts.nproc} ranks, seq {opts.seq_len}, global batch 8; "
           f"rates of {hw['name']} ({hw['source']}); every configuration the planner offers within 64 MiB, the "
-          "fastest micro-batch split of each")
+          "fastest micro-batch split of each; with 4 GiB of disk, the disk offload too (without recomputation)")
     print(format_plan_table(res))
     if json_path is not None:
         json_path.write_text(json.dumps(res, indent=1) + "\n")

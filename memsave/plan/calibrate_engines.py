@@ -73,10 +73,11 @@ def _worker(steps: int, peak: float, rounds: int) -> dict[str, Any]:
     ranks share the machine as in training), then the median step seconds of every family (its profile as the
     planner writes it) at each width and micro-batch count, over ``rounds`` passes through all of them (the
     machine's speed drifts: each point is measured at several moments)."""
-    import memsave
+    from memsave.api import wrap
     from memsave.dist import barrier
     from memsave.dist.init import init
     from memsave.models import GPT, TokenBatches
+    from memsave.optim import build_optimizer
     from memsave.plan.hardware import _step_rates
     from memsave.plan.profile import to_profile
 
@@ -93,8 +94,8 @@ def _worker(steps: int, peak: float, rounds: int) -> dict[str, Any]:
                 torch.manual_seed(0)
                 model: Any = GPT(_config(width))
                 prof = to_profile(c)
-                opt: Any = memsave.optim.build_optimizer(model.parameters(), prof.optimizer)
-                model, opt = memsave.wrap(model, opt, prof, mesh=mesh)
+                opt: Any = build_optimizer(model.parameters(), prof.optimizer)
+                model, opt = wrap(model, opt, prof, mesh=mesh)
                 data = TokenBatches(seq_len=_SEQ, batch_size=rows, dp_rank=mesh.dp_rank, dp_size=mesh.dp_size)
                 for step in range(2 + steps):
                     batches = [data.batch(step * m + j) for j in range(m)]
