@@ -12,6 +12,7 @@ would fit.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 from memsave.memory.schema import OFF_DEVICE, format_bytes
@@ -23,6 +24,10 @@ __all__ = ["HEADROOM", "Plan", "PlanError", "candidates", "plan"]
 
 HEADROOM = 0.05  # of an exact peak (memsave.estimate), kept free: the estimator's validated error
 ANALYTIC_HEADROOM = 0.10  # of a closed-form peak
+# of a peak with ZeRO-3's parameter shards offloaded: memsave.estimate does not model the shards resident around
+# their use (read ahead, dirty until the step's write-back) nor their gathers' staging; bench --plan measured the
+# estimate 18% under (dp2 zero3 optimizer+params:disk on the small GPT)
+PARAM_OFFLOAD_HEADROOM = 0.25
 
 _NAMES = {"params": "parameters", "grads": "gradients", "master": "fp32 masters", "optimizer_state":
           "optimizer state", "params_gathered": "gathered parameters", "activations": "activations"}
@@ -124,7 +129,8 @@ def plan(spec: ModelSpec, hw: Hardware, *, world: int, global_batch: int, seq: i
     tokens per step, ranked ([module docstring]). ``exact``: bytes per category of a candidate from the model
     itself (:func:`memsave.plan.profile.exact_peak`), used instead of the closed forms.
     A candidate fits when its peak plus ``headroom`` (of the exact figure; ``analytic_headroom`` of the closed
-    forms) is within ``budget``: the validated error of each, kept free. ``tp_degrees``, ``pp_degrees``: only
+    forms; at least :data:`PARAM_OFFLOAD_HEADROOM` with parameters offloaded) is within ``budget``: the validated
+    error of each, kept free. ``tp_degrees``, ``pp_degrees``: only
     these degrees (default: every divisor that fits)."""
     for key, value in (("world", world), ("global_batch", global_batch), ("seq", seq)):
         if not isinstance(value, int) or value < 1:
@@ -157,7 +163,7 @@ def plan(spec: ModelSpec, hw: Hardware, *, world: int, global_batch: int, seq: i
             host, disk = measured.get("offload_host", 0), measured.get("offload_disk", 0)
             device = {k: float(v) for k, v in measured.items() if k not in OFF_DEVICE}
             p = dataclasses.replace(p, device=device, host=host or p.host, disk=disk or p.disk, exact=True)
-        if p.peak * (1 + (headroom if p.exact else analytic_headroom)) <= budget and p.host <= host_budget and \
+        if p.peak * (1 + _headroom(p, headroom, analytic_headroom)) <= budget and p.host <= host_budget and \
                 p.disk <= disk_budget:
             fits.append(p)
         else:
@@ -176,11 +182,25 @@ def plan(spec: ModelSpec, hw: Hardware, *, world: int, global_batch: int, seq: i
         need = min(smallest.values(), key=lambda p: (p.host > host_budget or p.disk > disk_budget, p.peak))
         raise PlanError(f"no configuration of {spec.name} fits {format_bytes(int(budget))} per device on {world} "
                         f"device(s): the smallest that would fit needs "
-                        f"{format_bytes(int(need.peak * (1 + (headroom if need.exact else analytic_headroom))) + 1)} "
+                        f"{_at_least(need.peak * (1 + _headroom(need, headroom, analytic_headroom)))} "
                         "per device "
                         f"({need.candidate.label()}); " + "; ".join(f"{k}: {v}" for k, v in rejected.items())
                         + "".join(f"; {k} not priced: {v}" for k, v in unpriced.items()))
     return Plan(fits, rejected, budget, host_budget, disk_budget, n, unpriced)
+
+
+def _at_least(n: float) -> str:
+    """``n`` bytes as :func:`format_bytes` prints them, rounded up (a budget of the printed figure fits ``n``)."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{math.ceil(n / scale * 10) / 10:.1f} {unit}"
+    return f"{math.ceil(n)} B"
+
+
+def _headroom(p: Priced, exact: float, analytic: float) -> float:
+    """The share of ``p``'s peak kept free: the validated error of the figure it comes from."""
+    share = exact if p.exact else analytic
+    return max(share, PARAM_OFFLOAD_HEADROOM) if p.candidate.offload.startswith("optimizer+params") else share
 
 
 def _over(p: Priced, budget: float, host: float, disk: float) -> float:
