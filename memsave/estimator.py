@@ -150,6 +150,7 @@ def _model_states(groups: list[list[nn.Parameter]], order: list[nn.Parameter], p
     stepped = Placement(dp=Shard(0)) if stage else Placement()
     unit_full, unit_padded, unit_grad_full, unit_reduce, unit_state, unit_elems = [], [], [], [], [], []
     unit_grad_shard: list[int] = []  # the averaged rows a unit's reduce-scatter allocates (flat_grad)
+    unit_shard: list[int] = []  # stage 3: this rank's rows of the unit (its flat_shard)
     for params in groups:
         trainable = [p for p in params if p.requires_grad]
         full = sum(p.numel() for p in params)
@@ -157,6 +158,7 @@ def _model_states(groups: list[list[nn.Parameter]], order: list[nn.Parameter], p
         grad_chunk = sum(-(-_rows(p.shape)[0] // n) * _rows(p.shape)[1] for p in trainable)
         unit_full.append(full * c)
         unit_padded.append(chunk * n * c)
+        unit_shard.append(chunk * c)
         unit_grad_full.append(sum(p.numel() for p in trainable) * c)
         unit_grad_shard.append(grad_chunk * r if trainable and (stage >= 2 or (stage == 1 and r != c)) else 0)
         # a reduce-scatter in flight: its staging (N * C in the reduce dtype) and, at stage 1 (or a reduce dtype
@@ -185,7 +187,7 @@ def _model_states(groups: list[list[nn.Parameter]], order: list[nn.Parameter], p
     # in the model's parameter order: the optimizer's, when it is built over model.parameters()
     pieces = [(unit_of[p], _local_rows(p.shape, stepped, n), _rows(p.shape)[1]) for p in order if p.requires_grad]
     return {"bytes": out, "pieces": pieces, "param_bytes": c, "unit_full": unit_full, "unit_padded": unit_padded, "unit_grad_full": unit_grad_full,
-            "unit_grad_shard": unit_grad_shard,
+            "unit_grad_shard": unit_grad_shard, "unit_shard": unit_shard,
             "unit_reduce": unit_reduce, "unit_state": unit_state, "unit_elems": unit_elems}
 
 
@@ -287,8 +289,8 @@ def held_states(meta: nn.Module, groups: list[list[nn.Parameter]], prof: Profile
     notes.append(f"model states: {prof.optimizer.name} state, {prof.precision.compute} parameters"
                  + (", fp32 masters" if mixed else "") + f", zero stage {stage} over {n} rank(s)" + over)
     held["buffers"] = sum(b.numel() * b.element_size() for b in meta.buffers())
-    offload_states(held, states, prof, device_type, notes)
-    model_state = sum(held.get(c, 0) for c in ("params", "grads", "master", "optimizer_state"))
+    resident = offload_states(held, states, prof, device_type, notes)  # offloaded shards read in around their use
+    model_state = sum(held.get(c, 0) for c in ("params", "grads", "master", "optimizer_state")) - resident
     states["persistent_grads"] = held["grads"]
     if stage >= 1:  # zero_grad(set_to_none) frees the full gradients (stage 1) and the reduced rows (every stage):
         held["grads"] = 0  # backward makes them again, unit by unit

@@ -197,6 +197,7 @@ def test_compression_stays_on_under_the_tracker_and_is_counted_compressed() -> N
 
 # every preset (the issue's "every profile that exists"), and offload under mixed precision (the fp32 masters move)
 PROFILES = (*memsave.list_presets(), 'zero3-infinity:precision.compute="bf16"', "zero3-infinity:offload.fraction=0.5",
+            'zero3-infinity:offload.params="disk"',
             'zero2-offload:offload.optimizer="disk",offload.path="tmp",precision.compute="bf16",offload.fraction=0.5')
 
 
@@ -234,6 +235,11 @@ def test_estimate_matches_the_measurement_for_every_profile(world_size: int, tmp
     for rank_rows in results:
         for r in rank_rows:
             name = r["profile"]
+            if "offload.params" in name:  # the shards' residency at the step's end follows their asynchronous
+                # write-back; the peak counts the ones read around their use (memsave/estimate_offload.py)
+                print(name, r["peak"], r["est_peak"], f"{r['est_peak'] / r['peak'] - 1:+.1%}")
+                assert r["peak"] == pytest.approx(r["est_peak"], rel=0.05), (name, r)
+                continue
             assert r["state"] == pytest.approx(r["est_state"], rel=0.02), (name, r)
             assert r["acts"] == pytest.approx(r["est_acts"], rel=0.10), (name, r)
             assert r["peak"] == pytest.approx(r["est_peak"], rel=0.10), (name, r)

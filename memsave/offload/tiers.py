@@ -50,6 +50,7 @@ __all__ = ["ALIGN", "RECORD_ENV", "DiskTier", "Handle", "HostTier", "Tier", "ali
 
 ALIGN = 4096  # O_DIRECT wants buffer addresses, file offsets and lengths aligned to the logical block size
 BOUNCE = 1 << 20  # per I/O thread, for targets that are not aligned (stage-3 parameter shards)
+IO_THREADS = 2  # a disk tier's I/O threads
 
 
 def round_up(n: int, align: int = ALIGN) -> int:
@@ -167,7 +168,7 @@ class DiskTier:
     slots = 2  # a write goes to the other region, current once it succeeded ([Note: failed I/O])
 
     def __init__(self, path: str, *, rank: int, needed_bytes: int, direct: bool | None = None,
-                 threads: int = 2) -> None:
+                 threads: int = IO_THREADS) -> None:
         root = check_disk_path(path, needed_bytes)
         remove_stale(root)
         self.folder = new_folder(root, rank)  # SIGTERM removes it ([Note: cleanup on signals] in folders.py)

@@ -24,10 +24,6 @@ __all__ = ["HEADROOM", "Plan", "PlanError", "candidates", "plan"]
 
 HEADROOM = 0.05  # of an exact peak (memsave.estimate), kept free: the estimator's validated error
 ANALYTIC_HEADROOM = 0.10  # of a closed-form peak
-# of a peak with ZeRO-3's parameter shards offloaded: memsave.estimate does not model the shards resident around
-# their use (read ahead, dirty until the step's write-back) nor their gathers' staging; bench --plan measured the
-# estimate 18% under (dp2 zero3 optimizer+params:disk on the small GPT)
-PARAM_OFFLOAD_HEADROOM = 0.25
 
 _NAMES = {"params": "parameters", "grads": "gradients", "master": "fp32 masters", "optimizer_state":
           "optimizer state", "params_gathered": "gathered parameters", "activations": "activations"}
@@ -129,8 +125,7 @@ def plan(spec: ModelSpec, hw: Hardware, *, world: int, global_batch: int, seq: i
     tokens per step, ranked ([module docstring]). ``exact``: bytes per category of a candidate from the model
     itself (:func:`memsave.plan.profile.exact_peak`), used instead of the closed forms.
     A candidate fits when its peak plus ``headroom`` (of the exact figure; ``analytic_headroom`` of the closed
-    forms; at least :data:`PARAM_OFFLOAD_HEADROOM` with parameters offloaded) is within ``budget``: the validated
-    error of each, kept free. ``tp_degrees``, ``pp_degrees``: only
+    forms) is within ``budget``: the validated error of each, kept free. ``tp_degrees``, ``pp_degrees``: only
     these degrees (default: every divisor that fits)."""
     for key, value in (("world", world), ("global_batch", global_batch), ("seq", seq)):
         if not isinstance(value, int) or value < 1:
@@ -199,8 +194,7 @@ def _at_least(n: float) -> str:
 
 def _headroom(p: Priced, exact: float, analytic: float) -> float:
     """The share of ``p``'s peak kept free: the validated error of the figure it comes from."""
-    share = exact if p.exact else analytic
-    return max(share, PARAM_OFFLOAD_HEADROOM) if p.candidate.offload.startswith("optimizer+params") else share
+    return exact if p.exact else analytic
 
 
 def _over(p: Priced, budget: float, host: float, disk: float) -> float:
