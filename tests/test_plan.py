@@ -316,7 +316,7 @@ def test_calibrate_caches_and_hardware_files(tmp_path: Path, monkeypatch: pytest
     assert all(v > 0 for v in (hw.flops["fp32"], hw.mem_bw, hw.disk_bw, hw.memory)) and 0 < hw.efficiency <= 1
     assert "measured by memsave calibrate" in hw.source
     assert not (tmp_path / "cache").exists()  # no bus bandwidth measured: not cached
-    full = calibrate(folder=tmp_path, engine_rounds=1)
+    full = calibrate(folder=tmp_path, engine_rounds=1, engine_steps=1)  # the figures' shape, not their accuracy
     assert 0 < full.intra_bw and calibrate(folder=tmp_path) == full  # from the cache, not measured again
     # each collective kind's latency and bandwidth; each engine family's three figures, none negative
     assert set(full.collectives) == {"all_reduce", "reduce_scatter", "all_gather", "p2p"}

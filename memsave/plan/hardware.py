@@ -277,11 +277,11 @@ def _step_rates(device: str, peak: float) -> tuple[float, float]:
 
 
 def calibrate(*, device: str | None = None, folder: str | Path | None = None, refresh: bool = False,
-              collectives: bool = True, engine_rounds: int = 2) -> Hardware:
+              collectives: bool = True, engine_rounds: int = 2, engine_steps: int = 4) -> Hardware:
     """This machine's :class:`Hardware`, measured (a few seconds) or read from the cache. ``collectives=False``
     skips the two-rank all-reduce (the bus bandwidth is then taken as the memory bandwidth, and the result is
     not cached). ``engine_rounds``: passes over the engine families (memsave/plan/calibrate_engines.py), each
-    measuring every point again at a later moment."""
+    measuring every point again at a later moment; ``engine_steps``: timed steps per point and pass."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cache = _cache_file(device)
     data = json.loads(cache.read_text()) if cache.is_file() and not refresh else None
@@ -325,7 +325,7 @@ def calibrate(*, device: str | None = None, folder: str | Path | None = None, re
     if ranks:  # what each engine pays besides FLOPs and bytes, on two local ranks
         from memsave.plan.calibrate_engines import engine_overheads
 
-        hw = engine_overheads(hw, rounds=engine_rounds)
+        hw = engine_overheads(hw, steps=engine_steps, rounds=engine_rounds)
     if collectives:  # a calibration without the collective bandwidth is used once, never cached
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(hw.to_dict(), indent=1) + "\n")
