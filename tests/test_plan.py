@@ -232,17 +232,15 @@ def test_the_choice_fits_when_run() -> None:
     cases = [("gpt", dataclasses.asdict(p.candidate), 64) for _, p in gpt]
     cases += [("llama", dataclasses.asdict(p.candidate), 32) for _, p in llama]
     results = run_ranks(_measure, 2, cases, timeout=300)
-    gpt_labels = {p.candidate.label() for _, p in gpt}
     with torch.device("meta"):
-        llama_spec = from_module(_model("llama"))
-    for (budget, p), *per_rank in zip(gpt + llama, *results):
+        specs = [from_gpt(gpt_config("small", dropout=0.0))] * len(gpt) + [from_module(_model("llama"))] * len(llama)
+    for (budget, p), spec, *per_rank in zip(gpt + llama, specs, *results):
         measured = max(r["peak"] for r in per_rank)
         print(f"{budget / 2**20:6.2f} MiB: {p.candidate.label()}: predicted {p.peak / 2**20:.2f} MiB, measured "
               f"{measured / 2**20:.2f} MiB ({p.peak / measured - 1:+.1%})")
         assert measured <= budget, (p.candidate.label(), measured, budget)
         assert p.peak == pytest.approx(measured, rel=0.05), p.candidate.label()
         # the time model's collectives, one by one, are those the engines issued in the step (busiest rank)
-        spec = from_gpt(gpt_config("small", dropout=0.0)) if p.candidate.label() in gpt_labels else llama_spec
         counted = {k: max(r["calls"][k] for r in per_rank) for k in per_rank[0]["calls"]}
         assert collective_counts(spec, p.candidate) == counted, p.candidate.label()
 

@@ -32,7 +32,7 @@ def _losses() -> dict[str, list[float]]:
                 losses.append(float(loss) if loss is not None else float("nan"))
             out[f"{sched}/{rec}"] = losses
     # a zero-bubble schedule with recomputation is said to be slow (its weight pass recomputes per weight group)
-    out["warned"] = [float("zero-bubble\" with [recompute]: the weight pass" in w) for w in _warned]
+    out["warned"] = [float("with [recompute]: the weight pass" in w) for w in _warned]
     return out
 
 

@@ -1,9 +1,11 @@
 """``memsave bench --plan``: the planner's predictions against measurement, and its speed.
 
 1. On this machine (rates from ``memsave calibrate``), every configuration the planner offers for the reference
-   GPT on ``--nproc`` ranks at a global batch (with a disk budget: its disk offload too), in fresh processes: predicted peak per rank (memsave.estimate) and
-   step time (the cost model) beside the measured ones (the tracker's peak; the median over three fresh runs of
-   each run's median step, and the runs' spread, the measurement's own error). The planner's choice for a budget is then compared with the fastest *measured* configuration that fits it.
+   GPT on ``--nproc`` ranks at a global batch (with a disk budget: its disk offload too), in fresh processes:
+   predicted peak per rank (memsave.estimate) and step time (the cost model) beside the measured ones (the
+   tracker's peak; the median over three fresh runs of each run's median step, and the runs' spread, the
+   measurement's own error). The planner's choice for a budget is then compared with the fastest *measured*
+   configuration that fits it.
 2. A full plan for a 70B-parameter Llama over 1,024 H100s (vendor rates): seconds to answer, configurations
    considered, the choice.
 """

@@ -239,8 +239,8 @@ def _collectives_worker(small: int, large: int) -> dict[str, tuple[float, float]
             volume.append(share * nbytes)
         bw = (volume[1] - volume[0]) / max(seconds[1] - seconds[0], 1e-9)
         out[kind] = (max(0.0, seconds[0] - volume[0] / bw), bw)
-    out["bus"] = (0.0, 2 * (n - 1) / n * large / _mean_seconds(lambda: mdist.all_reduce(torch.ones(large // 4), None),
-                                                                   0.25))
+        if kind == "all_reduce":
+            out["bus"] = (0.0, volume[1] / seconds[1])
     return out
 
 

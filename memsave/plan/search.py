@@ -158,7 +158,7 @@ def plan(spec: ModelSpec, hw: Hardware, *, world: int, global_batch: int, seq: i
             host, disk = measured.get("offload_host", 0), measured.get("offload_disk", 0)
             device = {k: float(v) for k, v in measured.items() if k not in OFF_DEVICE}
             p = dataclasses.replace(p, device=device, host=host or p.host, disk=disk or p.disk, exact=True)
-        if p.peak * (1 + _headroom(p, headroom, analytic_headroom)) <= budget and p.host <= host_budget and \
+        if p.peak * (1 + (headroom if p.exact else analytic_headroom)) <= budget and p.host <= host_budget and \
                 p.disk <= disk_budget:
             fits.append(p)
         else:
@@ -177,7 +177,7 @@ def plan(spec: ModelSpec, hw: Hardware, *, world: int, global_batch: int, seq: i
         need = min(smallest.values(), key=lambda p: (p.host > host_budget or p.disk > disk_budget, p.peak))
         raise PlanError(f"no configuration of {spec.name} fits {format_bytes(int(budget))} per device on {world} "
                         f"device(s): the smallest that would fit needs "
-                        f"{_at_least(need.peak * (1 + _headroom(need, headroom, analytic_headroom)))} "
+                        f"{_at_least(need.peak * (1 + (headroom if need.exact else analytic_headroom)))} "
                         "per device "
                         f"({need.candidate.label()}); " + "; ".join(f"{k}: {v}" for k, v in rejected.items())
                         + "".join(f"; {k} not priced: {v}" for k, v in unpriced.items()))
@@ -190,11 +190,6 @@ def _at_least(n: float) -> str:
         if n >= scale:
             return f"{math.ceil(n / scale * 10) / 10:.1f} {unit}"
     return f"{math.ceil(n)} B"
-
-
-def _headroom(p: Priced, exact: float, analytic: float) -> float:
-    """The share of ``p``'s peak kept free: the validated error of the figure it comes from."""
-    return exact if p.exact else analytic
 
 
 def _over(p: Priced, budget: float, host: float, disk: float) -> float:
