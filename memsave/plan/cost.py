@@ -1,15 +1,6 @@
 """One configuration priced: per-rank bytes by category and step seconds by term, from closed forms.
 
-[Note: the planner's memory model] Per pipeline stage (the busiest is the peak), on one rank:
-- model states as memsave's engines hold them (the ZeRO formula, memsave/plan/formulas.py, per stage and per
-  tensor-parallel slice): parameters in the compute dtype (stage 3: a 1/dp shard, and two gathered units at a
-  time, the one running and the one prefetched), gradients in the compute dtype (full at stages 0-1, a shard at
-  2-3), fp32 masters under mixed precision and the optimizer's state (sharded at stages 1-3); offloaded ones
-  move to the host or the disk;
-- activations: Korthikanti et al.'s per-layer bytes with the model's own constants (dtype, dropout, a fused
-  attention kernel), times the stage's layers, times the micro-batches its schedule keeps in flight (from
-  :func:`memsave.pp.simulate`: 1F1B ``p - stage``, GPipe ``m``), plus the logits and their gradient on the last
-  stage; under full recomputation one layer's activations are rebuilt at a time on top.
+Memory: [Note: the planner's memory model] in memsave/plan/memory.py.
 
 [Note: the planner's time model] Step seconds are a sum of terms, each bytes or FLOPs over a rate of
 :class:`memsave.plan.hardware.Hardware`:
@@ -29,22 +20,22 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
-from memsave.plan.formulas import LayerActivations, gpt_step_flops, layer_activation_bytes
+from memsave.plan.formulas import gpt_step_flops
 from memsave.plan.hardware import Hardware
+from memsave.plan.memory import ELEM as _ELEM
+from memsave.plan.memory import device_bytes
+from memsave.plan.memory import state_bytes as _state_bytes
 from memsave.plan.spec import ModelSpec
 
-__all__ = ["Candidate", "Priced", "collective_counts", "in_flight", "price"]
+__all__ = ["Candidate", "Priced", "collective_counts", "price"]
 
-_ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}
-_STATE = {"adamw": 8.0, "adam": 8.0, "sgd": 4.0}  # bytes per parameter (Adafactor: its factored rows and columns)
 # bytes per second of parameters, gradients and state a host-side AdamW step goes through behind a GPU: an
 # assumption (the order of DeepSpeed's CPU-Adam on a server CPU), not a measurement of this host
 _HOST_STEP_BW = 10e9
-DEVICE_CATEGORIES = ("params", "grads", "master", "optimizer_state", "params_gathered", "activations")
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,80 +97,11 @@ class Priced:
                 "step_time": self.step_time, "bottleneck": self.bottleneck}
 
 
-@functools.lru_cache(maxsize=4096)
-def in_flight(schedule: str, pp: int, m: int, virtual: int = 1) -> tuple[float, ...]:
-    """Per rank: the most micro-batches' activations of a whole stage held at once under the schedule (with
-    ``virtual`` chunks per rank, each a 1/virtual share), from the simulator's memory walk."""
-    if pp == 1:
-        return (1.0,)
-    from memsave.pp import Costs, build, simulate  # layer 3
-
-    n = pp * virtual
-    res = simulate(build(schedule, pp, m, virtual, checked=False), Costs.uniform(n, 1.0, 1.0, 1.0, 1.0 / virtual))
-    return tuple(res.peak_bytes)
-
-
-def _state_bytes(spec: ModelSpec, params: float, optimizer: str) -> float:
-    if optimizer == "adafactor":  # row and column statistics of each h-wide matrix, ~ 2 / h of the elements
-        return 4.0 * params * 2 / max(spec.hidden, 1) + 4.0 * spec.hidden * spec.layers
-    return _STATE[optimizer] * params
-
-
 def price(spec: ModelSpec, c: Candidate, hw: Hardware, seq: int, *, gpus_per_node: int = 8) -> Priced:
     """:class:`Priced` figures of ``c`` for ``spec`` at sequence length ``seq`` on ``hw``
-    ([Note: the planner's memory model], [Note: the planner's time model])."""
-    elem = _ELEM[c.precision]
-    mixed = c.precision != "fp32"
-    consts = LayerActivations.for_model(elem, spec.dropout, fused_attention=True)
-    full_layer = layer_activation_bytes(seq, c.micro_batch, spec.hidden, spec.heads, c.tp, sequence=c.sequence,
-                                        consts=consts)
-    if c.recompute == "selective":  # memsave's: the matmuls' and the fused attention's outputs are kept
-        sel = LayerActivations(split=8 * elem, replicated=3 * elem, scores=0.0, layer_input=elem)
-        layer_act = layer_activation_bytes(seq, c.micro_batch, spec.hidden, spec.heads, c.tp, sequence=c.sequence,
-                                           consts=sel)
-    else:
-        layer_act = layer_activation_bytes(seq, c.micro_batch, spec.hidden, spec.heads, c.tp, sequence=c.sequence,
-                                           recompute=c.recompute, consts=consts)
-    flights = in_flight(c.schedule, c.pp, c.micro_batches, c.virtual) if c.pp > 1 else (1.0,)
-    dp = c.dp
-    best: tuple[float, dict[str, float], float, float, int] | None = None
-    for s in range(c.pp):
-        psi = spec.stage_params(c.pp, s, c.tp)
-        params = elem * psi / (dp if c.stage >= 3 else 1)
-        grads = elem * psi / (dp if c.stage >= 2 else 1)
-        if c.micro_batches > 1 and c.stage >= 1 and c.pp == 1:
-            grads = elem * psi  # accumulated locally until the last micro-batch
-        master = (4.0 * psi if mixed else 0.0) / (dp if c.stage >= 1 else 1)
-        state = _state_bytes(spec, psi, c.optimizer) / (dp if c.stage >= 1 else 1)
-        layer_w = elem * (spec.layer_split / c.tp + spec.layer_params - spec.layer_split)
-        gathered = 2 * layer_w if c.stage >= 3 else 0.0
-        layers = spec.stage_layers(c.pp, s)
-        acts = layer_act * layers * flights[min(s, len(flights) - 1)]
-        logits = 2 * 4.0 * c.micro_batch * seq * spec.vocab / c.tp if s == c.pp - 1 else 0.0  # fp32, and gradient
-        # full recomputation: one layer rebuilt at a time in backward, once the logits are gone
-        acts += max(logits, full_layer) if c.recompute == "full" else logits
-        tier = {"host": 0.0, "disk": 0.0}
-        where = "disk" if c.offload.endswith(":disk") else "host"
-        if c.offload.startswith("optimizer"):
-            tier[where] += master + state
-            master = state = 0.0
-        if c.offload.startswith("optimizer+params"):
-            tier[where] += params
-            params = 0.0
-        host, disk = tier["host"], tier["disk"]
-        # the peak: the end of forward (stages 1-3: no gradients yet, zero_grad freed them) or the step (the
-        # gradients, no activations), whichever is larger
-        device = {"params": params, "grads": 0.0 if c.stage >= 1 else grads, "master": master,
-                  "optimizer_state": state, "params_gathered": gathered, "activations": acts}
-        at_step = dict(device, grads=grads, activations=0.0, params_gathered=0.0)
-        if sum(at_step.values()) > sum(device.values()):
-            device = at_step
-        total = sum(device.values())
-        if best is None or total > best[0]:
-            best = (total, device, host, disk, s)
-    assert best is not None
-    _, device, host, disk, busiest = best
-    return Priced(c, device, host, disk, _time(spec, c, hw, seq, elem, gpus_per_node), busiest)
+    ([Note: the planner's memory model] in memsave/plan/memory.py, [Note: the planner's time model])."""
+    device, host, disk, busiest = device_bytes(spec, c, seq)
+    return Priced(c, device, host, disk, _time(spec, c, hw, seq, _ELEM[c.precision], gpus_per_node), busiest)
 
 
 def _collective(hw: Hardware, kind: str, volume: float, inter: bool, count: float = 1.0) -> float:

@@ -1,0 +1,198 @@
+"""The planner's closed-form memory model: a candidate's bytes per category on its busiest rank.
+
+[Note: the planner's memory model] It follows memsave.estimate's walk ([Note: the estimated peak] in
+memsave/estimator.py and [Note: a stage's estimate] in memsave/estimate_pp.py) with the model's sizes from its
+:class:`ModelSpec` instead of its modules, so it prices 1,000s of candidates of a 70B model in a second; the
+tests check it against the estimator on a grid of candidates (tests/test_plan_memory.py). Per pipeline stage:
+
+- what is held throughout: parameters in the compute dtype (stage 3: a 1/dp shard), fp32 masters under mixed
+  precision and the optimizer's state (sharded at stages 1-3), stage 0's gradient buckets; offloaded ones on the
+  host or the disk, but for the offload's window of chunks and the shards read in around their use;
+- gradient accumulation (``micro_batches > 1``, or a pipeline): from the first backward on, every parameter's
+  full gradient in ``p.grad`` (stage 0: beside its buckets);
+- activations: Korthikanti et al.'s per-layer bytes with the model's own constants (dtype, dropout, a fused
+  attention kernel) times the stage's layers; under a pipeline times the micro-batches the schedule holds at
+  once, before and after its first backward (:func:`flights`: 1F1B ``p - stage``, GPipe ``m``); the logits (fp32)
+  and their gradient on the last stage;
+- the points the peak is taken at: the end of forward; the backward walk unit by unit at stages 1-3 (the
+  activations left, the reduced gradients so far, two reduce-scatters' staging in flight, at stage 3 the unit
+  gathered and the next one's gather in flight; under full recomputation the unit's activations rebuilt); the
+  end of backward; and under mixed precision the step (every gradient beside its fp32 copy).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+from memsave.plan.formulas import LayerActivations, layer_activation_bytes
+from memsave.plan.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from memsave.plan.cost import Candidate
+
+__all__ = ["device_bytes", "flights"]
+
+ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}
+_STATE = {"adamw": 8.0, "adam": 8.0, "sgd": 4.0}  # bytes per parameter (Adafactor: its factored rows and columns)
+_REDUCES_IN_FLIGHT = 2  # memsave.models.units.REDUCES_IN_FLIGHT
+_OFFLOAD_PREFETCH, _CHUNK, _IO_BOUNCE = 2, 2**20, 2 * 2**20  # [offload] defaults; the disk tier's bounce buffers
+
+
+def state_bytes(spec: ModelSpec, params: float, optimizer: str) -> float:
+    """The optimizer's state for ``params`` parameters."""
+    if optimizer == "adafactor":  # row and column statistics of each h-wide matrix, ~ 2 / h of the elements
+        return 4.0 * params * 2 / max(spec.hidden, 1) + 4.0 * spec.hidden * spec.layers
+    return _STATE[optimizer] * params
+
+
+@functools.lru_cache(maxsize=4096)
+def flights(schedule: str, pp: int, m: int, virtual: int = 1) -> tuple[tuple[float, float], ...]:
+    """Per pp rank: the most micro-batches' activations of its whole stage held at once before its first backward
+    and from it on (each of ``virtual`` chunks a 1/virtual share), walking its actions in order as the estimator
+    does: a forward adds its chunk's, a backward (B, or W after an I) frees them."""
+    if pp == 1:
+        return ((1.0, 1.0 if m > 1 else 0.0),)
+    from memsave.pp import build  # layer 3
+
+    out = []
+    for actions in build(schedule, pp, m, virtual, checked=False).actions:
+        held, before, after, seen = 0.0, 0.0, 0.0, False
+        for a in actions:
+            if a.kind == "F":
+                held += 1.0 / virtual
+                if seen:
+                    after = max(after, held)
+                else:
+                    before = max(before, held)
+            else:
+                seen = True
+                if a.kind != "I":  # an I keeps the chunk's graph for its W
+                    held -= 1.0 / virtual
+        out.append((before, after))
+    return tuple(out)
+
+
+def device_bytes(spec: ModelSpec, c: Candidate, seq: int) -> tuple[dict[str, float], float, float, int]:
+    """Bytes per category on the busiest rank of ``c``, the bytes offloaded to the host and to the disk per rank,
+    and which pipeline stage is the busiest ([Note: the planner's memory model])."""
+    elem = ELEM[c.precision]
+    mixed = c.precision != "fp32"
+    consts = LayerActivations.for_model(elem, spec.dropout, fused_attention=True)
+    full_layer = layer_activation_bytes(seq, c.micro_batch, spec.hidden, spec.heads, c.tp, sequence=c.sequence,
+                                        consts=consts)
+    if c.recompute == "selective":  # memsave's: the matmuls' and the fused attention's outputs are kept
+        sel = LayerActivations(split=8 * elem, replicated=3 * elem, scores=0.0, layer_input=elem)
+        layer_act = layer_activation_bytes(seq, c.micro_batch, spec.hidden, spec.heads, c.tp, sequence=c.sequence,
+                                           consts=sel)
+    else:
+        layer_act = layer_activation_bytes(seq, c.micro_batch, spec.hidden, spec.heads, c.tp, sequence=c.sequence,
+                                           recompute=c.recompute, consts=consts)
+    rebuilt = full_layer if c.recompute == "full" else 0.0  # a unit's activations, recomputed for its backward
+    unit = spec.layer_split / c.tp + spec.layer_params - spec.layer_split  # one block's parameters on this rank
+    in_flight = flights(c.schedule, c.pp, c.micro_batches, c.virtual)
+    accumulating = c.micro_batches > 1
+    best: tuple[float, dict[str, float], float, float, int] | None = None
+    for s in range(c.pp):
+        psi = spec.stage_params(c.pp, s, c.tp)
+        layers = spec.stage_layers(c.pp, s)
+        root = psi - layers * unit  # the embedding, the final norm and the head, on the stages that hold them
+        held, host, disk = _held(spec, c, psi, unit, elem, mixed)
+        if c.stage == 3:  # the root and one unit gathered; a pipeline stage's units for the whole step
+            held["params_gathered"] = elem * (psi if c.pp > 1 else root + unit)
+        stage_act, logits = layer_act * layers, 0.0
+        if s == c.pp - 1:  # the head keeps the final norm's and its own input and the loss its log-softmax (fp32),
+            # per micro-batch; the logits are held once, at the end of a forward
+            tokens = c.micro_batch * seq
+            stage_act += tokens * (2 * elem * spec.hidden / (c.tp if c.sequence else 1) + 4.0 * spec.vocab / c.tp)
+            logits = 4.0 * tokens * spec.vocab / c.tp
+        before, after = in_flight[min(s, len(in_flight) - 1)]
+        accumulated = elem * psi if accumulating else 0.0
+        points = [dict(held, activations=stage_act * before + logits)]  # the end of a forward
+        if after:
+            points.append(dict(held, grads=held["grads"] + accumulated, activations=stage_act * after + logits))
+        # the last backward: one micro-batch's activations, the accumulated gradients beside
+        base = dict(held, grads=held["grads"] + accumulated)
+        points += _backward(c, base, layers, layer_act, stage_act - layer_act * layers, rebuilt, unit, root, psi,
+                            elem)
+        if mixed:  # the step: every reduced gradient beside its fp32 copy on the masters
+            points.append(dict(held, grads=held["persistent"] + held["master"] + held["offloaded_master"]))
+        peak = max(points, key=_total)
+        device = {k: v for k, v in peak.items() if k not in ("persistent", "offloaded_master")}
+        total = _total(device)
+        if best is None or total > best[0]:
+            best = (total, device, host, disk, s)
+    assert best is not None
+    _, device, host, disk, busiest = best
+    return device, host, disk, busiest
+
+
+def _held(spec: ModelSpec, c: Candidate, psi: float, unit: float, elem: int,
+          mixed: bool) -> tuple[dict[str, float], float, float]:
+    """What a rank of a stage with ``psi`` parameters holds besides activations after ``zero_grad``, with the
+    gradients it keeps from backward to the step (``persistent``), and what it offloads to the host and disk."""
+    dp = c.dp
+    shard = psi / (dp if c.stage >= 1 else 1)
+    params = elem * psi / (dp if c.stage >= 3 else 1)
+    persistent = elem * psi / (dp if c.stage >= 2 else 1)
+    master = 4.0 * shard if mixed else 0.0
+    state = state_bytes(spec, shard, c.optimizer)
+    held = {"params": params, "grads": persistent if c.stage == 0 else 0.0, "master": master,
+            "optimizer_state": state, "params_gathered": 0.0, "comm": 0.0, "persistent": persistent,
+            "offloaded_master": 0.0}
+    host = disk = 0.0
+    if c.offload == "none":
+        return held, host, disk
+    on_disk = c.offload.endswith(":disk")
+    moved = master + state
+    held["offloaded_master"], held["master"] = master, 0.0
+    if on_disk:  # stepped chunk by chunk through a window of prefetch + 2 buffers, snapshots of its parameters
+        per_elem = moved / max(shard, 1.0)
+        window = min(_CHUNK, per_elem * unit / dp)  # a chunk: whole rows of one unit's shard, at most 1 MiB
+        held["optimizer_state"] = (_OFFLOAD_PREFETCH + 2) * window
+        held["comm"] += (_OFFLOAD_PREFETCH + 2) * window / per_elem * elem
+    else:  # behind a GPU the step runs on the host
+        held["optimizer_state"] = 0.0
+    if c.offload.startswith("optimizer+params"):  # the shards but the prefetch + 1 around their use
+        moved += params
+        held["params"] = min(params, (_OFFLOAD_PREFETCH + 1) * elem * unit / dp)
+        if on_disk:
+            held["comm"] += _IO_BOUNCE
+    if on_disk:
+        disk = moved
+    else:
+        host = moved
+    return held, host, disk
+
+
+def _backward(c: Candidate, base: dict[str, float], layers: int, layer_act: float, head: float, rebuilt: float,
+              unit: float, root: float, psi: float, elem: int) -> list[dict[str, float]]:
+    """The samples of the last backward, unit by unit, as memsave.estimate's walk takes them: before a unit's
+    backward with ``d`` units done (the largest is at the first units or the last: every other step only trades
+    a unit's activations for its reduced gradient), and the end."""
+    points = [dict(base, activations=layer_act * layers + head + rebuilt)]
+    stage, dp = c.stage, c.dp
+    if stage == 0:
+        return points
+    reduced = elem * unit * (1.0 if stage == 1 else 1.0 / dp)  # what one unit's reduce-scatter leaves
+    staging = elem * unit + (elem * unit / dp if stage == 1 else 0.0)  # one reduce-scatter in flight
+    gather = c.pp > 1  # at stage 3 a stage's units stay gathered for the step ([parallel] gather = "step")
+    for d in sorted({1, 2, layers - 1, layers}):
+        if not 1 <= d <= layers:
+            continue
+        left = layers - d
+        p = dict(base, activations=layer_act * left + (rebuilt if left else 0.0))
+        grads = d * reduced
+        p["grads"] = max(base["grads"], grads) if stage == 1 else base["grads"] + grads
+        p["comm"] = base["comm"] + min(d, _REDUCES_IN_FLIGHT) * staging
+        if stage == 3:
+            p["params_gathered"] = elem * (psi if gather else root + (unit if left else 0.0))
+            if left > 1 and not gather:  # the next unit's gather in flight
+                p["comm"] += elem * unit
+        points.append(p)
+    points.append(dict(base, activations=0.0, grads=base["persistent"]))
+    return points
+
+
+def _total(b: dict[str, float]) -> float:
+    return sum(v for k, v in b.items() if k not in ("persistent", "offloaded_master"))

@@ -1,0 +1,76 @@
+"""The planner's closed-form memory model against memsave.estimate on the model itself, candidate by candidate.
+
+The closed forms price every candidate of a model given as a ``config.json`` (a 70B plan prices 1,600 of them);
+the estimator is validated against the tracker (tests/test_memory_tracker.py, tests/test_estimate_pp.py). Here
+the two agree on a grid of the planner's own candidates: ZeRO-0..3 with gradient accumulation, every
+recomputation, tensor and sequence parallelism, every pipeline schedule with ZeRO, offload to disk.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+
+from memsave.memory.schema import OFF_DEVICE
+from memsave.models import GPT, gpt_config
+from memsave.plan import Candidate, exact_peak, from_gpt, price
+from memsave.plan.memory import flights
+from tests.test_plan import CPU
+
+# Under full recomputation the closed forms hold a unit's rebuilt activations during its backward: a real peak
+# on a device, which memsave.estimate (sampled at unit boundaries, as the tracker is) does not see.
+# Offloaded to disk, the closed forms take the chunk window at its 1 MiB cap (4 on the device with the prefetch);
+# this tiny model's chunks are smaller.
+UNDER, OVER, OVER_FULL, OVER_DISK = 0.02, 0.02, 0.12, 0.15
+
+
+def _grid() -> list[dict[str, Any]]:
+    grid = [dict(dp=2, stage=s, recompute=r, micro_batches=m) for s in (0, 1, 2, 3)
+            for r in ("none", "selective", "full") for m in (1, 4)]
+    grid += [dict(dp=2, stage=s, recompute="none", micro_batches=2, offload=o)
+             for s, o in ((2, "optimizer:disk"), (3, "optimizer+params:disk"))]
+    grid += [dict(tp=2, stage=0, recompute=r, micro_batches=1) for r in ("none", "selective", "full")]
+    grid += [dict(dp=2, pp=2, stage=s, recompute=r, micro_batches=4, schedule=sched, virtual=v)
+             for sched, v in (("1f1b", 1), ("gpipe", 1), ("zero-bubble", 1), ("interleaved", 2))
+             for s in (0, 1, 3) for r in ("none", "full")]
+    return grid
+
+
+@functools.cache
+def _gpt() -> tuple[torch.nn.Module, Any]:
+    cfg = gpt_config("small", dropout=0.0)
+    with torch.device("meta"):
+        meta = GPT(cfg)
+    return meta, from_gpt(cfg)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_closed_forms_equal_the_estimator(precision: str) -> None:
+    meta, spec = _gpt()
+    seq, rows = 64, 2
+    ids = torch.zeros(rows, seq, dtype=torch.long, device="meta")
+    errors: list[str] = []
+    for g in _grid():
+        c = Candidate(**{"dp": 1, "tp": 1, "pp": 1, "offload": "none", **g}, precision=precision,
+                      micro_batch=rows)
+        exact = exact_peak(meta, c, {"input_ids": ids, "labels": ids}, device="cpu")
+        want = sum(v for k, v in exact.items() if k not in OFF_DEVICE)
+        p = price(spec, c, CPU, seq)
+        err = p.peak / want - 1
+        errors.append(f"{c.label()}: {err:+.1%}")
+        over = OVER_FULL if c.recompute == "full" else OVER_DISK if c.offload != "none" else OVER
+        assert -UNDER <= err <= over, errors[-1]
+        assert p.disk == pytest.approx(exact.get("offload_disk", 0), rel=0.02), c.label()
+
+
+def test_flights_before_and_after_the_first_backward() -> None:
+    """The micro-batches a pipeline rank holds at once: 1F1B's p - rank, again after the first backward when
+    m > p; GPipe's m, all before it; gradient accumulation without a pipeline: one, with the gradients after."""
+    assert flights("1f1b", 4, 8) == ((4.0, 4.0), (3.0, 3.0), (2.0, 2.0), (1.0, 1.0))
+    assert flights("gpipe", 2, 4) == ((4.0, 0.0), (4.0, 0.0))
+    assert flights("1f1b", 2, 2) == ((2.0, 0.0), (1.0, 1.0))  # rank 0's forwards all come before its backwards
+    assert flights("interleaved", 2, 4, 2)[0] == (2.5, 2.5)  # Megatron's p (1 + (p - 1) / (p v))
+    assert flights("1f1b", 1, 4) == ((1.0, 1.0),) and flights("1f1b", 1, 1) == ((1.0, 0.0),)
