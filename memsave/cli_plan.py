@@ -134,13 +134,12 @@ def run_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
     exact = None
     if model is not None and batch is not None and args.exact != "off":
         meta = model
-        cache: dict[Any, dict[str, int]] = {}
+        cache: dict[Candidate, dict[str, int]] = {}
 
-        def exact(c: Candidate) -> dict[str, int]:
-            key = (c.dp, c.tp, c.stage, c.precision, c.recompute, c.offload, c.micro_batch, c.micro_batches)
-            if key not in cache:
-                cache[key] = exact_peak(meta, c, _rows(batch, c.micro_batch), device=hw.device)
-            return cache[key]
+        def exact(c: Candidate) -> dict[str, int]:  # the whole candidate is the key: schedules differ in memory
+            if c not in cache:
+                cache[c] = exact_peak(meta, c, _rows(batch, c.micro_batch), device=hw.device)
+            return cache[c]
     print(f"memsave plan: {spec.name}, {spec.num_params:,} parameters; {args.world} device(s) of {hw.name} "
           f"({hw.source}); budget {format_bytes(int(budget))} per device; {args.global_batch} x {args.seq_len} "
           "tokens per step")

@@ -269,7 +269,18 @@ def test_cli_plan_write_explain(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "configurations considered" in text and "binding constraint of the choice: device memory" in text
     prof = memsave.load_profile(out)
     assert prof.description.startswith("memsave plan: ")
-    assert json.loads((tmp_path / "plan.json").read_text())["ranked"]
+    ranked = json.loads((tmp_path / "plan.json").read_text())["ranked"]
+    # each candidate's memory is its own estimate: schedules of one mesh differ (a cache keyed without them didn't)
+    fields = {f.name for f in dataclasses.fields(Candidate)}
+    piped = [r for r in ranked if r["pp"] > 1]
+    assert len({r["schedule"] for r in piped}) > 1, [r["config"] for r in ranked]
+    with torch.device("meta"):
+        meta = GPT(gpt_config("tiny"))
+    ids = torch.zeros(1, 32, dtype=torch.long, device="meta")
+    for r in piped[:4]:
+        c = Candidate(**{k: v for k, v in r.items() if k in fields})
+        want = exact_peak(meta, c, _rows({"input_ids": ids, "labels": ids}, c.micro_batch), device="cpu")
+        assert r["peak"] == pytest.approx(sum(v for k, v in want.items() if not k.startswith("offload")))
     assert main([*args, "--explain", "zero3"]) == 0
     assert "zero3: dp2 zero3" in capsys.readouterr().out
     assert main([*args[:-4], "--device-memory", "10KiB", "--hardware", str(hw)]) == 1
