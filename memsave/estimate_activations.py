@@ -58,15 +58,18 @@ def _to_meta(batch: Any) -> Any:
 def _fused_attention_on_meta(device_type: str) -> Iterator[None]:
     """Make ``F.scaled_dot_product_attention`` on meta tensors run the fused (flash) kernel the target device
     would pick, instead of the math fallback the meta device decomposes into, which saves the whole attention
-    matrix for backward: an estimate several times too big at long sequences. Masks and grouped-query calls
-    keep the original function."""
+    matrix for backward: an estimate several times too big at long sequences. Grouped-query calls
+    (``enable_gqa``, Hugging Face's Llama, Mistral, Qwen) run it too on CUDA, whose flash kernel takes fewer key
+    and value heads as they are (sdp_utils.cpp's ``check_grouped_query_attention``); on a CPU and with masks the
+    original function runs."""
     original = F.scaled_dot_product_attention
 
     def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, **kwargs: Any) -> Any:
-        if query.device.type != "meta" or attn_mask is not None or kwargs.get("enable_gqa"):
+        gqa = kwargs.pop("enable_gqa", False)
+        if query.device.type != "meta" or attn_mask is not None or kwargs or (gqa and device_type != "cuda"):
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                            scale=scale, **kwargs)
+                            scale=scale, enable_gqa=gqa, **kwargs)
         if device_type == "cuda":
             return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
                                                                       scale=scale)[0]

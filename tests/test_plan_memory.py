@@ -8,6 +8,7 @@ recomputation, tensor and sequence parallelism, every pipeline schedule with ZeR
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -16,9 +17,11 @@ import torch
 
 from memsave.memory.schema import OFF_DEVICE
 from memsave.models import GPT, gpt_config
-from memsave.plan import Candidate, exact_peak, from_gpt, price
+from memsave.plan import Candidate, exact_peak, from_gpt, from_hf_config, from_module, price
 from memsave.plan.memory import flights
 from tests.test_plan import CPU
+
+GPU = dataclasses.replace(CPU, name="test gpu", device="cuda", flops={"bf16": 1e12})
 
 # Under full recomputation the closed forms hold a unit's rebuilt activations during its backward: a real peak
 # on a device, which memsave.estimate (sampled at unit boundaries, as the tracker is) does not see.
@@ -74,3 +77,57 @@ def test_flights_before_and_after_the_first_backward() -> None:
     assert flights("1f1b", 2, 2) == ((2.0, 0.0), (1.0, 1.0))  # rank 0's forwards all come before its backwards
     assert flights("interleaved", 2, 4, 2)[0] == (2.5, 2.5)  # Megatron's p (1 + (p - 1) / (p v))
     assert flights("1f1b", 1, 4) == ((1.0, 1.0),) and flights("1f1b", 1, 1) == ((1.0, 0.0),)
+
+
+def _llama(tied: bool) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """A Llama-family layer as Hugging Face writes it (RMSNorm in fp32, rotary, 4 query heads over 2 KV heads,
+    SwiGLU at 2.75 h) with its default attention (sdpa), on the meta device. The batch asks for a cache: without
+    one the forward reads the positions' values (a packed-sequence check), which meta tensors do not have."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512, tie_word_embeddings=tied)
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(config)
+    ids = torch.zeros(2, 128, dtype=torch.long, device="meta")
+    return meta, {"input_ids": ids, "labels": ids, "use_cache": True}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_closed_forms_equal_the_estimator_on_hf_llama(tied: bool) -> None:
+    """The Llama family's own layer constants (LayerActivations.for_llama) on a CUDA device's flash kernel: every
+    ZeRO stage with and without accumulation, selective recomputation, host offload, and each schedule."""
+    meta, batch = _llama(tied)
+    spec = from_module(meta)
+    assert spec.family == "llama" and spec.intermediate == 352 and spec.kv_heads == 2
+    # the same spec from the config alone (memsave plan --model config.json)
+    same = from_hf_config(meta.config.to_dict())
+    assert (same.layer_params, same.embed_params + same.head_params + same.final_params, same.intermediate) == (
+        spec.layer_params, spec.embed_params + spec.head_params, spec.intermediate)
+    grid = [dict(dp=2, stage=s, recompute=r, micro_batches=m) for s in (0, 1, 2, 3) for r in ("none", "selective")
+            for m in (1, 4)]
+    grid += [dict(dp=2, stage=3, recompute="none", micro_batches=1, offload=o)
+             for o in ("optimizer", "optimizer+params")]
+    grid += [dict(dp=2, pp=2, stage=s, recompute="none", micro_batches=4, schedule=sched, virtual=v)
+             for sched, v in (("1f1b", 1), ("gpipe", 1), ("zero-bubble", 1), ("interleaved", 2)) for s in (0, 3)]
+    for g in grid:
+        c = Candidate(**{"dp": 1, "tp": 1, "pp": 1, "offload": "none", **g}, precision="bf16", micro_batch=2)
+        exact = exact_peak(meta, c, batch, device="cuda")
+        want = sum(v for k, v in exact.items() if k not in OFF_DEVICE)
+        p = price(spec, c, GPU, 128)
+        assert -UNDER <= p.peak / want - 1 <= OVER, f"{c.label()}: {p.peak / want - 1:+.1%}"
+        assert p.host == pytest.approx(exact.get("offload_host", 0), rel=0.02), c.label()
+
+
+def test_grouped_query_flash_attention_keeps_no_scores() -> None:
+    """On a CUDA device memsave.estimate runs grouped-query sdpa calls as the flash kernel does (no attention
+    matrix kept): a Llama layer's saved bytes grow with the sequence, not with its square."""
+    import memsave
+
+    meta, _ = _llama(False)
+    per_token = []
+    for seq in (64, 256):
+        ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+        est = memsave.estimate(meta, "ddp", batch={"input_ids": ids, "use_cache": True}, device="cuda")
+        per_token.append(est.activations / seq)
+    assert per_token[1] == pytest.approx(per_token[0], rel=1e-3)

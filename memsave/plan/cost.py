@@ -100,7 +100,7 @@ class Priced:
 def price(spec: ModelSpec, c: Candidate, hw: Hardware, seq: int, *, gpus_per_node: int = 8) -> Priced:
     """:class:`Priced` figures of ``c`` for ``spec`` at sequence length ``seq`` on ``hw``
     ([Note: the planner's memory model] in memsave/plan/memory.py, [Note: the planner's time model])."""
-    device, host, disk, busiest = device_bytes(spec, c, seq)
+    device, host, disk, busiest = device_bytes(spec, c, seq, hw.device)
     return Priced(c, device, host, disk, _time(spec, c, hw, seq, _ELEM[c.precision], gpus_per_node), busiest)
 
 

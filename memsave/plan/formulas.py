@@ -61,6 +61,21 @@ class LayerActivations:
         scores = 0.0 if fused_attention else (4 * unit + masks if dropout else 2 * unit)
         return cls(split=24 * unit, replicated=8 * unit + 2 * masks, scores=scores, layer_input=2 * unit)
 
+    @classmethod
+    def for_llama(cls, elem: int, h: int, intermediate: int, kv_dim: int, heads: int, *,
+                  selective: bool = False) -> LayerActivations:
+        """A Hugging Face Llama-family layer (RMSNorm, rotary, grouped KV heads, SwiGLU) under a flash kernel,
+        per token as memsave.estimate measures it (fitted over 9 shapes, 2 bytes at most per token off; checked
+        in tests/test_plan_memory.py): split by tp, the Q projection and its rotary copies (``2e h``), the
+        SwiGLU's four intermediates (``4e I``; memsave's selective recomputation keeps the two matmul outputs),
+        K and V (``2e`` per KV width) and the kernel's fp32 log-sum-exp (4 per head); replicated, the two
+        RMSNorms' fp32 copies (8) and the norm outputs and residual inputs (``4e h``; selective: ``3e h``) and the
+        rotary cos and sin (``2e`` per head dimension)."""
+        head_dim = h // max(heads, 1)
+        split = (2 * elem * h + (2 if selective else 4) * elem * intermediate + 2 * elem * kv_dim + 4 * heads) / h
+        replicated = (3 * elem if selective else 8 + 4 * elem) + 2 * elem * head_dim / h
+        return cls(split=split, replicated=replicated, scores=0.0, layer_input=float(elem))
+
 
 def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, sequence: bool = False,
                            recompute: str = "none", consts: LayerActivations = LayerActivations()) -> float:

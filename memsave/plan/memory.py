@@ -31,12 +31,24 @@ from memsave.plan.spec import ModelSpec
 if TYPE_CHECKING:
     from memsave.plan.cost import Candidate
 
-__all__ = ["device_bytes", "flights"]
+__all__ = ["device_bytes", "flights", "layer_constants"]
 
 ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}
 _STATE = {"adamw": 8.0, "adam": 8.0, "sgd": 4.0}  # bytes per parameter (Adafactor: its factored rows and columns)
 _REDUCES_IN_FLIGHT = 2  # memsave.models.units.REDUCES_IN_FLIGHT
 _OFFLOAD_PREFETCH, _CHUNK, _IO_BOUNCE = 2, 2**20, 2 * 2**20  # [offload] defaults; the disk tier's bounce buffers
+
+
+def layer_constants(spec: ModelSpec, elem: int, recompute: str) -> LayerActivations:
+    """A layer's activation constants for ``spec``'s family under ``recompute`` (full: as none, the layer's
+    input is what :func:`layer_activation_bytes` keeps), with a fused attention kernel."""
+    if spec.family == "llama":
+        kv_dim = spec.kv_heads * (spec.hidden // max(spec.heads, 1))
+        return LayerActivations.for_llama(elem, spec.hidden, spec.intermediate, kv_dim, spec.heads,
+                                          selective=recompute == "selective")
+    if recompute == "selective":  # memsave's: the matmuls' and the fused attention's outputs are kept
+        return LayerActivations(split=8 * elem, replicated=3 * elem, scores=0.0, layer_input=elem)
+    return LayerActivations.for_model(elem, spec.dropout, fused_attention=True)
 
 
 def state_bytes(spec: ModelSpec, params: float, optimizer: str) -> float:
@@ -73,21 +85,19 @@ def flights(schedule: str, pp: int, m: int, virtual: int = 1) -> tuple[tuple[flo
     return tuple(out)
 
 
-def device_bytes(spec: ModelSpec, c: Candidate, seq: int) -> tuple[dict[str, float], float, float, int]:
-    """Bytes per category on the busiest rank of ``c``, the bytes offloaded to the host and to the disk per rank,
-    and which pipeline stage is the busiest ([Note: the planner's memory model])."""
+def device_bytes(spec: ModelSpec, c: Candidate, seq: int,
+                 device_type: str = "cuda") -> tuple[dict[str, float], float, float, int]:
+    """Bytes per category on the busiest rank of ``c`` on a ``device_type`` device ("cuda" or "cpu"), the bytes offloaded to
+    the host and to the disk per rank, and which pipeline stage is the busiest ([Note: the planner's memory
+    model])."""
     elem = ELEM[c.precision]
     mixed = c.precision != "fp32"
-    consts = LayerActivations.for_model(elem, spec.dropout, fused_attention=True)
+    consts = layer_constants(spec, elem, "none")
     full_layer = layer_activation_bytes(seq, c.micro_batch, spec.hidden, spec.heads, c.tp, sequence=c.sequence,
                                         consts=consts)
-    if c.recompute == "selective":  # memsave's: the matmuls' and the fused attention's outputs are kept
-        sel = LayerActivations(split=8 * elem, replicated=3 * elem, scores=0.0, layer_input=elem)
-        layer_act = layer_activation_bytes(seq, c.micro_batch, spec.hidden, spec.heads, c.tp, sequence=c.sequence,
-                                           consts=sel)
-    else:
-        layer_act = layer_activation_bytes(seq, c.micro_batch, spec.hidden, spec.heads, c.tp, sequence=c.sequence,
-                                           recompute=c.recompute, consts=consts)
+    layer_act = layer_activation_bytes(seq, c.micro_batch, spec.hidden, spec.heads, c.tp, sequence=c.sequence,
+                                       recompute="full" if c.recompute == "full" else "none",
+                                       consts=layer_constants(spec, elem, c.recompute))
     rebuilt = full_layer if c.recompute == "full" else 0.0  # a unit's activations, recomputed for its backward
     unit = spec.layer_split / c.tp + spec.layer_params - spec.layer_split  # one block's parameters on this rank
     in_flight = flights(c.schedule, c.pp, c.micro_batches, c.virtual)
@@ -97,15 +107,16 @@ def device_bytes(spec: ModelSpec, c: Candidate, seq: int) -> tuple[dict[str, flo
         psi = spec.stage_params(c.pp, s, c.tp)
         layers = spec.stage_layers(c.pp, s)
         root = psi - layers * unit  # the embedding, the final norm and the head, on the stages that hold them
-        held, host, disk = _held(spec, c, psi, unit, elem, mixed)
+        held, host, disk = _held(spec, c, psi, unit, elem, mixed, device_type)
         if c.stage == 3:  # the root and one unit gathered; a pipeline stage's units for the whole step
             held["params_gathered"] = elem * (psi if c.pp > 1 else root + unit)
         stage_act, logits = layer_act * layers, 0.0
         if s == c.pp - 1:  # the head keeps the final norm's and its own input and the loss its log-softmax (fp32),
             # per micro-batch; the logits are held once, at the end of a forward
             tokens = c.micro_batch * seq
-            stage_act += tokens * (2 * elem * spec.hidden / (c.tp if c.sequence else 1) + 4.0 * spec.vocab / c.tp)
-            logits = 4.0 * tokens * spec.vocab / c.tp
+            norm = (4 + 2 * elem if spec.family == "llama" else 2 * elem) * spec.hidden  # its fp32 copy in Llama's
+            stage_act += tokens * (norm / (c.tp if c.sequence else 1) + 4.0 * spec.vocab / c.tp)
+            logits = (elem if spec.family == "llama" else 4.0) * tokens * spec.vocab / c.tp  # ours casts to fp32
         before, after = in_flight[min(s, len(in_flight) - 1)]
         accumulated = elem * psi if accumulating else 0.0
         points = [dict(held, activations=stage_act * before + logits)]  # the end of a forward
@@ -127,8 +138,8 @@ def device_bytes(spec: ModelSpec, c: Candidate, seq: int) -> tuple[dict[str, flo
     return device, host, disk, busiest
 
 
-def _held(spec: ModelSpec, c: Candidate, psi: float, unit: float, elem: int,
-          mixed: bool) -> tuple[dict[str, float], float, float]:
+def _held(spec: ModelSpec, c: Candidate, psi: float, unit: float, elem: int, mixed: bool,
+          device_type: str) -> tuple[dict[str, float], float, float]:
     """What a rank of a stage with ``psi`` parameters holds besides activations after ``zero_grad``, with the
     gradients it keeps from backward to the step (``persistent``), and what it offloads to the host and disk."""
     dp = c.dp
@@ -146,12 +157,13 @@ def _held(spec: ModelSpec, c: Candidate, psi: float, unit: float, elem: int,
     on_disk = c.offload.endswith(":disk")
     moved = master + state
     held["offloaded_master"], held["master"] = master, 0.0
-    if on_disk:  # stepped chunk by chunk through a window of prefetch + 2 buffers, snapshots of its parameters
+    if on_disk and device_type == "cpu":  # stepped chunk by chunk through a window of prefetch + 2 buffers and
+        # snapshots of its parameters, in (host) memory
         per_elem = moved / max(shard, 1.0)
         window = min(_CHUNK, per_elem * unit / dp)  # a chunk: whole rows of one unit's shard, at most 1 MiB
         held["optimizer_state"] = (_OFFLOAD_PREFETCH + 2) * window
         held["comm"] += (_OFFLOAD_PREFETCH + 2) * window / per_elem * elem
-    else:  # behind a GPU the step runs on the host
+    else:  # behind a GPU the step runs on the host, its window in host memory
         held["optimizer_state"] = 0.0
     if c.offload.startswith("optimizer+params"):  # the shards but the prefetch + 1 around their use
         moved += params

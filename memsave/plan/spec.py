@@ -20,6 +20,8 @@ from memsave.models import GPTConfig
 
 __all__ = ["ModelSpec", "from_gpt", "from_hf_config", "from_module"]
 
+_LLAMA = ("llama", "mistral", "qwen2")  # Hugging Face model types with Llama's layer
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
@@ -42,6 +44,9 @@ class ModelSpec:
     final_params: int
     tied: bool
     dropout: bool = False
+    family: str = "gpt"  # the layer's activations: "gpt" (Korthikanti et al.'s) or "llama" (RMSNorm, SwiGLU, GQA)
+    intermediate: int = 0  # llama: the MLP's width
+    kv_heads: int = 0  # llama: key/value heads (grouped-query attention)
     module: nn.Module | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
@@ -61,7 +66,8 @@ class ModelSpec:
         if stage == 0:
             held += embed
         if stage == pp - 1:
-            held += self.final_params + (self.head_params / tp if not self.tied else (token / tp if pp > 1 else 0))
+            held += self.final_params + (self.head_params / tp if not self.tied  # (tied: what follows the blocks)
+                                         else self.head_params + (token / tp if pp > 1 else 0))
         return held
 
     def stage_layers(self, pp: int, stage: int) -> int:
@@ -98,7 +104,7 @@ def from_hf_config(config: dict[str, Any] | str | Path, name: str | None = None)
                          embed_params=vocab * h + cfg.get("n_positions", 1024) * h,
                          head_params=0 if cfg.get("tie_word_embeddings", True) else vocab * h, final_params=2 * h,
                          tied=cfg.get("tie_word_embeddings", True), dropout=cfg.get("resid_pdrop", 0.0) > 0)
-    if kind in ("llama", "mistral", "qwen2") or "intermediate_size" in cfg:
+    if kind in _LLAMA or "intermediate_size" in cfg:
         h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
         heads = cfg["num_attention_heads"]
         kv = cfg.get("num_key_value_heads") or heads
@@ -111,7 +117,8 @@ def from_hf_config(config: dict[str, Any] | str | Path, name: str | None = None)
         return ModelSpec(name=label, layers=layers, hidden=h, heads=heads, vocab=vocab,
                          max_seq=cfg.get("max_position_embeddings", 4096), layer_params=split + 2 * h,
                          layer_split=split, embed_params=vocab * h, head_params=0 if tied else vocab * h,
-                         final_params=h, tied=tied, dropout=cfg.get("attention_dropout", 0.0) > 0)
+                         final_params=h, tied=tied, dropout=cfg.get("attention_dropout", 0.0) > 0,
+                         family="llama", intermediate=ffn, kv_heads=kv)
     raise ValueError(f"config.json model_type = {kind!r} is not allowed; expected llama, mistral, qwen2 or gpt2 "
                      "(or give the model as MODULE:FUNCTION)")
 
@@ -119,7 +126,8 @@ def from_hf_config(config: dict[str, Any] | str | Path, name: str | None = None)
 def from_module(model: nn.Module, name: str | None = None) -> ModelSpec:
     """Any module (on the meta device is best): its blocks are memsave's units (the largest ``nn.ModuleList``,
     else ``nn.Sequential`` children), the hidden size the width of the first block's first ``nn.Linear`` input.
-    Parameters outside the blocks count as the embedding (those before the first block) and the head."""
+    Parameters outside the blocks count as the embedding (those registered before the first block) and the head
+    (those after: the final norm and an untied output layer)."""
     from memsave.models.units import choose_units  # layer 0
 
     units = [u for u in choose_units(model).modules if u is not model]
@@ -133,7 +141,15 @@ def from_module(model: nn.Module, name: str | None = None) -> ModelSpec:
                          "hidden size from")
     h = linears[0].in_features
     in_blocks = {id(p) for u in units for p in u.parameters()}
-    outside = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)
+    before = after = 0  # outside the blocks: registered before the first (the embedding) or after (norm, head)
+    seen = False
+    for p in model.parameters():
+        if id(p) in in_blocks:
+            seen = True
+        elif seen:
+            after += p.numel()
+        else:
+            before += p.numel()
     split = sum(m.weight.numel() for m in units[0].modules() if isinstance(m, nn.Linear))
     embeds = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     vocab = max((e.num_embeddings for e in embeds), default=0)
@@ -144,6 +160,9 @@ def from_module(model: nn.Module, name: str | None = None) -> ModelSpec:
     # an output layer that shares an embedding's weight (a tied head: the pipeline keeps a copy on the last stage)
     tables = {id(e.weight) for e in embeds}
     tied = any(isinstance(m, nn.Linear) and id(m.weight) in tables for m in model.modules())
+    llama = getattr(config, "model_type", "") in _LLAMA and hasattr(config, "intermediate_size")
     return ModelSpec(name=name or type(model).__name__, layers=len(units), hidden=h, heads=heads, vocab=vocab,
-                     max_seq=0, layer_params=max(counts), layer_split=split, embed_params=outside, head_params=0,
-                     final_params=0, tied=tied, module=model)
+                     max_seq=0, layer_params=max(counts), layer_split=split, embed_params=before, head_params=after,
+                     final_params=0, tied=tied, module=model, family="llama" if llama else "gpt",
+                     intermediate=int(getattr(config, "intermediate_size", 0) or 0) if llama else 0,
+                     kv_heads=int(getattr(config, "num_key_value_heads", 0) or heads) if llama else 0)
