@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import ast
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -360,3 +362,13 @@ def test_layer_checker_sees_violations() -> None:
             child.parent = node  # type: ignore[attr-defined]
     assert sorted(set(_distributed_uses(tree))) == [
         (2, "torch.distributed"), (3, "torch.distributed.ReduceOp"), (5, "torch.distributed.device_mesh")]
+
+
+def test_import_leaves_dcp_until_a_checkpoint() -> None:
+    """``import memsave`` and the ``memsave`` command do not import torch.distributed.checkpoint (a second of DTensor
+    and sympy; memsave/dist/dcp_store.py is imported by the first save or load)."""
+    code = ("import sys, memsave, memsave.cli; "
+            "print(sorted(m for m in sys.modules if m.startswith(('torch.distributed.checkpoint', "
+            "'torch.distributed.tensor', 'memsave.dist.dcp_store'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
