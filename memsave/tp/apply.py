@@ -32,7 +32,7 @@ from memsave.tp.layers import (
     VocabParallelEmbedding,
     gather_tp,
 )
-from memsave.tp.loss import VocabShard
+from memsave.tp.loss import ShardedLogits, VocabShard
 from memsave.tp.mappings import ScatterSeq
 from memsave.tp.plan import default_plan, match_plan
 from memsave.tp.random import RegionRandom, sync_default_rng
@@ -169,7 +169,9 @@ def _gqa(name: str, parent: nn.Module, children: dict[str, nn.Module], cuts: lis
 def cut_shapes(model: nn.Module, tp: int, plan: Mapping[str, str] | None = None) -> set[int]:
     """Give a *meta-device* ``model`` the parameter shapes and head counts ``tp`` rank 0 holds under ``plan``, with
     no process group and no class swapped (the estimator's model: its forward on the meta device then saves what a
-    tensor-parallel rank saves without sequence parallelism). Returns the ids of the parameters cut."""
+    tensor-parallel rank saves without sequence parallelism). A vocab-parallel head returns :class:`ShardedLogits`
+    (with no group), so the model's own loss runs on the shard as in training. Returns the ids of the parameters
+    cut."""
     matched = match_plan(model, plan if plan is not None else default_plan(model))
     modules = dict(model.named_modules())
     cuts = [_Cut(modules[n], n, style, blocks) for n, (style, blocks) in matched.items()]
@@ -179,6 +181,10 @@ def cut_shapes(model: nn.Module, tp: int, plan: Mapping[str, str] | None = None)
     seen: set[int] = set()
     for cut in cuts:
         m = cut.module
+        if cut.style == "loss_parallel":  # its logits are the vocabulary's shard the model's own loss runs on
+            assert isinstance(m, nn.Linear)
+            shard = VocabShard(None, 0, -(-m.out_features // tp), m.out_features)
+            m.register_forward_hook(lambda _m, _args, out, shard=shard: ShardedLogits.wrap(out, shard))
         dims = {"rowwise": {"weight": 1}, "vocab_embedding": {"weight": 0}}.get(cut.style, {})
         if cut.style in _COLUMN and cut.select is None:
             dims = {"weight": 0, "bias": 0}

@@ -37,9 +37,10 @@ __all__ = ["ShardedLogits", "VocabShard", "vocab_parallel_cross_entropy"]
 @dataclasses.dataclass(frozen=True)
 class VocabShard:
     """Which columns of the global vocabulary this rank holds: ``[start, start + local)``, of ``vocab`` real ones
-    (columns at or past ``vocab`` are padding)."""
+    (columns at or past ``vocab`` are padding). ``group`` None: the estimator's meta copy (:func:`cut_shapes`),
+    where the loss runs for the bytes it saves and its reductions are left out (meta tensors hold no values)."""
 
-    group: ProcessGroup
+    group: ProcessGroup | None
     start: int
     local: int
     vocab: int
@@ -61,7 +62,8 @@ class _VocabParallelCE(torch.autograd.Function):
             logits = logits.clone()
             logits[:, real:] = -math.inf
         row_max = logits.max(dim=-1).values
-        mdist.all_reduce(row_max, group, op=mdist.ReduceOp.MAX, count_as="tp_loss")
+        if group is not None:
+            mdist.all_reduce(row_max, group, op=mdist.ReduceOp.MAX, count_as="tp_loss")
         shifted = logits - row_max.unsqueeze(-1)
         exp = shifted.exp()
         local_t = target - shard.start
@@ -72,7 +74,8 @@ class _VocabParallelCE(torch.autograd.Function):
         if smoothing:
             sums.append(shifted[:, :real].sum(-1))
         stacked = torch.stack(sums)
-        mdist.all_reduce(stacked, group, count_as="tp_loss")
+        if group is not None:
+            mdist.all_reduce(stacked, group, count_as="tp_loss")
         lse = stacked[0].log()
         loss = lse - stacked[1]
         if smoothing:
