@@ -33,7 +33,7 @@ from torch import nn
 
 from memsave.config import Profile, load_profile
 from memsave.dist.placement import Placement, Shard
-from memsave.estimate_activations import activations
+from memsave.estimate_activations import activations, sequence_parallel
 from memsave.estimate_offload import offload_states
 from memsave.memory.schema import CATEGORIES, OFF_DEVICE, format_bytes
 from memsave.models.units import REDUCES_IN_FLIGHT, choose_units, unit_parameters
@@ -94,6 +94,16 @@ def meta_copy(model: nn.Module) -> nn.Module:
     for b in model.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
     return copy.deepcopy(model, memo)
+
+
+def _cast(meta: nn.Module, prof: Profile) -> nn.Module:
+    """``meta``'s floating-point parameters in the compute dtype under mixed precision."""
+    if prof.precision.compute != "fp32":
+        dtype = compute_dtype(prof.precision)
+        for p in meta.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+    return meta
 
 
 def _rows(shape: torch.Size) -> tuple[int, int]:
@@ -208,8 +218,8 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
     per optimizer step (gradient accumulation under ``model.no_sync()``): at ZeRO stages 1-3 the full gradients
     accumulate locally until the last one. ``tp_plan``: as for ``memsave.wrap`` under ``[parallel] tp > 1``: the
     copy is cut to ``tp`` rank 0's shapes (:func:`memsave.tp.cut_shapes`), so every figure is per rank with the TP
-    split; activations are those of the cut forward without sequence parallelism (with it, an upper bound: the
-    norms' and residuals' share is tp times too big). See [Note: the estimated peak]. Under ``[parallel] pp > 1``
+    split; activations are those of the cut forward, under sequence parallelism 1/tp of each unit's whole
+    (without recomputation; with it, the cut figure, an upper bound). See [Note: the estimated peak]. Under ``[parallel] pp > 1``
     (``world_size / pp`` dp ranks per stage): each pipeline rank's estimate, its stages' states and the activations
     its schedule holds at once (``micro_batches`` per step; ``schedule``: a :class:`memsave.pp.Schedule` instead
     of the profile's), in ``.stages``; the one returned is the busiest (:func:`memsave.estimate_pp.estimate_stages`).
@@ -246,12 +256,7 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
         whole = sum(p.numel() for p in meta.parameters() if id(p) not in cut)
         tp_note = (f"tensor parallel: {split:,} parameters per rank are 1/{tp} slices (padded), {whole:,} are "
                    f"replicated over tp")
-    mixed = prof.precision.compute != "fp32"
-    if mixed:
-        dtype = compute_dtype(prof.precision)
-        for p in meta.parameters():
-            if p.is_floating_point():
-                p.data = p.data.to(dtype)
+    _cast(meta, prof)
     meta_units = None
     if units is not None:  # the same modules, found in the copy by name
         names = {id(m): n for n, m in model.named_modules()}
@@ -265,12 +270,17 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
     notes.insert(1, said)
     if tp_note:
         notes.append(tp_note)
-    if tp > 1 and prof.parallel.sequence:
-        notes.append("activations: sequence parallelism not modelled, the figure is an upper bound")
     acts, per_unit, outputs = 0, [0] * len(modules), 0
     if batch is not None:
         acts, per_unit, outputs, note = activations(meta, modules, prof, batch, device_type)
         notes.append(note)
+        if tp > 1 and prof.parallel.sequence and prof.recompute.policy == "none":  # the blocks once more, whole
+            names = {id(m): n for n, m in meta.named_modules()}
+            acts, per_unit = sequence_parallel(_cast(meta_copy(model), prof), [names[id(m)] for m in modules], prof,
+                                               batch, device_type, tp, acts, per_unit)
+            notes.append(f"sequence parallelism: each unit keeps 1/{tp} of what it keeps without tensor parallelism")
+        elif tp > 1 and prof.parallel.sequence:
+            notes.append("sequence parallelism under recomputation: activations as without it, an upper bound")
     best = peak_bytes(held, states, prof, per_unit, acts + outputs, micro_batches, notes)
     best = {k: int(v) for k, v in best.items() if v}
     return Estimate(profile=prof.name, world_size=world_size, tp=tp, model=user_class(model).__name__,
