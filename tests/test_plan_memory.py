@@ -56,7 +56,9 @@ def test_closed_forms_equal_the_estimator(precision: str) -> None:
     seq, rows = 64, 2
     ids = torch.zeros(rows, seq, dtype=torch.long, device="meta")
     errors: list[str] = []
-    for g in _grid():
+    # bf16 adds the step's fp32 copies and the masters: every stage with accumulation, and the schedules
+    grid = _grid() if precision == "fp32" else [g for g in _grid() if g.get("recompute") == "none"]
+    for g in grid:
         c = Candidate(**{"dp": 1, "tp": 1, "pp": 1, "offload": "none", **g}, precision=precision,
                       micro_batch=rows)
         exact = exact_peak(meta, c, {"input_ids": ids, "labels": ids}, device="cpu")
@@ -106,7 +108,7 @@ def test_closed_forms_equal_the_estimator_on_hf_llama(tied: bool) -> None:
     assert (same.layer_params, same.embed_params + same.head_params + same.final_params, same.intermediate) == (
         spec.layer_params, spec.embed_params + spec.head_params, spec.intermediate)
     grid = [dict(dp=2, stage=s, recompute=r, micro_batches=m) for s in (0, 1, 2, 3) for r in ("none", "selective")
-            for m in (1, 4)]
+            for m in (1, 4) if not tied or (r, m) == ("none", 4)]  # tied: the head's copy on the last stage
     grid += [dict(dp=2, stage=3, recompute="none", micro_batches=1, offload=o)
              for o in ("optimizer", "optimizer+params")]
     # the vocab-parallel head's logits reach the model's own loss as in training (it failed on the cut shapes)
