@@ -15,8 +15,9 @@ interleaved and zero-bubble schedules whatever their action lists hold. The last
 micro-batch's outputs (the logits) at the end of its forward.
 
 The peak walks the rank's actions in order: after each forward (what it holds, the outputs on the last stage)
-and after each backward, the gradients are the buckets' (stage 0) and, from this rank's first backward on, the
-full gradients accumulated under ``no_sync``; the last backward (the synchronizing one) is the walk of
+and after each backward, the gradients are the buckets' (stage 0) and the full gradients accumulated under
+``no_sync``: a stage's from its own first backward on (under interleaving a rank's chunks start apart; the
+root's, the embedding and the head, from the rank's first backward); the last backward (the synchronizing one) is the walk of
 [Note: the estimated peak] with what is left of the activations. ZeRO-3 stages hold every unit gathered for the
 step under ``[parallel] gather = "step"``. P2P receive buffers: a received activation is held until its
 backward; where no op of the stage saves it (then it is not among the activations) it is counted as ``comm``.
@@ -213,11 +214,15 @@ def _walk(r: int, schedule: Schedule, split: StageSplit, acts: StageActivations 
     if zero3:
         static["params_gathered"] = gathered if gathered is not None else (
             states["unit_full"][0] + max(states["unit_full"][1:], default=0))
-    accumulated = sum(states["unit_grad_full"]) if m > 1 else 0  # no_sync: p.grad from the first backward on
+    # no_sync: p.grad of a stage's parameters from its first backward on (the root's, the embedding and the
+    # head, counted from the rank's first backward)
+    full = states["unit_grad_full"]
+    stage_grads = {s: sum(full[k + 1] for k, u in enumerate(unit_names) if u in set(split.atoms_of(s)))
+                   for s in schedule.stages_of(r)}
+    seen: set[int] = set()
     actions = schedule.actions[r]
     last_bwd = max(i for i, a in enumerate(actions) if a.kind in ("B", "W"))
     held_acts = p2p = 0
-    backward_seen = False
     best: dict[str, int] = dict(static)
     for a in actions[:last_bwd]:
         end_of_forward = 0
@@ -226,12 +231,12 @@ def _walk(r: int, schedule: Schedule, split: StageSplit, acts: StageActivations 
             p2p += unsaved[a.stage]
             end_of_forward = outputs if a.stage == n_stages - 1 else 0
         else:
-            backward_seen = True
+            seen.add(a.stage)
             if a.kind != "I":  # an I keeps the graph (and its activations) for its W
                 held_acts -= saved[a.stage]
                 p2p -= unsaved[a.stage]
-        point = dict(static, activations=held_acts + end_of_forward,
-                     grads=static.get("grads", 0) + (accumulated if backward_seen else 0),
+        accumulated = full[0] + sum(stage_grads[x] for x in seen) if m > 1 and seen else 0
+        point = dict(static, activations=held_acts + end_of_forward, grads=static.get("grads", 0) + accumulated,
                      comm=static.get("comm", 0) + p2p)
         if _total(point) > _total(best):
             best = point
