@@ -39,8 +39,9 @@ def _run_forward(model: nn.Module, batch: Any) -> Callable[[], Any]:
                 raise
             raise ValueError(
                 f"the estimate runs {type(model).__name__}'s forward on the meta device, where a tensor has no values, "
-                f"and the forward read one ({exc}). Hugging Face models do so without an attention mask and without "
-                "a cache (a check for packed sequences): put \"attention_mask\" in the example batch") from exc
+                f"and the forward read one ({exc}). Hugging Face models do so without a cache: with eager attention put "
+                "\"attention_mask\" in the example batch; with sdpa (the default) that mask is read too, put "
+                "\"use_cache\": True instead (the estimate only)") from exc
     return run
 
 
