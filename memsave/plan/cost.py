@@ -37,7 +37,6 @@ __all__ = ["Candidate", "Priced", "collective_counts", "price"]
 _HOST_STEP_BW = 10e9
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """One configuration: the mesh, the ZeRO stage, precision, recomputation, offload and the batch split.

@@ -12,8 +12,8 @@ tests check it against the estimator on a grid of candidates (tests/test_plan_me
   full gradient in ``p.grad`` (stage 0: beside its buckets);
 - activations: Korthikanti et al.'s per-layer bytes with the model's own constants (dtype, dropout, a fused
   attention kernel) times the stage's layers; under a pipeline times the micro-batches the schedule holds at
-  once, before and after its first backward (:func:`flights`: 1F1B ``p - stage``, GPipe ``m``); the logits (fp32)
-  and their gradient on the last stage;
+  once, before and after its first backward (:func:`flights`: 1F1B ``p - stage``, GPipe ``m``); on the last
+  stage the head's and the loss's per micro-batch and the logits at the end of a forward;
 - the points the peak is taken at: the end of forward; the backward walk unit by unit at stages 1-3 (the
   activations left, the reduced gradients so far, two reduce-scatters' staging in flight, at stage 3 the unit
   gathered and the next one's gather in flight; under full recomputation the unit's activations rebuilt); the
@@ -25,6 +25,9 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
+from memsave.config_sections import OffloadConfig
+from memsave.models.units import REDUCES_IN_FLIGHT
+from memsave.offload.tiers import BOUNCE, IO_THREADS
 from memsave.plan.formulas import LayerActivations, layer_activation_bytes
 from memsave.plan.spec import ModelSpec
 
@@ -35,8 +38,7 @@ __all__ = ["device_bytes", "flights", "layer_constants"]
 
 ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}
 _STATE = {"adamw": 8.0, "adam": 8.0, "sgd": 4.0}  # bytes per parameter (Adafactor: its factored rows and columns)
-_REDUCES_IN_FLIGHT = 2  # memsave.models.units.REDUCES_IN_FLIGHT
-_OFFLOAD_PREFETCH, _CHUNK, _IO_BOUNCE = 2, 2**20, 2 * 2**20  # [offload] defaults; the disk tier's bounce buffers
+_OFFLOAD = OffloadConfig()  # the [offload] defaults the planner's profiles keep (prefetch, chunk_mb)
 
 
 def layer_constants(spec: ModelSpec, elem: int, recompute: str) -> LayerActivations:
@@ -87,9 +89,9 @@ def flights(schedule: str, pp: int, m: int, virtual: int = 1) -> tuple[tuple[flo
 
 def device_bytes(spec: ModelSpec, c: Candidate, seq: int,
                  device_type: str = "cuda") -> tuple[dict[str, float], float, float, int]:
-    """Bytes per category on the busiest rank of ``c`` on a ``device_type`` device ("cuda" or "cpu"), the bytes offloaded to
-    the host and to the disk per rank, and which pipeline stage is the busiest ([Note: the planner's memory
-    model])."""
+    """Bytes per category on the busiest rank of ``c`` on a ``device_type`` device ("cuda" or "cpu"), the bytes
+    offloaded to the host and to the disk per rank, and which pipeline stage is the busiest ([Note: the planner's
+    memory model])."""
     elem = ELEM[c.precision]
     mixed = c.precision != "fp32"
     consts = layer_constants(spec, elem, "none")
@@ -107,7 +109,7 @@ def device_bytes(spec: ModelSpec, c: Candidate, seq: int,
         psi = spec.stage_params(c.pp, s, c.tp)
         layers = spec.stage_layers(c.pp, s)
         root = psi - layers * unit  # the embedding, the final norm and the head, on the stages that hold them
-        held, host, disk = _held(spec, c, psi, unit, elem, mixed, device_type)
+        held, persistent, host, disk = _held(spec, c, psi, unit, elem, mixed, device_type)
         if c.stage == 3:  # the root and one unit gathered; a pipeline stage's units for the whole step
             held["params_gathered"] = elem * (psi if c.pp > 1 else root + unit)
         stage_act, logits = layer_act * layers, 0.0
@@ -124,13 +126,12 @@ def device_bytes(spec: ModelSpec, c: Candidate, seq: int,
             points.append(dict(held, grads=held["grads"] + accumulated, activations=stage_act * after + logits))
         # the last backward: one micro-batch's activations, the accumulated gradients beside
         base = dict(held, grads=held["grads"] + accumulated)
-        points += _backward(c, base, layers, layer_act, stage_act - layer_act * layers, rebuilt, unit, root, psi,
-                            elem)
-        if mixed:  # the step: every reduced gradient beside its fp32 copy on the masters
-            points.append(dict(held, grads=held["persistent"] + held["master"] + held["offloaded_master"]))
-        peak = max(points, key=_total)
-        device = {k: v for k, v in peak.items() if k not in ("persistent", "offloaded_master")}
-        total = _total(device)
+        points += _backward(c, base, persistent, layers, layer_act, stage_act - layer_act * layers, rebuilt, unit,
+                            root, psi, elem)
+        if mixed:  # the step: every reduced gradient beside its fp32 copy on the masters (offloaded ones too)
+            points.append(dict(held, grads=persistent + 4.0 * psi / (c.dp if c.stage >= 1 else 1)))
+        device = max(points, key=lambda b: sum(b.values()))
+        total = sum(device.values())
         if best is None or total > best[0]:
             best = (total, device, host, disk, s)
     assert best is not None
@@ -139,9 +140,9 @@ def device_bytes(spec: ModelSpec, c: Candidate, seq: int,
 
 
 def _held(spec: ModelSpec, c: Candidate, psi: float, unit: float, elem: int, mixed: bool,
-          device_type: str) -> tuple[dict[str, float], float, float]:
-    """What a rank of a stage with ``psi`` parameters holds besides activations after ``zero_grad``, with the
-    gradients it keeps from backward to the step (``persistent``), and what it offloads to the host and disk."""
+          device_type: str) -> tuple[dict[str, float], float, float, float]:
+    """What a rank of a stage with ``psi`` parameters holds besides activations after ``zero_grad``, the
+    gradients it keeps from backward to the step, and what it offloads to the host and to the disk."""
     dp = c.dp
     shard = psi / (dp if c.stage >= 1 else 1)
     params = elem * psi / (dp if c.stage >= 3 else 1)
@@ -149,36 +150,35 @@ def _held(spec: ModelSpec, c: Candidate, psi: float, unit: float, elem: int, mix
     master = 4.0 * shard if mixed else 0.0
     state = state_bytes(spec, shard, c.optimizer)
     held = {"params": params, "grads": persistent if c.stage == 0 else 0.0, "master": master,
-            "optimizer_state": state, "params_gathered": 0.0, "comm": 0.0, "persistent": persistent,
-            "offloaded_master": 0.0}
+            "optimizer_state": state, "params_gathered": 0.0, "comm": 0.0}
     host = disk = 0.0
     if c.offload == "none":
-        return held, host, disk
+        return held, persistent, host, disk
     on_disk = c.offload.endswith(":disk")
     moved = master + state
-    held["offloaded_master"], held["master"] = master, 0.0
+    held["master"] = 0.0
     if on_disk and device_type == "cpu":  # stepped chunk by chunk through a window of prefetch + 2 buffers and
         # snapshots of its parameters, in (host) memory
         per_elem = moved / max(shard, 1.0)
-        window = min(_CHUNK, per_elem * unit / dp)  # a chunk: whole rows of one unit's shard, at most 1 MiB
-        held["optimizer_state"] = (_OFFLOAD_PREFETCH + 2) * window
-        held["comm"] += (_OFFLOAD_PREFETCH + 2) * window / per_elem * elem
+        window = min(_OFFLOAD.chunk_mb * 2**20, per_elem * unit / dp)  # a chunk: whole rows of one unit's shard
+        held["optimizer_state"] = (_OFFLOAD.prefetch + 2) * window
+        held["comm"] += (_OFFLOAD.prefetch + 2) * window / per_elem * elem
     else:  # behind a GPU the step runs on the host, its window in host memory
         held["optimizer_state"] = 0.0
     if c.offload.startswith("optimizer+params"):  # the shards but the prefetch + 1 around their use
         moved += params
-        held["params"] = min(params, (_OFFLOAD_PREFETCH + 1) * elem * unit / dp)
+        held["params"] = min(params, (_OFFLOAD.prefetch + 1) * elem * unit / dp)
         if on_disk:
-            held["comm"] += _IO_BOUNCE
+            held["comm"] += IO_THREADS * BOUNCE
     if on_disk:
         disk = moved
     else:
         host = moved
-    return held, host, disk
+    return held, persistent, host, disk
 
 
-def _backward(c: Candidate, base: dict[str, float], layers: int, layer_act: float, head: float, rebuilt: float,
-              unit: float, root: float, psi: float, elem: int) -> list[dict[str, float]]:
+def _backward(c: Candidate, base: dict[str, float], persistent: float, layers: int, layer_act: float, head: float,
+              rebuilt: float, unit: float, root: float, psi: float, elem: int) -> list[dict[str, float]]:
     """The samples of the last backward, unit by unit, as memsave.estimate's walk takes them: before a unit's
     backward with ``d`` units done (the largest is at the first units or the last: every other step only trades
     a unit's activations for its reduced gradient), and the end."""
@@ -196,15 +196,11 @@ def _backward(c: Candidate, base: dict[str, float], layers: int, layer_act: floa
         p = dict(base, activations=layer_act * left + (rebuilt if left else 0.0))
         grads = d * reduced
         p["grads"] = max(base["grads"], grads) if stage == 1 else base["grads"] + grads
-        p["comm"] = base["comm"] + min(d, _REDUCES_IN_FLIGHT) * staging
+        p["comm"] = base["comm"] + min(d, REDUCES_IN_FLIGHT) * staging
         if stage == 3:
             p["params_gathered"] = elem * (psi if gather else root + (unit if left else 0.0))
             if left > 1 and not gather:  # the next unit's gather in flight
                 p["comm"] += elem * unit
         points.append(p)
-    points.append(dict(base, activations=0.0, grads=base["persistent"]))
+    points.append(dict(base, activations=0.0, grads=persistent))
     return points
-
-
-def _total(b: dict[str, float]) -> float:
-    return sum(v for k, v in b.items() if k not in ("persistent", "offloaded_master"))
