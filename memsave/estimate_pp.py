@@ -17,9 +17,9 @@ micro-batch's outputs (the logits) at the end of its forward.
 The peak walks the rank's actions in order: after each forward (what it holds, the outputs on the last stage)
 and after each backward, the gradients are the buckets' (stage 0) and the full gradients accumulated under
 ``no_sync``: a stage's from its own first backward on (under interleaving a rank's chunks start apart; the
-root's, the embedding and the head, from the rank's first backward); the last backward (the synchronizing one) is the walk of
-[Note: the estimated peak] with what is left of the activations. ZeRO-3 stages hold every unit gathered for the
-step under ``[parallel] gather = "step"``. P2P receive buffers: a received activation is held until its
+root's, the embedding and the head, from the rank's first backward); the last backward (the synchronizing
+one) is the walk of [Note: the estimated peak] with what is left of the activations. ZeRO-3 stages hold every
+unit gathered for the step under ``[parallel] gather = "step"``. P2P receive buffers: a received activation is held until its
 backward; where no op of the stage saves it (then it is not among the activations) it is counted as ``comm``.
 """
 
@@ -217,8 +217,11 @@ def _walk(r: int, schedule: Schedule, split: StageSplit, acts: StageActivations 
     # no_sync: p.grad of a stage's parameters from its first backward on (the root's, the embedding and the
     # head, counted from the rank's first backward)
     full = states["unit_grad_full"]
-    stage_grads = {s: sum(full[k + 1] for k, u in enumerate(unit_names) if u in set(split.atoms_of(s)))
-                   for s in schedule.stages_of(r)}
+    stage_of = {a: s for s in schedule.stages_of(r) for a in split.atoms_of(s)}
+    stage_grads = dict.fromkeys(schedule.stages_of(r), 0)
+    for k, u in enumerate(unit_names):
+        if u in stage_of:
+            stage_grads[stage_of[u]] += full[k + 1]
     seen: set[int] = set()
     actions = schedule.actions[r]
     last_bwd = max(i for i, a in enumerate(actions) if a.kind in ("B", "W"))

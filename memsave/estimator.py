@@ -219,10 +219,11 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
     accumulate locally until the last one. ``tp_plan``: as for ``memsave.wrap`` under ``[parallel] tp > 1``: the
     copy is cut to ``tp`` rank 0's shapes (:func:`memsave.tp.cut_shapes`), so every figure is per rank with the TP
     split; activations are those of the cut forward, under sequence parallelism 1/tp of each unit's whole
-    (without recomputation; with it, the cut figure, an upper bound). See [Note: the estimated peak]. Under ``[parallel] pp > 1``
-    (``world_size / pp`` dp ranks per stage): each pipeline rank's estimate, its stages' states and the activations
-    its schedule holds at once (``micro_batches`` per step; ``schedule``: a :class:`memsave.pp.Schedule` instead
-    of the profile's), in ``.stages``; the one returned is the busiest (:func:`memsave.estimate_pp.estimate_stages`).
+    (without recomputation; with it, the cut figure, an upper bound). See [Note: the estimated peak]. Under
+    ``[parallel] pp > 1`` (``world_size / pp`` dp ranks per stage): each pipeline rank's estimate, its stages'
+    states and the activations its schedule holds at once (``micro_batches`` per step; ``schedule``: a
+    :class:`memsave.pp.Schedule` instead of the profile's), in ``.stages``; the one returned is the busiest
+    (:func:`memsave.estimate_pp.estimate_stages`).
     """
     prof = load_profile(profile)
     device_type = device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
