@@ -3,6 +3,7 @@ whole state ([Note: offloaded state streamed] in memsave/checkpoint/state.py).""
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ def _status(key: str) -> int:
 
 
 def _save_rise(folder: str, precision: str) -> dict[str, Any]:
+    # torch.distributed.checkpoint's modules load with the first save: loaded here, they are not the save's rise
+    importlib.import_module("memsave.dist.dcp_store")
     from memsave.dist.host_memory import trim_host_memory
 
     mesh = memsave.init()
