@@ -115,8 +115,10 @@ def add_parser(sub: Any) -> None:
                    help="instead, on a CUDA device: the largest reference GPT each configuration trains within "
                         "--device-gib of device memory, and the step-time overhead of offload (memsave/bench/fit.py), "
                         "e.g. zero3-bf16,zero3-bf16-offload,zero3-bf16-offload-params")
-    p.add_argument("--device-gib", type=float, default=4.0, help="--fit: the device-memory cap in GiB (default: 4)")
-    p.add_argument("--d-model", type=int, default=1024, help="--fit: the GPT's width (default: 1024)")
+    p.add_argument("--device-gib", type=float, default=4.0, help="--fit: the device-memory cap in GiB; --plan on CUDA: the budget "
+                   "(default: 4)")
+    p.add_argument("--d-model", type=int, default=1024,
+                   help="--fit, --deferred, --plan on CUDA: the GPT's width (default: 1024)")
     p.add_argument("--fit-steps", type=int, default=3, help="--fit: steps per trial (default: 3)")
     p.add_argument("--memory", default=None,
                    help="instead: the memory tracker and estimator per profile (memsave/bench/memory.py): estimated "
@@ -140,7 +142,7 @@ def add_parser(sub: Any) -> None:
                    help="instead: the peak RSS per rank of wrapping (zero3, --nproc ranks) a GPT built under "
                         "memsave.deferred_init() against its shards + the largest unit, and the same GPT built eagerly "
                         "(memsave/bench/deferred.py; --d-model, --n-layer)")
-    p.add_argument("--n-layer", type=int, default=16, help="--deferred: the GPT's blocks (default: 16)")
+    p.add_argument("--n-layer", type=int, default=16, help="--deferred, --plan on CUDA: the GPT's blocks (default: 16)")
     p.add_argument("--checkpoint", nargs="?", const=",".join(checkpoint.DEFAULT_CONFIGS), default=None,
                    metavar="CONFIGS",
                    help="instead: memsave.save / load against a plain fsync'd write / read of the same bytes and "
@@ -171,7 +173,7 @@ def run_command(args: Any, extra: Any) -> int:
     if args.pp:
         return pp.run_command(opts, args.json)
     if args.plan:
-        return plan.run_command(opts, args.json)
+        return plan.run_command(opts, args.json, args.device_gib, args.d_model, args.n_layer)
     if args.deferred:
         return deferred.run_command(opts, args.d_model, args.n_layer, args.json)
     if args.checkpoint:
