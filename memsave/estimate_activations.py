@@ -68,7 +68,9 @@ def _fused_attention_on_meta(device_type: str) -> Iterator[None]:
     def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, **kwargs: Any) -> Any:
         gqa = kwargs.pop("enable_gqa", False)
-        if query.device.type != "meta" or attn_mask is not None or kwargs or (gqa and device_type != "cuda"):
+        # grouped-query on CUDA: flash takes it, but not in fp32 (nor does the memory-efficient kernel): math
+        math_gqa = gqa and (device_type != "cuda" or query.dtype == torch.float32)
+        if query.device.type != "meta" or attn_mask is not None or kwargs or math_gqa:
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale, enable_gqa=gqa, **kwargs)
         if device_type == "cuda":
@@ -85,20 +87,20 @@ def _fused_attention_on_meta(device_type: str) -> Iterator[None]:
 
 
 def activations(meta: nn.Module, modules: list[nn.Module], prof: Profile, batch: Any,
-                 device_type: str) -> tuple[int, list[int], int, str]:
+                 device_type: str) -> tuple[int, list[int], int, str, int]:
     """Saved bytes of one forward of the meta model under the recompute policy: total, per unit, the bytes of the
-    forward's outputs that backward does not keep (the logits beside the log-softmax cross-entropy saves), and a
-    note."""
-    saved, output_bytes, scale, note = measure_activations(meta, modules, prof, batch, device_type)
-    return int(saved.total * scale), list(saved.units), output_bytes, note
+    forward's outputs that backward does not keep (the logits beside the log-softmax cross-entropy saves), a
+    note, and the elements of the largest floating output (the logits)."""
+    saved, output_bytes, scale, note, logits = measure_activations(meta, modules, prof, batch, device_type)
+    return int(saved.total * scale), list(saved.units), output_bytes, note, logits
 
 
 def measure_activations(meta: nn.Module, modules: list[nn.Module], prof: Profile, batch: Any, device_type: str,
-                        attribute: list[nn.Module] | None = None) -> tuple[SavedBytes, int, float, str]:
+                        attribute: list[nn.Module] | None = None) -> tuple[SavedBytes, int, float, str, int]:
     """One forward of the meta model with the recompute policy applied to ``modules``, its saved bytes attributed
     to ``attribute`` (default: ``modules``; a pipeline's atoms for ``memsave.estimate`` under pp): the
     measurement, the bytes of the outputs backward does not keep, the factor compression applies to the saved
-    bytes (1.0 without), and a note."""
+    bytes (1.0 without), a note, and the elements of the largest floating output."""
     from memsave import recompute
     from memsave.recompute.measure import measure_saved_bytes
 
@@ -109,7 +111,10 @@ def measure_activations(meta: nn.Module, modules: list[nn.Module], prof: Profile
         out = forward()
         outputs.clear()
         outputs.update((t.untyped_storage()._cdata, t.untyped_storage().nbytes()) for t in output_tensors(out))
+        largest[:] = [max((t.numel() for t in output_tensors(out) if t.is_floating_point()), default=0)]
         return out
+
+    largest = [0]
 
     plan = None
     if prof.recompute.policy != "none":
@@ -130,7 +135,7 @@ def measure_activations(meta: nn.Module, modules: list[nn.Module], prof: Profile
         keep = 2 if prof.recompute.compress == "bf16" else 1
         scale = keep / 4 if prof.precision.compute == "fp32" else 1.0
         note += f", compressed to {prof.recompute.compress} (estimated as {keep}/4 of the fp32 bytes)"
-    return saved, output_bytes, scale, note
+    return saved, output_bytes, scale, note, largest[0]
 
 
 def sequence_parallel(whole: nn.Module, unit_names: list[str], prof: Profile, batch: Any, device_type: str,
@@ -144,6 +149,6 @@ def sequence_parallel(whole: nn.Module, unit_names: list[str], prof: Profile, ba
     Under recomputation a unit also keeps inputs no rank shards (a Llama layer's rotary tables and mask: 1/tp of
     them was 11% under), so :func:`memsave.estimate` keeps the figure without sequence parallelism there."""
     by_name = dict(whole.named_modules())
-    _, full, _, _ = activations(whole, [by_name[n] for n in unit_names], prof, batch, device_type)
+    _, full, _, _, _ = activations(whole, [by_name[n] for n in unit_names], prof, batch, device_type)
     shares = [-(-f // tp) for f in full]
     return acts - sum(per_unit) + sum(shares), shares

@@ -34,6 +34,7 @@ from torch import nn
 
 from memsave.config import Profile
 from memsave.estimate_activations import measure_activations
+from memsave.estimate_cuda import allocator_extra
 from memsave.estimator import Estimate, _total, _units, held_states, meta_copy, peak_bytes
 from memsave.memory.schema import format_bytes
 from memsave.models.units import output_tensors, unit_parameters
@@ -62,6 +63,7 @@ class StageActivations:
     received: tuple[int, ...]
     unsaved: tuple[int, ...]
     note: str
+    logits: int = 0  # elements of the largest floating output (the logits), on the last stage
 
 
 def stage_activations(meta: nn.Module, split: StageSplit, modules: list[nn.Module], prof: Profile, batch: Any,
@@ -77,7 +79,8 @@ def stage_activations(meta: nn.Module, split: StageSplit, modules: list[nn.Modul
 
     hooks = [m.register_forward_hook(keep) for m in atoms]
     try:
-        saved, outputs, scale, note = measure_activations(meta, modules, prof, batch, device_type, attribute=atoms)
+        saved, outputs, scale, note, logits = measure_activations(meta, modules, prof, batch, device_type,
+                                                                  attribute=atoms)
     finally:
         for h in hooks:
             h.remove()
@@ -97,7 +100,7 @@ def stage_activations(meta: nn.Module, split: StageSplit, modules: list[nn.Modul
                 unsaved[dst] += 0 if storage._cdata in keys[dst] else storage.nbytes()
     per_atom = {a: int(sum(k.values()) * scale) for a, k in zip(split.atoms, saved._unit_keys)}
     return StageActivations(tuple(int(sum(k.values()) * scale) for k in keys), per_atom, outputs,
-                            tuple(received), tuple(unsaved), note)
+                            tuple(received), tuple(unsaved), note, logits)
 
 
 def _check(prof: Profile, world_size: int) -> int:
@@ -188,8 +191,16 @@ def estimate_stages(model: nn.Module, prof: Profile, *, world_size: int, batch: 
                              + (f" ({' + '.join(format_bytes(acts.unsaved[s]) for s in local)} that no op saves, "
                                 "counted as comm)" if any(acts.unsaved[s] for s in local) else
                                 " (saved by the stage's first op: among the activations)"))
+        transient = 0
+        if device == "cuda":  # [Note: the allocator's peak]; the head's at this rank's peak: an upper bound
+            total = _total(peak)
+            transient, note = allocator_extra(
+                forward_end=total, step=_total(held), peak=total,
+                logits=acts.logits if acts is not None and outputs else 0, compute=prof.precision.compute,
+                stepped=held.get("optimizer_state", 0) // 8, optimizer=prof.optimizer.name)
+            notes.append(note)
         out.append(Estimate(profile=prof.name, world_size=world_size, tp=par.tp, model=user_class(model).__name__,
-                            num_params=sum(p.numel() for p in model.parameters()),
+                            num_params=sum(p.numel() for p in model.parameters()), transient=int(transient),
                             bytes={k: int(v) for k, v in peak.items() if v}, model_state=model_state,
                             activations=int(sim.peak_bytes[r]) + outputs, notes=tuple(notes),
                             units=f"units: {len(mine)} of this rank's stages", pp=pp, pp_rank=r))

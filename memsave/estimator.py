@@ -34,8 +34,10 @@ from torch import nn
 from memsave.config import Profile, load_profile
 from memsave.dist.placement import Placement, Shard
 from memsave.estimate_activations import activations, sequence_parallel
+from memsave.estimate_cuda import allocator_extra
+from memsave.estimate_format import format_estimates
 from memsave.estimate_offload import offload_states
-from memsave.memory.schema import CATEGORIES, OFF_DEVICE, format_bytes
+from memsave.memory.schema import OFF_DEVICE
 from memsave.models.units import REDUCES_IN_FLIGHT, choose_units, unit_parameters
 from memsave.precision import compute_dtype, reduce_dtype_for
 from memsave.wrapped import user_class
@@ -69,10 +71,16 @@ class Estimate:
     pp: int = 1  # pipeline degree: world_size / pp data-parallel ranks per stage
     pp_rank: int = 0  # under pp > 1: the pipeline rank this estimate is for (memsave/estimate_pp.py)
     stages: tuple[Estimate, ...] = ()  # under pp > 1: every pipeline rank's estimate; this one is the busiest
+    transient: int = 0  # on CUDA: what the allocator holds beyond the tensors counted (memsave/estimate_cuda.py)
 
     @property
     def peak_total(self) -> int:
         return sum(v for k, v in self.bytes.items() if k not in OFF_DEVICE)
+
+    @property
+    def device_peak(self) -> int:
+        """The device allocator's peak: ``peak_total`` and, on CUDA, its ``transient`` bytes."""
+        return self.peak_total + self.transient
 
     def to_report_dict(self) -> dict[str, Any]:
         """The ``estimate`` entry of a ``memsave.report/2`` dict (under pp: the busiest rank's, and ``stages``, each
@@ -271,9 +279,9 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
     notes.insert(1, said)
     if tp_note:
         notes.append(tp_note)
-    acts, per_unit, outputs = 0, [0] * len(modules), 0
+    acts, per_unit, outputs, logits = 0, [0] * len(modules), 0, 0
     if batch is not None:
-        acts, per_unit, outputs, note = activations(meta, modules, prof, batch, device_type)
+        acts, per_unit, outputs, note, logits = activations(meta, modules, prof, batch, device_type)
         notes.append(note)
         if tp > 1 and prof.parallel.sequence and prof.recompute.policy == "none":  # the blocks once more, whole
             names = {id(m): n for n, m in meta.named_modules()}
@@ -282,10 +290,16 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
             notes.append(f"sequence parallelism: each unit keeps 1/{tp} of what it keeps without tensor parallelism")
         elif tp > 1 and prof.parallel.sequence:
             notes.append("sequence parallelism under recomputation: activations as without it, an upper bound")
-    best = peak_bytes(held, states, prof, per_unit, acts + outputs, micro_batches, notes)
+    points: dict[str, int] = {}
+    best = peak_bytes(held, states, prof, per_unit, acts + outputs, micro_batches, notes, points=points)
     best = {k: int(v) for k, v in best.items() if v}
+    transient = 0
+    if device_type == "cuda":  # [Note: the allocator's peak]
+        transient, note = allocator_extra(**points, peak=_total(best), logits=logits, compute=prof.precision.compute,
+                                          stepped=held.get("optimizer_state", 0) // 8, optimizer=prof.optimizer.name)
+        notes.append(note)
     return Estimate(profile=prof.name, world_size=world_size, tp=tp, model=user_class(model).__name__,
-                    num_params=sum(p.numel() for p in model.parameters()), bytes=best,
+                    num_params=sum(p.numel() for p in model.parameters()), bytes=best, transient=transient,
                     model_state=model_state, activations=acts + outputs, notes=tuple(notes), units=said)
 
 
@@ -309,10 +323,12 @@ def held_states(meta: nn.Module, groups: list[list[nn.Parameter]], prof: Profile
 
 
 def peak_bytes(held: dict[str, int], states: dict[str, Any], prof: Profile, per_unit: list[int], forward_end: int,
-               micro_batches: int, notes: list[str], *, gathered: int | None = None) -> dict[str, int]:
+               micro_batches: int, notes: list[str], *, gathered: int | None = None,
+               points: dict[str, int] | None = None) -> dict[str, int]:
     """The estimated peak ([Note: the estimated peak]) from what is held (:func:`held_states`), the activations
     per unit and at the end of forward (``forward_end``, the outputs included). ``gathered``: ZeRO-3 parameters
-    held gathered throughout (a pipeline stage's ``[parallel] gather = "step"``) instead of root and one unit."""
+    held gathered throughout (a pipeline stage's ``[parallel] gather = "step"``) instead of root and one unit. ``points``:
+    filled with the totals at the end of forward and in the step ([Note: the allocator's peak])."""
     stage = prof.zero.stage
     held, persistent_grads = dict(held), states["persistent_grads"]
     if stage == 3:
@@ -335,6 +351,10 @@ def peak_bytes(held: dict[str, int], states: dict[str, Any], prof: Profile, per_
         # masters without clipping or loss scale skip the copy (cast chunk by chunk): counted anyway, as an upper bound
         step = dict(base, activations=0, grads=persistent_grads + states["bytes"]["master"])
         best = step if _total(step) > _total(best) else best
+    else:
+        step = dict(base, activations=0, grads=persistent_grads)
+    if points is not None:
+        points.update(forward_end=_total(base) + forward_end, step=_total(step))
     return best
 
 
@@ -376,24 +396,3 @@ def _walk_backward(best: dict[str, int], base: dict[str, int], states: dict[str,
 
 def _total(b: Mapping[str, int]) -> int:
     return sum(v for k, v in b.items() if k not in OFF_DEVICE)
-
-
-def format_estimates(estimates: Sequence[Estimate]) -> str:
-    """One line per estimate (under pp: per pipeline rank): bytes per category at the estimated peak, the model
-    state and the peak."""
-    rows_of = [(e, s) for e in estimates for s in (e.stages or (e,))]
-    cats = [c for c in CATEGORIES if any(s.bytes.get(c) for _, s in rows_of)]
-    head = ["profile", "ranks", *cats, "model state", "peak"]
-    rows = [[e.profile, f"{s.world_size}" + (f" pp {s.pp_rank}" if s.pp > 1 else ""),
-             *(format_bytes(s.bytes.get(c, 0)) for c in cats), format_bytes(s.model_state),
-             format_bytes(s.peak_total)] for e, s in rows_of]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-    if estimates:
-        e = estimates[0]
-        lines.append(f"{e.model}: {e.num_params:,} parameters; per rank (rank 0: the most rows), at the estimated "
-                     "peak; model state as the ZeRO formula counts it (full gradients at stages 0-1)")
-        lines += [u for u in dict.fromkeys(e.units for e in estimates if not e.stages) if u]
-        lines += list(dict.fromkeys(s.notes[0] for _, s in rows_of if s.pp > 1))  # which stages, what in flight
-    return "\n".join(lines)

@@ -112,8 +112,9 @@ def validate(profile: Profile, mesh: Mesh, model: nn.Module, *, units: Sequence[
             if not split_backward_supported():
                 raise NotImplementedError(
                     f"profile {profile.name!r}: [parallel] schedule = \"zero-bubble\" with [recompute] policy = "
-                    f"{profile.recompute.policy!r} needs torch >= 2.9 (its selective checkpoint read twice, by the "
-                    f"input- and the weight-gradient pass); this is torch {torch.__version__}: use policy = \"full\" "
+                    f"{profile.recompute.policy!r} needs torch's selective checkpoint modes (torch.utils.checkpoint."
+                    f"_CachedTorchDispatchMode: read twice, by the input- and the weight-gradient pass), which torch "
+                    f"{torch.__version__} does not have: use policy = \"full\" "
                     "or schedule = \"1f1b\"")
         split = par.split
         if par.balance != "count":  # [parallel] balance: the split from each block's parameters or measured time

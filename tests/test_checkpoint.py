@@ -248,9 +248,11 @@ def test_a_record_is_read_without_the_readers_record_size(monkeypatch: pytest.Mo
     buf = io.BytesIO()
     torch.save(t, buf)
     data = buf.getvalue()
-    assert torch.equal(dcp_io.raw_record(data, (3, 4), torch.float32), t)
-
     real = torch._C.PyTorchFileReader
+    if hasattr(real, "get_record_size"):
+        assert torch.equal(dcp_io.raw_record(data, (3, 4), torch.float32), t)
+    else:  # this torch is the old reader
+        assert dcp_io.raw_record(data, (3, 4), torch.float32) is None
 
     class OldReader:  # the 2.11 reader: everything but get_record_size
         def __init__(self, f: Any) -> None:

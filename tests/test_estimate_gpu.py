@@ -89,8 +89,23 @@ def _measure(kind: str, c: Candidate) -> tuple[int, int]:
     return peak, allocator
 
 
+def _workspace() -> int:
+    """What the first matmul leaves allocated besides its output (cuBLAS's workspace), once per process: each case
+    measures above what was allocated before it, so the workspace is added to each."""
+    x = torch.ones(64, 64, device="cuda")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    y = x @ x
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated() - before - y.nbytes
+
+
 def test_estimate_and_closed_forms_cover_the_allocators_peak() -> None:
+    """The estimate's tensors within 5% of the tracker's; with what the allocator holds beside them (the estimate's
+    ``transient``, [Note: the allocator's peak]) within the planner's headroom of ``max_memory_allocated`` and
+    not more than 10% over it; the closed forms within theirs."""
     rows, failures = [], []
+    workspace = _workspace()
     for kind in MODELS:
         meta = MODELS[kind][0]("meta")
         spec = from_gpt(meta.config) if kind == "gpt" else from_module(meta)
@@ -98,17 +113,18 @@ def test_estimate_and_closed_forms_cover_the_allocators_peak() -> None:
             c = Candidate(**{"dp": 1, "tp": 1, "pp": 1, "stage": 0, "offload": "none", **case}, micro_batch=ROWS)
             est = memsave.estimate(meta, to_profile(c), batch=_batch(kind, ROWS, "meta"), device="cuda",
                                    micro_batches=c.micro_batches)
-            exact = est.peak_total
+            exact, device = est.peak_total, est.device_peak
             closed = price(spec, c, VENDOR["h100"], SEQ).peak
             tracked, allocator = _measure(kind, c)
+            allocator += workspace
             rows.append(f"{kind:<6}{c.label():<58} tracker {tracked / 2**20:8.1f} MiB  estimate "
                         f"{exact / tracked - 1:+6.1%}  allocator {allocator / 2**20:8.1f} MiB  estimate "
-                        f"{exact / allocator - 1:+6.1%}  closed form {closed / allocator - 1:+6.1%}")
+                        f"{device / allocator - 1:+6.1%}  closed form {closed / allocator - 1:+6.1%}")
             if not -0.05 <= exact / tracked - 1 <= 0.05:
                 failures.append(f"{kind} {c.label()}: estimate {exact / tracked - 1:+.1%} of the tracker's peak")
-            if exact * (1 + HEADROOM) < allocator:
-                failures.append(f"{kind} {c.label()}: estimate + {HEADROOM:.0%} is under the allocator's peak "
-                                f"({exact / allocator - 1:+.1%})")
+            if not allocator <= device * (1 + HEADROOM) <= 1.1 * allocator * (1 + HEADROOM):
+                failures.append(f"{kind} {c.label()}: estimate {device / allocator - 1:+.1%} of the allocator's "
+                                f"peak (allowed: -{HEADROOM:.0%} to +10%)")
             if closed * (1 + ANALYTIC_HEADROOM) < allocator:
                 failures.append(f"{kind} {c.label()}: closed form + {ANALYTIC_HEADROOM:.0%} is under the "
                                 f"allocator's peak ({closed / allocator - 1:+.1%})")

@@ -233,7 +233,8 @@ LAYERS = {
     "zero": 3, "recompute": 3, "tp": 3, "pp": 3,
     "engines": 4,
     "trainer": 5, "trainer_config": 5, "api": 5, "checkpoint": 5, "validate": 5, "estimator": 5,
-    "estimate_activations": 5, "estimate_offload": 5, "estimate_pp": 5, "plan": 5,
+    "estimate_activations": 5, "estimate_offload": 5, "estimate_pp": 5, "estimate_cuda": 5, "estimate_format": 5,
+    "plan": 5,
     "cli": 6, "cli_args": 6, "cli_estimate": 6, "cli_export": 6, "cli_plan": 6, "bench": 6, "__main__": 6,
 }
 # `from memsave import __version__` (a name of the package root, not a submodule): the root re-exports layers
@@ -372,3 +373,19 @@ def test_import_leaves_dcp_until_a_checkpoint() -> None:
             "'torch.distributed.tensor', 'memsave.dist.dcp_store'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_local_rank_without_a_gpu_of_its_own_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks on a one-GPU machine: NCCL would fail only at the first collective ("Duplicate GPU detected"),
+    so the device is refused where it is chosen, saying how many GPUs there are and what to do instead."""
+    import torch
+
+    from memsave.dist import default_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert default_device(0) == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=r"local rank 1 has no CUDA device of its own: 1 visible "
+                                         r"\(CUDA_VISIBLE_DEVICES='0'\).*CUDA_VISIBLE_DEVICES=\) to run every rank"):
+        default_device(1)

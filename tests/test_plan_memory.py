@@ -21,7 +21,7 @@ from memsave.plan import Candidate, exact_peak, from_gpt, from_hf_config, from_m
 from memsave.plan.memory import flights
 from tests.test_plan import CPU
 
-GPU = dataclasses.replace(CPU, name="test gpu", device="cuda", flops={"bf16": 1e12})
+GPU = dataclasses.replace(CPU, name="test gpu", device="cuda", flops={"bf16": 1e12, "fp32": 1e12})
 
 # Under full recomputation the closed forms hold a unit's rebuilt activations during its backward: a real peak
 # on a device, which memsave.estimate (sampled at unit boundaries, as the tracker is) does not see.
@@ -115,24 +115,36 @@ def test_closed_forms_equal_the_estimator_on_hf_llama(tied: bool) -> None:
     grid += [dict(tp=2, stage=s, recompute=r, micro_batches=1) for s in (0, 1) for r in ("none", "selective")]
     grid += [dict(dp=2, pp=2, stage=s, recompute="none", micro_batches=4, schedule=sched, virtual=v)
              for sched, v in (("1f1b", 1), ("gpipe", 1), ("zero-bubble", 1), ("interleaved", 2)) for s in (0, 3)]
+    # fp32: grouped queries run the math kernel on CUDA, which keeps its scores
+    grid += [dict(dp=2, stage=s, recompute=r, micro_batches=1, precision="fp32") for s in (0, 3)
+             for r in ("none", "selective")]
     for g in grid:
-        c = Candidate(**{"dp": 1, "tp": 1, "pp": 1, "offload": "none", **g}, precision="bf16", micro_batch=2)
+        c = Candidate(**{"dp": 1, "tp": 1, "pp": 1, "offload": "none", "precision": "bf16", **g}, micro_batch=2)
         exact = exact_peak(meta, c, batch, device="cuda")
-        want = sum(v for k, v in exact.items() if k not in OFF_DEVICE)
+        # the tensors, then what the CUDA allocator holds beside them ([Note: the allocator's peak])
+        want = sum(v for k, v in exact.items() if k not in (*OFF_DEVICE, "transient"))
         p = price(spec, c, GPU, 128)
-        assert -UNDER <= p.peak / want - 1 <= OVER, f"{c.label()}: {p.peak / want - 1:+.1%}"
+        transient = p.device.get("transient", 0)
+        err = (p.peak - transient) / want - 1
+        assert -UNDER <= err <= OVER, f"{c.label()}: {err:+.1%}"
+        assert abs(transient - exact["transient"]) <= 0.02 * want, (c.label(), transient, exact["transient"], want)
         assert p.host == pytest.approx(exact.get("offload_host", 0), rel=0.02), c.label()
 
 
 def test_grouped_query_flash_attention_keeps_no_scores() -> None:
-    """On a CUDA device memsave.estimate runs grouped-query sdpa calls as the flash kernel does (no attention
-    matrix kept): a Llama layer's saved bytes grow with the sequence, not with its square."""
+    """On a CUDA device memsave.estimate runs grouped-query sdpa calls in bf16 as the flash kernel does (no
+    attention matrix kept): a Llama layer's saved bytes grow with the sequence, not with its square. In fp32 no
+    fused kernel takes grouped queries (flash needs 16-bit inputs, the memory-efficient kernel no GQA; measured on
+    an H100: the estimate was 17% under the tracker), so the math kernel's scores are kept."""
     import memsave
 
     meta, _ = _llama(False)
-    per_token = []
-    for seq in (64, 256):
-        ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
-        est = memsave.estimate(meta, "ddp", batch={"input_ids": ids, "use_cache": True}, device="cuda")
-        per_token.append(est.activations / seq)
-    assert per_token[1] == pytest.approx(per_token[0], rel=1e-3)
+    per_token: dict[str, list[float]] = {"bf16": [], "fp32": []}
+    for compute in per_token:
+        prof = memsave.load_profile("ddp", (f'precision.compute="{compute}"',))
+        for seq in (64, 256):
+            ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+            est = memsave.estimate(meta, prof, batch={"input_ids": ids, "use_cache": True}, device="cuda")
+            per_token[compute].append(est.activations / seq)
+    assert per_token["bf16"][1] == pytest.approx(per_token["bf16"][0], rel=1e-3)
+    assert per_token["fp32"][1] > 1.1 * per_token["fp32"][0]

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from memsave import dist as mdist
 from memsave._launch import spawn_local
@@ -26,6 +26,7 @@ from memsave.memory import peak_rss_bytes
 from memsave.models import GPT, TokenBatches
 from memsave.recompute import DEFAULT_SAVE_OPS, parse_policy
 from memsave.recompute import apply as apply_recompute
+from memsave.recompute.checkpoint import selective_contexts
 from memsave.recompute.measure import measure_saved_bytes, note_saved
 
 __all__ = ["DEFAULT_RECOMPUTE", "RECOMPUTE_BASELINES", "format_recompute_table", "run_command",
@@ -55,7 +56,7 @@ def _torch_checkpoint_blocks(blocks: list[torch.nn.Module], selective: bool) -> 
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
-    context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+    context_fn = functools.partial(selective_contexts, policy)  # torch's contexts, the cache seen on every torch
     for block in blocks:
         forward = block.forward
 

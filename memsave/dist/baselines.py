@@ -89,7 +89,10 @@ def _fsdp2(reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy | None =
     def build(model: nn.Module, make_opt: OptimizerFactory, blocks: list[nn.Module]) -> tuple:
         for block in blocks:
             fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-        fully_shard(model, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        # the root keeps its parameters after forward, as fully_shard documents for a root (they are gathered
+        # again at once for backward); said explicitly: torch 2.11 resharded a root whose forward returns a
+        # dataclass and never gathered it again for backward ("setStorage: ... storage of size 0")
+        fully_shard(model, reshard_after_forward=False, mp_policy=policy)
         opt = make_opt(list(model.parameters()))
         return model, opt, _Holder(model, [opt])
 

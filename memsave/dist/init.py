@@ -56,9 +56,19 @@ def launch_env() -> dict[str, str] | None:
 
 
 def default_device(local_rank: int) -> torch.device:
-    """``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    """``cuda:LOCAL_RANK`` when CUDA is available, else the CPU. A local rank without a GPU of its own is an
+    error: NCCL refuses two ranks on one GPU only once they first talk, and sharing one would be wrong anyway."""
+    # (with CUDA_VISIBLE_DEVICES= torch 2.11 can say is_available() and count no device: the CPU then)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count:
+        if local_rank >= count:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise ValueError(
+                f"local rank {local_rank} has no CUDA device of its own: {count} visible"
+                f"{'' if visible is None else f' (CUDA_VISIBLE_DEVICES={visible!r})'}, and NCCL cannot put two "
+                f"ranks on one GPU; start at most {count} process(es) per node, or hide the GPUs "
+                "(CUDA_VISIBLE_DEVICES=) to run every rank on the CPU with gloo")
+        return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 

@@ -26,6 +26,7 @@ import functools
 from typing import TYPE_CHECKING
 
 from memsave.config_sections import OffloadConfig
+from memsave.estimate_cuda import allocator_extra
 from memsave.models.units import REDUCES_IN_FLIGHT
 from memsave.offload.tiers import BOUNCE, IO_THREADS
 from memsave.plan.formulas import LayerActivations, layer_activation_bytes
@@ -100,6 +101,13 @@ def device_bytes(spec: ModelSpec, c: Candidate, seq: int,
     layer_act = layer_activation_bytes(seq, c.micro_batch, spec.hidden, spec.heads, c.tp, sequence=c.sequence,
                                        recompute="full" if c.recompute == "full" else "none",
                                        consts=layer_constants(spec, elem, c.recompute))
+    if device_type == "cuda" and not mixed and spec.kv_heads and spec.kv_heads < spec.heads:
+        # grouped-query attention in fp32 on CUDA: no fused kernel takes it, the math one keeps its fp32 scores
+        # and the keys and values repeated to every query head
+        scores = 4.0 * spec.heads / c.tp * seq * c.micro_batch * (seq + 2 * (spec.heads - spec.kv_heads) / spec.heads
+                                                                   * spec.hidden / spec.heads)
+        full_layer += scores
+        layer_act += 0.0 if c.recompute == "full" else scores
     rebuilt = full_layer if c.recompute == "full" else 0.0  # a unit's activations, recomputed for its backward
     unit = spec.layer_split / c.tp + spec.layer_params - spec.layer_split  # one block's parameters on this rank
     in_flight = flights(c.schedule, c.pp, c.micro_batches, c.virtual)
@@ -128,9 +136,17 @@ def device_bytes(spec: ModelSpec, c: Candidate, seq: int,
         base = dict(held, grads=held["grads"] + accumulated)
         points += _backward(c, base, persistent, layers, layer_act, stage_act - layer_act * layers, rebuilt, unit,
                             root, psi, elem)
-        if mixed:  # the step: every reduced gradient beside its fp32 copy on the masters (offloaded ones too)
-            points.append(dict(held, grads=persistent + 4.0 * psi / (c.dp if c.stage >= 1 else 1)))
+        # the step: every reduced gradient (mixed: beside its fp32 copy on the masters, offloaded ones too)
+        step = dict(held, grads=persistent + (4.0 * psi / (c.dp if c.stage >= 1 else 1) if mixed else 0.0))
+        points.append(step)
         device = max(points, key=lambda b: sum(b.values()))
+        if device_type == "cuda":  # [Note: the allocator's peak] in memsave/estimate_cuda.py
+            extra, _ = allocator_extra(
+                forward_end=int(max(sum(b.values()) for b in points[:2 if after else 1])),  # a forward's end
+                step=int(sum(step.values())), peak=int(sum(device.values())),
+                logits=int(c.micro_batch * seq * spec.vocab / c.tp) if s == c.pp - 1 else 0, compute=c.precision,
+                stepped=int(held["optimizer_state"] // 8) if c.offload == "none" else 0, optimizer=c.optimizer)
+            device = dict(device, transient=float(extra))
         total = sum(device.values())
         if best is None or total > best[0]:
             best = (total, device, host, disk, s)

@@ -76,4 +76,6 @@ def exact_peak(model: torch.nn.Module, c: Candidate, batch: Any, *, device: str)
 
     est = estimate(model, to_profile(c), world_size=c.dp * c.tp * c.pp, batch=batch, device=device,
                    micro_batches=c.micro_batches)
-    return dict(est.bytes)
+    # on CUDA: what the allocator holds beyond the tensors counted, as a term of its own ([Note: the allocator's
+    # peak] in memsave/estimate_cuda.py)
+    return dict(est.bytes, transient=est.transient) if est.transient else dict(est.bytes)

@@ -26,7 +26,8 @@ HEADROOM = 0.05  # of an exact peak (memsave.estimate), kept free: the estimator
 ANALYTIC_HEADROOM = 0.10  # of a closed-form peak
 
 _NAMES = {"params": "parameters", "grads": "gradients", "master": "fp32 masters", "optimizer_state":
-          "optimizer state", "params_gathered": "gathered parameters", "activations": "activations"}
+          "optimizer state", "params_gathered": "gathered parameters", "activations": "activations",
+          "transient": "CUDA allocator's transients (workspace, logit gradients, step temporaries)"}
 
 
 class PlanError(ValueError):

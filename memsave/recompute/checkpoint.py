@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
+import inspect
 import types
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -46,11 +47,11 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 from memsave.models.units import attributes, output_tensors
-from memsave.recompute.measure import note_held
+from memsave.recompute.measure import note_held, note_saved
 from memsave.recompute.policy import SelectivePolicy
 
-__all__ = ["RecomputedForward", "is_recomputed", "recompute_unit", "restore_unit", "split_backward",
-           "split_backward_supported"]
+__all__ = ["RecomputedForward", "is_recomputed", "recompute_unit", "restore_unit", "selective_contexts",
+           "split_backward", "split_backward_supported"]
 
 
 # [Note: selective recomputation under a split backward] A zero-bubble schedule runs a micro-batch's backward
@@ -58,9 +59,19 @@ __all__ = ["RecomputedForward", "is_recomputed", "recompute_unit", "restore_unit
 # Each pass recomputes a recomputed unit; under selective recomputation the recompute reads the ops' outputs
 # that forward cached, and torch marks each entry consumed at its first read ("Trying to backward an extra
 # time"). Forwards run inside :func:`split_backward` get a storage that keeps its entries: the second recompute
-# reads the same cached tensors (freed with the graph after ``W``). torch >= 2.9 indexes the entries per op call
-# (``_CONSUMED``); an older layout is refused (see :func:`split_backward_supported`).
+# reads the same cached tensors (freed with the graph after ``W``). torch >= 2.12 indexes the entries per op
+# call and marks a read one ``_CONSUMED`` (kept: :class:`_KeptEntries`); torch 2.11 keeps a list per op and pops
+# its head (kept: :class:`_KeptListEntries` reads from its first entry at every recompute instead).
 _SPLIT_BACKWARD: contextvars.ContextVar[bool] = contextvars.ContextVar("memsave_split_backward", default=False)
+_LIST_LAYOUT = not hasattr(torch_checkpoint, "_CONSUMED")
+
+# [Note: selective cache seen on every torch] The tracker and the estimator count what selective recomputation
+# caches (a unit's saved op outputs) when the policy hands them over (policy.py: ``ctx.op_output``). torch 2.11
+# calls the policy before the op runs and has no ``op_output``; there the cache's own lists report each entry as
+# it is stored (``storage[func].append(wrapper)``, the value in ``wrapper.val``). Without this the cache was
+# invisible on torch 2.11: selective recomputation was measured and estimated as full recomputation, 36% under
+# the allocator's peak on an H100.
+_POLICY_SEES_OUTPUT = "op_output" in inspect.signature(torch_checkpoint.SelectiveCheckpointContext).parameters
 
 
 class _KeptEntries(dict):  # type: ignore[type-arg]
@@ -70,9 +81,64 @@ class _KeptEntries(dict):  # type: ignore[type-arg]
         super().__setitem__(key, value)
 
 
+class _ListEntries(list):  # type: ignore[type-arg]
+    """One op's cached outputs in torch 2.11's layout: each reported as stored (unless the policy saw it), and
+    under a split backward read in order from the first at each recompute rather than popped."""
+
+    keep = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._read = 0
+
+    def append(self, entry: Any) -> None:
+        if not _POLICY_SEES_OUTPUT:
+            note_saved([getattr(e, "val", e) for e in tree_leaves(entry)])
+        super().append(entry)
+
+    def pop(self, index: Any = -1) -> Any:
+        if not self.keep:
+            return super().pop(index)
+        entry = self[self._read]
+        self._read += 1
+        return entry
+
+
+class _KeptListEntries(_ListEntries):
+    keep = True
+
+
+class _RewindingCachedMode(getattr(torch_checkpoint, "_CachedTorchDispatchMode", object)):  # type: ignore[misc]
+    """torch 2.11's recompute mode, reading each op's kept entries from the first at every recompute (a
+    recompute may stop early, torch's ``_StopRecomputationError``, so reads cannot run on round and round)."""
+
+    def __enter__(self) -> Any:
+        for entries in self.storage.values():
+            entries._read = 0
+        return super().__enter__()
+
+
 def split_backward_supported() -> bool:
     """Whether this torch's selective checkpoint can be kept for a second backward (see the Note above)."""
-    return hasattr(torch_checkpoint, "_CONSUMED") and hasattr(torch_checkpoint, "_CachedTorchDispatchMode")
+    return hasattr(torch_checkpoint, "_CachedTorchDispatchMode")
+
+
+def selective_contexts(policy: Any, *, split: bool = False) -> tuple[Any, Any]:
+    """torch's ``create_selective_checkpoint_contexts(policy)`` with a cache the memory tracker sees on every torch
+    ([Note: selective cache seen on every torch]) and, with ``split``, that a second backward can read ([Note:
+    selective recomputation under a split backward])."""
+    contexts = create_selective_checkpoint_contexts(policy)
+    storage: defaultdict[Any, Any] | None = None
+    if _LIST_LAYOUT and (split or not _POLICY_SEES_OUTPUT):
+        storage = defaultdict(_KeptListEntries if split else _ListEntries)
+        if split:
+            contexts[1].__class__ = _RewindingCachedMode
+    elif split:
+        storage = defaultdict(_KeptEntries)
+    if storage is not None:
+        for mode in contexts:
+            mode.storage = storage
+    return contexts
 
 
 @contextlib.contextmanager
@@ -99,12 +165,7 @@ class RecomputedForward:
     def _context_fn(self) -> tuple[Any, Any]:
         if self.selective is None:
             return noop_context_fn()
-        contexts = create_selective_checkpoint_contexts(self.selective)
-        if _SPLIT_BACKWARD.get():  # [Note: selective recomputation under a split backward]
-            storage: defaultdict[Any, _KeptEntries] = defaultdict(_KeptEntries)
-            for mode in contexts:
-                mode.storage = storage
-        return contexts
+        return selective_contexts(self.selective, split=_SPLIT_BACKWARD.get())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         forward = self.original if self.original is not None else types.MethodType(type(self.module).forward,
