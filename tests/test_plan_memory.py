@@ -148,3 +148,28 @@ def test_grouped_query_flash_attention_keeps_no_scores() -> None:
             per_token[compute].append(est.activations / seq)
     assert per_token["bf16"][1] == pytest.approx(per_token["bf16"][0], rel=1e-3)
     assert per_token["fp32"][1] > 1.1 * per_token["fp32"][0]
+
+
+def test_the_cuda_allocators_transients_are_added_where_they_happen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: the allocator's peak] (memsave/estimate_cuda.py): on a CUDA target the estimate adds the cuBLAS
+    workspace throughout and the loss's logit gradients after forward (4 bytes per logit, 2 more under bf16);
+    on a CPU target nothing. The workspace follows CUBLAS_WORKSPACE_CONFIG when it is set."""
+    import memsave
+    from memsave.models import GPT, gpt_config
+
+    with torch.device("meta"):
+        meta = GPT(gpt_config("small", vocab_size=8192, block_size=256, dropout=0.0))
+    rows, seq = 4, 256
+    ids = torch.zeros(rows, seq, dtype=torch.long, device="meta")
+    batch = {"input_ids": ids, "labels": ids}
+    logits = rows * seq * 8192  # the head's gradients dwarf the step's temporary on this model
+    assert memsave.estimate(meta, "ddp", batch=batch, device="cpu").transient == 0
+    for compute, per_logit in (("fp32", 4), ("bf16", 6)):
+        prof = memsave.load_profile("ddp", (f'precision.compute="{compute}"',))
+        est = memsave.estimate(meta, prof, batch=batch, device="cuda")
+        # at stage 0 the estimate's own peak is the end of forward: the head's transient comes on top of it
+        assert est.transient == 32 * 2**20 + per_logit * logits, compute
+        assert est.device_peak == est.peak_total + est.transient
+        assert "CUDA allocator" in est.notes[-1]
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2")
+    assert memsave.estimate(meta, "ddp", batch=batch, device="cuda").transient == 8 * 2**20 + 4 * logits
