@@ -126,7 +126,7 @@ def device_bytes(spec: ModelSpec, c: Candidate, seq: int,
             tokens = c.micro_batch * seq
             norm = (4 + 2 * elem if spec.family == "llama" else 2 * elem) * spec.hidden  # its fp32 copy in Llama's
             stage_act += tokens * (norm / (c.tp if c.sequence else 1) + 4.0 * spec.vocab / c.tp)
-            logits = (elem if spec.family == "llama" else 4.0) * tokens * spec.vocab / c.tp  # ours casts to fp32
+            logits = elem * tokens * spec.vocab / c.tp  # returned in the compute dtype (the loss casts its own copy)
         before, after = in_flight[min(s, len(in_flight) - 1)]
         accumulated = elem * psi if accumulating else 0.0
         points = [dict(held, activations=stage_act * before + logits)]  # the end of a forward
