@@ -155,8 +155,20 @@ def estimate_stages(model: nn.Module, prof: Profile, *, world_size: int, batch: 
         unit_names = [whole_names[id(u)] for u in _units(whole, None)[1]]
     whole_modules = dict(whole.named_modules())
     acts = None
+    sequence = par.tp > 1 and par.sequence and prof.recompute.policy == "none"
     if batch is not None:
         acts = stage_activations(whole, split, [whole_modules[u] for u in unit_names], prof, batch, device)
+        if sequence:  # each unit keeps 1/tp of what it keeps uncut (as memsave.estimate without pp)
+            uncut = _copy(model, dtype, 1, None)
+            by_name = dict(uncut.named_modules())
+            full = stage_activations(uncut, split, [by_name[u] for u in unit_names], prof, batch, device).per_atom
+            per_atom, saved = dict(acts.per_atom), list(acts.saved)
+            for a in unit_names:
+                if a in per_atom:
+                    share = -(-full[a] // par.tp)
+                    saved[split.stage_of[a]] += share - per_atom[a]
+                    per_atom[a] = share
+            acts = dataclasses.replace(acts, saved=tuple(saved), per_atom=per_atom)
     per_mb = list(acts.saved) if acts is not None else [0] * schedule.n_stages
     sim = simulate(schedule, dataclasses.replace(Costs.uniform(schedule.n_stages), activation_bytes=per_mb))
     out = []
@@ -172,8 +184,9 @@ def estimate_stages(model: nn.Module, prof: Profile, *, world_size: int, batch: 
                                                 + (f", each cut over tp = {par.tp} (per-rank shapes of tp rank 0)"
                                                    if par.tp > 1 else ""))
         if par.tp > 1 and par.sequence:
-            notes.append(f"sequence parallelism: activations estimated as without it (each tp rank's share of "
-                         f"the norms' and residuals' inputs is 1/{par.tp} of this): an upper bound")
+            notes.append(f"sequence parallelism: each unit keeps 1/{par.tp} of what it keeps without tensor "
+                         "parallelism" if sequence else "sequence parallelism under recomputation: activations as "
+                         "without it, an upper bound")
         peak = _walk(r, schedule, split, acts, held, states, prof, [u for u, _ in mine], notes)
         outputs = acts.outputs if acts is not None and split.n_stages - 1 in schedule.stages_of(r) else 0
         stage_params = sum(p.numel() for p in meta.parameters())

@@ -247,15 +247,15 @@ def test_the_choice_fits_when_run() -> None:
 
 def test_a_tp_x_pp_choice_fits_when_run() -> None:
     """tp = 2 inside pp = 2 stages on 4 ranks: the planner offers it, the choice runs within the budget, and its
-    predicted peak is not below the measured one (sequence parallelism's activations are estimated as without it:
-    an upper bound)."""
+    predicted peak is within 5% of the measured one (each pipeline rank's units keep 1/tp of their activations
+    under sequence parallelism; estimated as without it, the prediction was +9.7%)."""
     [(budget, p)] = _choices("gpt", 64, [(16 * 2**20, (2,))], world=4)
     assert (p.candidate.tp, p.candidate.pp) == (2, 2), p.candidate.label()
     results = run_ranks(_measure, 4, [("gpt", dataclasses.asdict(p.candidate), 64)], timeout=300)
     measured = max(r[0]["peak"] for r in results)
     print(f"{p.candidate.label()}: predicted {p.peak / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB "
           f"({p.peak / measured - 1:+.1%})")
-    assert measured <= budget and measured * 0.98 <= p.peak <= measured * 1.25, (p.peak, measured)
+    assert measured <= budget and measured * 0.98 <= p.peak <= measured * 1.05, (p.peak, measured)
 
 
 def test_cli_plan_write_explain(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
