@@ -1,9 +1,10 @@
 """The suite on a machine with a GPU: tests not marked ``gpu`` are CPU tests (gloo, CPU tensors, CPU figures), as
-on this project's CI. On a CUDA machine each of them runs with CUDA hidden: ``torch.cuda.is_available()`` is
-False in this process for the test's duration, and the processes it starts see no GPU
-(``CUDA_VISIBLE_DEVICES=``), so ``memsave.init()`` picks the CPU and no two ranks share the one GPU. Tests marked
-``gpu`` see the device. The real device count is read once first, so that hiding the GPUs later never changes
-what this process itself finds.
+on this project's CI. On a CUDA machine each of them runs with CUDA hidden, from its setup on (before its
+fixtures, module-scoped ones included): ``torch.cuda.is_available()`` is False in this process, and the processes
+it starts see no GPU (``CUDA_VISIBLE_DEVICES=``; the fork server the multi-rank tests start from too, so a test
+module imported in a rank, whose ``skipif(not torch.cuda.is_available())`` runs at import, finds no GPU), so
+``memsave.init()`` picks the CPU and no two ranks share the one GPU. Tests marked ``gpu`` see the device. The
+real device count is read once first, so that hiding the GPUs later never changes what this process finds.
 """
 
 from __future__ import annotations
