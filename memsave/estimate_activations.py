@@ -86,13 +86,22 @@ def _fused_attention_on_meta(device_type: str) -> Iterator[None]:
         F.scaled_dot_product_attention = original  # type: ignore[assignment]
 
 
-def activations(meta: nn.Module, modules: list[nn.Module], prof: Profile, batch: Any,
-                 device_type: str) -> tuple[int, list[int], int, str, int]:
+def activations(meta: nn.Module, modules: list[nn.Module], prof: Profile, batch: Any, device_type: str,
+                sequence_tp: int = 1) -> tuple[int, list[int], int, str, int]:
     """Saved bytes of one forward of the meta model under the recompute policy: total, per unit, the bytes of the
     forward's outputs that backward does not keep (the logits beside the log-softmax cross-entropy saves), a
-    note, and the elements of the largest floating output (the logits)."""
+    note, and the elements of the largest floating output (the logits). ``sequence_tp``: under full
+    recomputation with sequence parallelism over that many ranks, a unit keeps 1/tp of the hidden states it is
+    called with (its positional inputs: sequence-sharded), the rest of what it keeps as is (a Llama layer's
+    rotary tables and mask, which no rank shards)."""
     saved, output_bytes, scale, note, logits = measure_activations(meta, modules, prof, batch, device_type)
-    return int(saved.total * scale), list(saved.units), output_bytes, note, logits
+    per_unit, total = list(saved.units), saved.total
+    if sequence_tp > 1 and prof.recompute.policy == "full":
+        for i, keys in enumerate(saved._unit_keys):
+            sharded = sum(n for k, n in saved._positional_keys[i].items() if k in keys)
+            per_unit[i] -= sharded - -(-sharded // sequence_tp)
+            total -= sharded - -(-sharded // sequence_tp)
+    return int(total * scale), per_unit, output_bytes, note, logits
 
 
 def measure_activations(meta: nn.Module, modules: list[nn.Module], prof: Profile, batch: Any, device_type: str,

@@ -281,15 +281,17 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
         notes.append(tp_note)
     acts, per_unit, outputs, logits = 0, [0] * len(modules), 0, 0
     if batch is not None:
-        acts, per_unit, outputs, note, logits = activations(meta, modules, prof, batch, device_type)
+        sp = tp if tp > 1 and prof.parallel.sequence else 1
+        acts, per_unit, outputs, note, logits = activations(meta, modules, prof, batch, device_type, sp)
         notes.append(note)
         if tp > 1 and prof.parallel.sequence and prof.recompute.policy == "none":  # the blocks once more, whole
             names = {id(m): n for n, m in meta.named_modules()}
             acts, per_unit = sequence_parallel(_cast(meta_copy(model), prof), [names[id(m)] for m in modules], prof,
                                                batch, device_type, tp, acts, per_unit)
             notes.append(f"sequence parallelism: each unit keeps 1/{tp} of what it keeps without tensor parallelism")
-        elif tp > 1 and prof.parallel.sequence:
-            notes.append("sequence parallelism under recomputation: activations as without it, an upper bound")
+        elif sp > 1:
+            notes.append("sequence parallelism under recomputation: each unit's hidden-state input 1/tp (full "
+                         "recomputation), the rest as without it, an upper bound")
     points: dict[str, int] = {}
     best = peak_bytes(held, states, prof, per_unit, acts + outputs, micro_batches, notes, points=points)
     best = {k: int(v) for k, v in best.items() if v}

@@ -78,6 +78,8 @@ class SavedBytes:
     # storage -> bytes, to estimate other recompute choices (see estimate)
     _unit_keys: tuple[dict[Hashable, int], ...] = field(default=(), repr=False, compare=False)
     _input_keys: tuple[dict[Hashable, int], ...] = field(default=(), repr=False, compare=False)
+    # per unit, its positional tensor inputs (the hidden states a block is called with)
+    _positional_keys: tuple[dict[Hashable, int], ...] = field(default=(), repr=False, compare=False)
     _outside_keys: dict[Hashable, int] | None = field(default=None, repr=False, compare=False)
     # per unit, what it keeps under selective recomputation besides its inputs (set by with_selective)
     _selective_keys: tuple[dict[Hashable, int], ...] = field(default=(), repr=False, compare=False)
@@ -122,6 +124,7 @@ class _Recorder:
         self.stack: list[int] = []
         self.units: list[dict[Hashable, int]] = [{} for _ in range(num_units)]
         self.inputs: list[dict[Hashable, int]] = [{} for _ in range(num_units)]
+        self.positional: list[dict[Hashable, int]] = [{} for _ in range(num_units)]
         self.outside: dict[Hashable, int] = {}
         self.calls: list[int] = []
         self.outside_at: dict[Hashable, int] = {}
@@ -150,6 +153,7 @@ class _Recorder:
 
     def unit_inputs(self, i: int, args: tuple, kwargs: dict) -> None:
         self.inputs[i].update(self._tensors((args, kwargs)))
+        self.positional[i].update(self._tensors(args))
 
     def result(self, costs: bool) -> SavedBytes:
         every: dict[Hashable, int] = dict(self.outside)
@@ -164,6 +168,7 @@ class _Recorder:
                         for f, e, s in zip(self.flops, self.elements, self.selective)) if costs else (),
             _unit_keys=tuple(self.units),
             _input_keys=tuple(self.inputs),
+            _positional_keys=tuple(self.positional),
             _outside_keys=self.outside,
             _calls=tuple(self.calls),
             _outside_at=self.outside_at,
