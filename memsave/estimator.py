@@ -246,7 +246,7 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
 
         stages = estimate_stages(model, prof, world_size=world_size, batch=batch, units=units, device=device_type,
                                  micro_batches=micro_batches, schedule=schedule, tp_plan=tp_plan)
-        busiest = max(stages, key=lambda e: e.peak_total)
+        busiest = max(stages, key=lambda e: e.device_peak)  # on CUDA with the allocator's transients
         others = tuple(e.notes[0] for e in stages if e is not busiest)  # which stages each rank holds
         return dataclasses.replace(busiest, stages=tuple(stages),
                                    notes=(busiest.notes[0], *others, *busiest.notes[1:]))
@@ -284,7 +284,7 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
         sp = tp if tp > 1 and prof.parallel.sequence else 1
         acts, per_unit, outputs, note, logits = activations(meta, modules, prof, batch, device_type, sp)
         notes.append(note)
-        if tp > 1 and prof.parallel.sequence and prof.recompute.policy == "none":  # the blocks once more, whole
+        if sp > 1 and prof.recompute.policy == "none":  # the blocks once more, whole
             names = {id(m): n for n, m in meta.named_modules()}
             acts, per_unit = sequence_parallel(_cast(meta_copy(model), prof), [names[id(m)] for m in modules], prof,
                                                batch, device_type, tp, acts, per_unit)
