@@ -99,8 +99,9 @@ def activations(meta: nn.Module, modules: list[nn.Module], prof: Profile, batch:
     if sequence_tp > 1 and prof.recompute.policy == "full":
         for i, keys in enumerate(saved._unit_keys):
             sharded = sum(n for k, n in saved._positional_keys[i].items() if k in keys)
-            per_unit[i] -= sharded - -(-sharded // sequence_tp)
-            total -= sharded - -(-sharded // sequence_tp)
+            others = sharded - -(-sharded // sequence_tp)  # the other ranks' share of the hidden states
+            per_unit[i] -= others
+            total -= others
     return int(total * scale), per_unit, output_bytes, note, logits
 
 
