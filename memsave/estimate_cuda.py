@@ -23,7 +23,7 @@ import os
 
 import torch
 
-__all__ = ["FOREACH_OPTIMIZERS", "allocator_extra", "workspace_bytes"]
+__all__ = ["FOREACH_OPTIMIZERS", "allocator_extra", "measured_workspace", "workspace_bytes"]
 
 FOREACH_OPTIMIZERS = ("adamw", "adam")  # the step's fp32 temporary is measured for these
 
@@ -38,6 +38,16 @@ def workspace_bytes() -> int:
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9:
         return (4096 * 2 + 16 * 8) * 1024
     return 4096 * 8 * 1024
+
+
+def measured_workspace() -> int:
+    """What a matmul leaves allocated on this process's CUDA device besides its output: the cuBLAS workspace the
+    first one allocates (0 once it is there). Measurements that start above an allocation baseline taken after
+    it (one per configuration in a process) add it back."""
+    x = torch.ones(64, 64, device="cuda")
+    before = torch.cuda.memory_allocated()
+    y = x @ x
+    return torch.cuda.memory_allocated() - before - y.nbytes
 
 
 def allocator_extra(*, forward_end: int, step: int, peak: int, logits: int, compute: str, stepped: int,

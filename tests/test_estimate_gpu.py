@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import memsave
+from memsave.estimate_cuda import measured_workspace
 from memsave.memory import MemoryTracker
 from memsave.models import GPT, gpt_config
 from memsave.phases import MemoryCategory
@@ -89,23 +90,12 @@ def _measure(kind: str, c: Candidate) -> tuple[int, int]:
     return peak, allocator
 
 
-def _workspace() -> int:
-    """What the first matmul leaves allocated besides its output (cuBLAS's workspace), once per process: each case
-    measures above what was allocated before it, so the workspace is added to each."""
-    x = torch.ones(64, 64, device="cuda")
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    y = x @ x
-    torch.cuda.synchronize()
-    return torch.cuda.memory_allocated() - before - y.nbytes
-
-
 def test_estimate_and_closed_forms_cover_the_allocators_peak() -> None:
     """The estimate's tensors within 5% of the tracker's; with what the allocator holds beside them (the estimate's
     ``transient``, [Note: the allocator's peak]) within the planner's headroom of ``max_memory_allocated`` and
     not more than 10% over it; the closed forms within theirs."""
     rows, failures = [], []
-    workspace = _workspace()
+    workspace = measured_workspace()  # below each case's baseline: added to each
     for kind in MODELS:
         meta = MODELS[kind][0]("meta")
         spec = from_gpt(meta.config) if kind == "gpt" else from_module(meta)

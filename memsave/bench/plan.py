@@ -47,19 +47,15 @@ def _measure(cases: list[dict[str, Any]], size: str, shape: dict[str, Any], seq:
     import gc
 
     import memsave
+    from memsave.estimate_cuda import measured_workspace
     from memsave.memory import MemoryTracker
     from memsave.models import GPT, TokenBatches, gpt_config
     from memsave.plan import Candidate, to_profile
 
     out = []
     cuda = torch.cuda.is_available()
-    workspace = 0
-    if cuda:  # cuBLAS's workspace, allocated by the first matmul and kept: before every case's base, so added to each
-        x = torch.ones(64, 64, device="cuda")
-        before = torch.cuda.memory_allocated()
-        y = x @ x
-        workspace = torch.cuda.memory_allocated() - before - y.nbytes
-        del x, y
+    # cuBLAS's workspace, allocated by the first matmul and kept: below every case's base, so added to each
+    workspace = measured_workspace() if cuda else 0
     for raw in cases:
         c = Candidate(**raw)
         mesh = memsave.init(tp=c.tp, pp=c.pp)
