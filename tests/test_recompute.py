@@ -441,3 +441,40 @@ def test_zero3_recompute_preset_and_hf_gpt2_under_zero3(wrapped: list[dict]) -> 
             run, ref = out["hf zero3", policy], out["hf zero3", "none"]
             _assert_bitwise(_flatten(run), _flatten(ref), f"HF GPT-2 zero3 {policy}")
             assert run["gathers"] == ref["gathers"] and run["resharded"]
+
+
+def test_torch_2_11_selective_cache_lists_are_counted_and_read_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.11 keeps selective recomputation's cache as one list per op and hands the policy no output
+    (memsave/recompute/checkpoint.py, [Note: selective cache seen on every torch]): each entry is reported to a
+    measurement as it is stored; under a split backward the entries are read in order from the first at every
+    recompute, not popped (a recompute may stop early), and without one popped as torch does."""
+    from memsave.recompute import checkpoint as ckpt
+    from memsave.recompute.measure import measure_saved_bytes
+
+    monkeypatch.setattr(ckpt, "_POLICY_SEES_OUTPUT", False)
+    kept = torch.zeros(1000)
+
+    class Wrapper:  # torch's _VersionWrapper: the value in .val
+        def __init__(self, val: torch.Tensor) -> None:
+            self.val = val
+
+    entries = ckpt._ListEntries()
+
+    class Caching(torch.nn.Module):  # a unit whose forward stores an op's output in the cache, as torch's mode does
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            entries.append(Wrapper(kept))
+            return x * 2
+
+    unit = Caching()
+    saved = measure_saved_bytes(lambda: unit(torch.ones(1, 2, requires_grad=True)), [unit])
+    assert saved.units[0] == kept.numel() * 4  # counted as the unit's
+    first, second = Wrapper(torch.ones(1)), Wrapper(torch.ones(2))
+    split = ckpt._KeptListEntries()
+    split.extend([first, second])
+    for _ in range(2):  # two recomputes, the second after the first stopped after one read
+        split._read = 0  # what _RewindingCachedMode does as each recompute enters
+        assert split.pop(0) is first
+    assert split.pop(0) is second and len(split) == 2
+    plain = ckpt._ListEntries()
+    plain.extend([first, second])
+    assert plain.pop(0) is first and len(plain) == 1
