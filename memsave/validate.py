@@ -101,11 +101,6 @@ def validate(profile: Profile, mesh: Mesh, model: nn.Module, *, units: Sequence[
         from memsave.pp.split import plan_split  # layer 3; loaded only with a pipeline
 
         par = profile.parallel
-        if par.schedule in ("zero-bubble", "zero-bubble-h2") and recompute:
-            warn_once(f"profile {profile.name!r}: [parallel] schedule = {par.schedule!r} with [recompute]: the weight "
-                      "pass is one autograd call per group of weights, and each recomputes its unit's forward (a "
-                      "GPT block: 7 forwards per micro-batch instead of 1); measured 1.5x the step of schedule = "
-                      "\"1f1b\" with the same recomputation, which also holds fewer activations")
         if par.schedule == "zero-bubble" and recompute and profile.recompute.policy != "full":
             from memsave.recompute.checkpoint import split_backward_supported  # layer 3
 

@@ -28,7 +28,7 @@ from tests.harness import run_ranks
 
 MODEL_STATE = ("params", "grads", "master", "optimizer_state")
 M = 4  # micro-batches per step
-CASES_PP2 = ("ddp:1f1b", "ddp:gpipe", "ddp:zero-bubble", "ddp:interleaved", "zero2-bf16:1f1b")
+CASES_PP2 = ("ddp:1f1b", "ddp:gpipe", "ddp:zero-bubble", "ddp+full:zero-bubble", "ddp:interleaved", "zero2-bf16:1f1b")
 CASES_DP2_PP2 = ("zero1:1f1b", "zero3:1f1b")
 
 

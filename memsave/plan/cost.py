@@ -169,10 +169,14 @@ def _count_terms(spec: ModelSpec, c: Candidate) -> dict[str, int]:
 def _time(spec: ModelSpec, c: Candidate, hw: Hardware, seq: int, elem: int, gpus_per_node: int) -> dict[str, float]:
     world = c.dp * c.tp * c.pp
     rows = c.dp * c.micro_batch * c.micro_batches
+    # a zero-bubble schedule recomputes in its input- and again in its weight-gradient pass
+    # ([Note: one recomputation per weight pass] in memsave/pp/split_backward.py)
+    rebuilds = 2 if c.pp > 1 and c.schedule.startswith("zero-bubble") else 1
     if spec.heads and spec.vocab:
-        flops = gpt_step_flops(rows, seq, spec.layers, spec.hidden, spec.vocab, recompute=c.recompute)
+        flops = gpt_step_flops(rows, seq, spec.layers, spec.hidden, spec.vocab, recompute=c.recompute,
+                               rebuilds=rebuilds)
     else:
-        flops = (8 if c.recompute == "full" else 6) * spec.num_params * rows * seq
+        flops = (6 + 2 * rebuilds if c.recompute == "full" else 6) * spec.num_params * rows * seq
     compute = flops / world / hw.rate(c.precision)
     if c.pp > 1:
         from memsave.pp import bubble_formula  # layer 3
@@ -181,7 +185,7 @@ def _time(spec: ModelSpec, c: Candidate, hw: Hardware, seq: int, elem: int, gpus
     eff = hw.bw_efficiency
     layers = spec.stage_layers(c.pp, 0)
     if hw.layer_overhead:  # per layer and micro-batch on the busiest stage; a forward more under full recompute
-        compute += hw.layer_overhead * layers * c.micro_batches * (4 / 3 if c.recompute == "full" else 1)
+        compute += hw.layer_overhead * layers * c.micro_batches * (1 + rebuilds / 3 if c.recompute == "full" else 1)
     psi = max(spec.stage_params(c.pp, s, c.tp) for s in range(c.pp))
     t: dict[str, float] = {"compute": compute}
     if hw.engine:  # what the engine pays besides FLOPs and collectives, calibrated on this machine

@@ -94,12 +94,14 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, sequen
     return total
 
 
-def gpt_step_flops(batch: int, s: int, layers: int, h: int, vocab: int, *, recompute: str = "none") -> float:
+def gpt_step_flops(batch: int, s: int, layers: int, h: int, vocab: int, *, recompute: str = "none",
+                   rebuilds: int = 1) -> float:
     """Floating-point operations of one training step of a GPT over ``batch`` sequences of ``s`` tokens
     (Narayanan et al., 2021, equation 3): the layers' matrix multiplies and attention (forward 24 B s h^2 and
     4 B s^2 h per layer, backward twice that), the logit layer's 6 B s h V. Full recomputation runs the layers'
-    forward again; selective recomputation only the attention core (4 B s^2 h per layer)."""
+    forward again; selective recomputation only the attention core (4 B s^2 h per layer). ``rebuilds``: how many
+    times the backward recomputes (2 under a zero-bubble schedule: its input- and its weight-gradient pass)."""
     layer_fwd = 24 * batch * s * h * h * (1 + s / (6 * h))
-    factor = {"none": 3, "selective": 3, "full": 4}[recompute]
-    extra = 4 * batch * s * s * h if recompute == "selective" else 0
+    factor = {"none": 3, "selective": 3, "full": 3 + rebuilds}[recompute]
+    extra = rebuilds * 4 * batch * s * s * h if recompute == "selective" else 0
     return layers * (factor * layer_fwd + extra) + 6 * batch * s * h * vocab

@@ -105,11 +105,6 @@ def candidates(spec: ModelSpec, world: int, global_batch: int, *, gpus_per_node:
                                 continue  # one rank: a stage only to offload (1: the optimizer, 3: parameters)
                             for prec in precisions:
                                 for rec in recomputes:
-                                    if rec == "full" and sched == "zero-bubble":
-                                        # its weight pass is one autograd call per group of weights, and each
-                                        # recomputes the unit (7 forwards per micro-batch on the GPT): slower
-                                        # than 1F1B with full recomputation, and holding more; not offered
-                                        continue
                                     yield Candidate(dp=dp, tp=tp, pp=pp, stage=stage, precision=prec,
                                                     recompute=rec, offload=off, micro_batch=mb, micro_batches=m,
                                                     schedule=sched or "1f1b", virtual=v, sequence=tp > 1,

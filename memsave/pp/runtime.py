@@ -37,7 +37,7 @@ from memsave.pp.runtime_messages import Messages
 from memsave.pp.schedule import Action, Schedule
 from memsave.pp.split import StageSplit
 from memsave.pp.split_backward import WeightPass, backward_input
-from memsave.recompute.checkpoint import split_backward
+from memsave.recompute.checkpoint import RecomputedRegion, split_backward
 
 __all__ = ["StageRunner"]
 
@@ -68,6 +68,7 @@ class _Held:
     received: dict[CallKey, list[torch.Tensor]]
     loss: torch.Tensor | None
     weight_pass: WeightPass | None = None  # after an I: what W runs ([Note: the I/W split])
+    regions: list[RecomputedRegion] = dataclasses.field(default_factory=list)  # the forward's recomputed calls
 
 
 def _is_grad_dtype(t: torch.Tensor) -> bool:
@@ -203,7 +204,7 @@ class StageRunner(Messages):
 
     # -- actions ---------------------------------------------------------------------------------------------
     def forward(self, stage: int, mb: int, run: Callable[[], Any], loss_of: Callable[[Any], torch.Tensor], *,
-                keep: bool = True) -> None:
+                keep: bool = True, regions: list[RecomputedRegion] | None = None) -> None:
         layout = self.layout
         assert layout is not None
         received: dict[CallKey, Any] = {}
@@ -231,7 +232,7 @@ class StageRunner(Messages):
             for dst in layout.readers[key]:
                 self._send(tensors, stage, dst, mb, key, backward=False, free=free)
         if keep:
-            self._held[(stage, mb)] = _Held(ctx.produced, leaves, loss)
+            self._held[(stage, mb)] = _Held(ctx.produced, leaves, loss, regions=regions or [])
             self.max_in_flight = max(self.max_in_flight, len(self._held))
 
     def _roots(self, stage: int, mb: int, held: _Held, scale: Callable[[torch.Tensor], torch.Tensor]
@@ -302,7 +303,7 @@ class StageRunner(Messages):
         inputs = [t for ts in held.received.values() for t in ts if t.requires_grad]
         if kind == "I":
             got, held.weight_pass = backward_input(roots, [g.detach() if g is not None else None for g in grads],
-                                                   inputs)
+                                                   inputs, held.regions)
             self._send_input_grads(stage, mb, held, self._split_by_key(held, got))
             return
         if roots:
@@ -350,8 +351,9 @@ class StageRunner(Messages):
         actions = schedule.actions[self.pp_rank]
         last_bwd = max((i for i, a in enumerate(actions) if a.kind in ("B", "W")), default=-1)
         # a split backward (I, then W) goes through each forward's graph twice: recomputed units keep what their
-        # selective recompute cached for the second pass (memsave/recompute/checkpoint.py)
-        twice = split_backward if any(a.kind == "W" for a in actions) else contextlib.nullcontext
+        # selective recompute cached for the second pass, and note their calls for W to release
+        # (memsave/recompute/checkpoint.py)
+        split = any(a.kind == "W" for a in actions)
         self.last_losses = []
         timing, clock = self.timing, time.perf_counter
         try:
@@ -360,9 +362,11 @@ class StageRunner(Messages):
                     self._post_ahead(actions[i + 1])
                 t0, self._waited = clock(), 0.0
                 if a.kind == "F":
-                    with twice(), mdist.trim_held():  # [Note: no trim in a pipeline step] (dist/host_memory.py)
+                    regions: list[RecomputedRegion] | None = [] if split else None
+                    with (split_backward(regions) if split else contextlib.nullcontext()), mdist.trim_held():
+                        # [Note: no trim in a pipeline step] (dist/host_memory.py)
                         self.forward(a.stage, a.mb, functools.partial(run_mb, a.mb),
-                                     functools.partial(loss_of, a.mb))
+                                     functools.partial(loss_of, a.mb), regions=regions)
                 else:
                     with backward_ctx(i == last_bwd):
                         self.backward(a.kind, a.stage, a.mb, scale, quiet=lambda: backward_ctx(False))

@@ -15,6 +15,15 @@ another is not counted twice. Weights no input reaches (nothing of theirs is in 
 in ``W`` from the roots; so does a stage without inputs (the first): its ``I`` has nothing to compute.
 
 Before, ``W`` ran the whole backward again from the roots (``I`` + ``W`` about twice a full backward).
+
+[Note: one recomputation per weight pass] Under recomputation torch's checkpoint rebuilds a unit once per autograd
+call (per graph task), and ``W`` makes one call per group of weights: a GPT block was rebuilt 7 times per
+micro-batch, and each rebuild's unread tensors stayed to the end of the pass (3.4x the stage's activations of one
+micro-batch). ``W`` now runs its calls inside one ``torch.utils.checkpoint.GraphExecGroup``: one rebuild per unit
+for the whole pass (the calls run disjoint parts of the graph, as the group requires: each group's nodes lie
+between its intermediates and its weights), and each rebuild's unread tensors are dropped after the last call that
+reads the unit ([Note: regions released in the weight pass] in memsave/recompute/checkpoint.py). ``I`` and ``W``
+together rebuild a unit twice per micro-batch; a plain backward once.
 """
 
 from __future__ import annotations
@@ -27,6 +36,9 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
+from torch.utils.checkpoint import GraphExecGroup
+
+from memsave.recompute.checkpoint import RecomputedRegion
 
 __all__ = ["WeightPass", "backward_input"]
 
@@ -36,6 +48,7 @@ class _Group:
     weights: list[torch.Tensor]
     intermediates: list[Node]
     grads: list[tuple[torch.Tensor | None, ...] | None]
+    runs: set[int] = dataclasses.field(default_factory=set)  # sequence numbers of the nodes its W call runs
 
 
 @dataclasses.dataclass
@@ -46,13 +59,18 @@ class WeightPass:
     root_grads: list[torch.Tensor | None]
     groups: list[_Group]
     orphans: list[torch.Tensor]  # weights no input reaches: from the roots
+    orphan_runs: set[int] = dataclasses.field(default_factory=set)
+    regions: Sequence[RecomputedRegion] = ()  # the recomputed calls of the forward ([Note: regions released ...])
 
     def run(self, quiet: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext) -> None:
         """One autograd backward per group of weights (and one for the orphans); all but the last inside
         ``quiet()``: the engine's ``no_sync``, so a data-parallel engine reduces the gradients once, after the last
         (ZeRO-1 keeps one reduced gradient per step: a reduce after each call broke it)."""
         calls: list[tuple[_Group | None, list[Any], list[Any]]] = []
-        for g in self.groups:
+        runs: list[set[int]] = []
+        # in backward order (the latest intermediate first), so a unit's calls come together and each rebuild is
+        # released before the next unit's
+        for g in sorted(self.groups, key=lambda g: -max(n._sequence_nr() for n in g.intermediates)):
             edges: list[Any] = []
             grads: list[Any] = []
             for node, got in zip(g.intermediates, g.grads):
@@ -62,24 +80,47 @@ class WeightPass:
                         grads.append(grad)
             if edges:
                 calls.append((g, edges, grads))
+                runs.append(g.runs)
         if self.orphans and self.roots:
             calls.append((None, list(self.roots), list(self.root_grads)))
+            runs.append(self.orphan_runs)
+        # after which call each recomputed region is read no more: the last whose nodes fall in its range
+        done: dict[int, list[RecomputedRegion]] = collections.defaultdict(list)
+        for region in self.regions:
+            last = max((k for k, seqs in enumerate(runs) if any(region.start <= q < region.end for q in seqs)),
+                       default=-1)
+            done[last].append(region)
+        with GraphExecGroup() as exec_group:  # [Note: one recomputation per weight pass]
+            def release(k: int) -> None:
+                for region in done.get(k, ()):
+                    region.release(exec_group)
+
+            self._backward(calls, quiet, release)
+        self.groups.clear()
+        self.roots.clear()
+        self.regions = ()
+
+    def _backward(self, calls: list[tuple[_Group | None, list[Any], list[Any]]],
+                  quiet: Callable[[], contextlib.AbstractContextManager[Any]], after: Callable[[int], Any]) -> None:
         for k, (group, edges, grads) in enumerate(calls):
             with quiet() if k + 1 < len(calls) else contextlib.nullcontext():
                 if group is None:
                     torch.autograd.backward(edges, grads, retain_graph=True, inputs=self.orphans)
-                    continue
-                handles = []
-                if len(group.intermediates) > 1:  # each intermediate takes exactly what it got in I
-                    handles = [node.register_prehook(lambda _, saved=got: saved)
-                               for node, got in zip(group.intermediates, group.grads)]
-                try:
-                    torch.autograd.backward(edges, grads, retain_graph=True, inputs=group.weights)
-                finally:
-                    for h in handles:
-                        h.remove()
-        self.groups.clear()
-        self.roots.clear()
+                else:
+                    self._group_backward(group, edges, grads)
+            after(k)
+
+    @staticmethod
+    def _group_backward(group: _Group, edges: list[Any], grads: list[Any]) -> None:
+        handles = []
+        if len(group.intermediates) > 1:  # each intermediate takes exactly what it got in I
+            handles = [node.register_prehook(lambda _, saved=got: saved)
+                       for node, got in zip(group.intermediates, group.grads)]
+        try:
+            torch.autograd.backward(edges, grads, retain_graph=True, inputs=group.weights)
+        finally:
+            for h in handles:
+                h.remove()
 
 
 def _variable(node: Node) -> torch.Tensor:
@@ -127,29 +168,36 @@ def _closure(start: Sequence[Node], stop: set[Node], consumers: dict[Node, list[
     return seen, met
 
 
-def backward_input(roots: list[torch.Tensor], grads: list[torch.Tensor | None], inputs: list[torch.Tensor]
-                   ) -> tuple[list[torch.Tensor | None], WeightPass]:
-    """``I`` ([Note: the I/W split]): the gradients of ``inputs``, and what ``W`` needs to finish."""
+def backward_input(roots: list[torch.Tensor], grads: list[torch.Tensor | None], inputs: list[torch.Tensor],
+                   regions: Sequence[RecomputedRegion] = ()) -> tuple[list[torch.Tensor | None], WeightPass]:
+    """``I`` ([Note: the I/W split]): the gradients of ``inputs``, and what ``W`` needs to finish. ``regions``: the
+    recomputed calls of the forward, released by ``W`` once read ([Note: regions released in the weight pass] in
+    memsave/recompute/checkpoint.py)."""
     root_nodes = [r.grad_fn for r in roots if r.grad_fn is not None]
     consumers = _consumers(root_nodes)
     input_ids = {id(t) for t in inputs}
     input_nodes = [n for n in (_leaf_node(t) for t in inputs) if n is not None]
     weights = [n for n in consumers if type(n).__name__ == "AccumulateGrad"
                and id(_variable(n)) not in input_ids and _variable(n).requires_grad]
-    if not roots or not inputs or not input_nodes:
-        return [None] * len(inputs), WeightPass(roots, grads, [], [_variable(n) for n in weights])
+    if not roots or not inputs or not input_nodes:  # one call from the roots: it reads every region
+        return [None] * len(inputs), WeightPass(roots, grads, [], [_variable(n) for n in weights],
+                                                {r.start for r in regions}, regions)
     closure, _ = _closure(input_nodes, set(), consumers)
     groups: dict[Node, _Group] = {}
     orphans: list[torch.Tensor] = []
+    orphan_runs: set[int] = set()
     for w in weights:
-        _, met = _closure([w], closure, consumers)
+        seen, met = _closure([w], closure, consumers)
         if not met:
             orphans.append(_variable(w))
+            orphan_runs.update(n._sequence_nr() for n in seen)
             continue
         found = list({id(groups[n]): groups[n] for n in met if n in groups}.values())
         group = found[0] if found else _Group([], [], [])
+        group.runs.update(n._sequence_nr() for n in seen | met)
         for other in found[1:]:  # one weight joins two groups: they become one
             group.weights += other.weights
+            group.runs |= other.runs
             for n in other.intermediates:
                 group.intermediates.append(n)
                 group.grads.append(None)
@@ -176,4 +224,4 @@ def backward_input(roots: list[torch.Tensor], grads: list[torch.Tensor | None], 
     finally:
         for h in handles:
             h.remove()
-    return list(got), WeightPass(roots, grads, unique, orphans)
+    return list(got), WeightPass(roots, grads, unique, orphans, orphan_runs, regions)

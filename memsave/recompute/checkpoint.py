@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
+import dataclasses
 import inspect
 import types
 from collections import defaultdict
@@ -46,11 +47,12 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
+from memsave._logging import warn_once
 from memsave.models.units import attributes, output_tensors
 from memsave.recompute.measure import note_held, note_saved
 from memsave.recompute.policy import SelectivePolicy
 
-__all__ = ["RecomputedForward", "is_recomputed", "recompute_unit", "restore_unit", "selective_contexts",
+__all__ = ["RecomputedForward", "RecomputedRegion", "is_recomputed", "recompute_unit", "restore_unit", "selective_contexts",
            "split_backward", "split_backward_supported"]
 
 
@@ -141,13 +143,55 @@ def selective_contexts(policy: Any, *, split: bool = False) -> tuple[Any, Any]:
     return contexts
 
 
+# [Note: regions released in the weight pass] The weight pass (memsave/pp/split_backward.py) recomputes each unit
+# once for all its autograd calls (torch's GraphExecGroup), and torch keeps every tensor of that recomputation until
+# it is read. The weight pass reads only what the weights' gradients need (a Linear's input), not what the input
+# gradients needed (an activation's input, attention's scores): those stayed until the graph was dropped, 0.64x a
+# GPT stage's activations of one micro-batch at the pass's end. So each recomputed call made under a split backward
+# is noted with torch's checkpoint frame and the autograd sequence numbers of the nodes its forward created; the
+# weight pass drops a frame's recomputed tensors after the last of its calls that runs one of those nodes.
+_REGIONS: contextvars.ContextVar[list[RecomputedRegion] | None] = contextvars.ContextVar("memsave_regions",
+                                                                                          default=None)
+
+
+@dataclasses.dataclass
+class RecomputedRegion:
+    """One recomputed call of a unit: torch's checkpoint frame, and the sequence numbers ``[start, end)`` of the
+    autograd nodes its forward created."""
+
+    frame: Any
+    start: int
+    end: int
+
+    def release(self, group: Any) -> None:
+        """Drop what the recomputation under ``group`` (a ``GraphExecGroup``) left unread."""
+        self.frame.recomputed.pop(group, None)
+
+
+def _checkpoint_frame() -> Any:
+    """torch's checkpoint frame of the call being made (its saved-tensor hooks close over it), or None."""
+    frame_type = getattr(torch_checkpoint, "_CheckpointFrame", None)
+    for fn in torch._C._autograd._top_saved_tensors_default_hooks(False) or ():
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                obj = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if frame_type is not None and isinstance(obj, frame_type) and hasattr(obj, "recomputed"):
+                return obj
+    return None
+
+
 @contextlib.contextmanager
-def split_backward() -> Iterator[None]:
-    """Forwards run inside are backpropagated twice (input gradients, then weight gradients)."""
+def split_backward(regions: list[RecomputedRegion] | None = None) -> Iterator[None]:
+    """Forwards run inside are backpropagated twice (input gradients, then weight gradients); their recomputed
+    calls are appended to ``regions`` ([Note: regions released in the weight pass])."""
     token = _SPLIT_BACKWARD.set(True)
+    noted = _REGIONS.set(regions)
     try:
         yield
     finally:
+        _REGIONS.reset(noted)
         _SPLIT_BACKWARD.reset(token)
 
 
@@ -183,17 +227,29 @@ class RecomputedForward:
         is_tensor = [isinstance(a, torch.Tensor) for a in args]
         frozen = snapshot(([None if t else a for a, t in zip(args, is_tensor, strict=True)], kwargs))
         first_call = [(args, kwargs)]
+        regions, frame = _REGIONS.get(), []  # frame: emptied below (the frame holds `run`: no cycle through it)
+        note, start = regions is not None, torch._C._autograd._get_sequence_nr()
 
         def run(*saved: Any) -> Any:
             if first_call:
+                if note:
+                    frame.append(_checkpoint_frame())
                 call_args, call_kwargs = first_call.pop()
                 return forward(*call_args, **call_kwargs)
             old_args, old_kwargs = snapshot(frozen)
             replay = [s if t else a for a, s, t in zip(old_args, saved, is_tensor)]  # saved: + the anchors
             return forward(*replay, **old_kwargs)
 
-        return checkpoint(run, *args, *_device_anchors(args, kwargs), use_reentrant=False, preserve_rng_state=True,
-                          context_fn=self._context_fn)
+        out = checkpoint(run, *args, *_device_anchors(args, kwargs), use_reentrant=False, preserve_rng_state=True,
+                         context_fn=self._context_fn)
+        if regions is not None:
+            found = frame.pop() if frame else None
+            if found is not None:
+                regions.append(RecomputedRegion(found, start, torch._C._autograd._get_sequence_nr()))
+            else:
+                warn_once(f"torch {torch.__version__}: the checkpoint frame of a recomputed unit was not found; the "
+                          "weight pass of a zero-bubble schedule keeps its recomputed activations until it ends")
+        return out
 
 
 # never copied nor looked into by snapshot(): hold no argument tensors of their own
