@@ -277,6 +277,8 @@ DP2PP2_CASES: dict[str, Case] = {
     "gpt-zero1": _train("gpt", base="zero1"),
     "llama-zero2-gpipe": _train("llama", base="zero2", schedule="gpipe"),
     "llama-zero3-recompute": _train("llama", base="zero3-recompute"),
+    # the weight pass's calls share one rebuild per unit (a GraphExecGroup) while ZeRO-3 gathers the unit for it
+    "llama-zero3-recompute-zero-bubble": _train("llama", base="zero3-recompute", schedule="zero-bubble"),
     "gpt-zero3": _zero3_gathers("step"),
     "gpt-zero3-gather-per-micro-batch": _zero3_gathers("micro-batch"),
 }
