@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from memsave.config import Profile
-from memsave.estimate_activations import measure_activations
+from memsave.estimate_activations import measure_activations, reuse
 from memsave.estimate_cuda import allocator_extra
 from memsave.estimator import Estimate, _total, _units, held_states, meta_copy, peak_bytes
 from memsave.memory.schema import format_bytes
@@ -69,6 +69,12 @@ class StageActivations:
 def stage_activations(meta: nn.Module, split: StageSplit, modules: list[nn.Module], prof: Profile, batch: Any,
                       device_type: str) -> StageActivations:
     """One forward of the (whole) meta model, its saved bytes per stage ([Note: a stage's estimate])."""
+    return reuse("stages", meta, modules, prof, batch, device_type, (split.atoms, tuple(split.stage_of.items())),
+                 lambda: _stage_activations(meta, split, modules, prof, batch, device_type))
+
+
+def _stage_activations(meta: nn.Module, split: StageSplit, modules: list[nn.Module], prof: Profile, batch: Any,
+                       device_type: str) -> StageActivations:
     atoms = [meta.get_submodule(a) for a in split.atoms]
     stage_of = [split.stage_of[a] for a in split.atoms]
     last = split.n_stages - 1

@@ -71,6 +71,38 @@ def test_closed_forms_equal_the_estimator(precision: str) -> None:
         assert p.disk == pytest.approx(exact.get("offload_disk", 0), rel=0.02), c.label()
 
 
+def test_activations_measured_once_per_plan() -> None:
+    """Inside activations_cached (as the planner's exact estimates run), a candidate that differs from an earlier
+    one in any field the activations depend on is measured anew, and one that differs only in the ZeRO stage, the
+    offload, the schedule or the micro-batch count reuses the measurement: every figure equals an estimate made
+    without the cache."""
+    from memsave.estimate_activations import activations_cached
+
+    meta, _ = _gpt()
+    batches = {rows: {"input_ids": torch.zeros(rows, 64, dtype=torch.long, device="meta"),
+                      "labels": torch.zeros(rows, 64, dtype=torch.long, device="meta")} for rows in (1, 2)}
+    grid = [dict(dp=2, stage=0, recompute="none"), dict(dp=2, stage=3, recompute="none", micro_batches=4),
+            dict(dp=2, stage=2, recompute="full"), dict(dp=2, stage=2, recompute="selective"),
+            dict(dp=2, stage=1, recompute="full", micro_batch=1), dict(dp=2, stage=1, recompute="full",
+                                                                      precision="bf16"),
+            dict(tp=2, sequence=True, recompute="none"), dict(tp=2, sequence=True, recompute="full"),
+            dict(pp=2, schedule="1f1b", recompute="none", micro_batches=4),
+            dict(pp=2, schedule="zero-bubble", recompute="none", micro_batches=4, stage=1, dp=2),
+            dict(pp=2, schedule="interleaved", virtual=2, recompute="none", micro_batches=4),
+            dict(pp=2, schedule="1f1b", recompute="full", micro_batches=4)]
+    store: dict[Any, Any] = {}
+    for g in grid:
+        c = Candidate(**{"dp": 1, "tp": 1, "pp": 1, "stage": 0, "offload": "none", "precision": "fp32",
+                         "micro_batch": 2, "micro_batches": 1, **g})
+        batch = batches[c.micro_batch]
+        with activations_cached(store):
+            cached = exact_peak(meta, c, batch, device="cpu")
+        assert cached == exact_peak(meta, c, batch, device="cpu"), c.label()
+    # measured anew: all but the ZeRO-3 micro-batch variant and the zero-bubble one (1F1B's split); tp measures
+    # the cut model and, for sequence parallelism, the uncut one
+    assert len(store) == len(grid) - 2 + 1, [(k[0], k[4], k[6]) for k in store]
+
+
 def test_flights_before_and_after_the_first_backward() -> None:
     """The micro-batches a pipeline rank holds at once: 1F1B's p - rank, again after the first backward when
     m > p; GPipe's m, all before it; gradient accumulation without a pipeline: one, with the gradients after."""

@@ -18,6 +18,7 @@ from torch import nn
 
 from memsave.config import Profile
 from memsave.dist import Mesh, all_gather_object
+from memsave.estimate_activations import activations_cached
 from memsave.memory.schema import OFF_DEVICE, format_bytes
 from memsave.plan.cost import Candidate, price
 from memsave.plan.hardware import calibrate
@@ -74,6 +75,7 @@ def _choose(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh, tp: 
     hw = calibrate(device=device, collectives=False)
     offloads = ("none", "optimizer", "optimizer+params") if device == "cuda" else ("none",)
     fits, smallest = [], None
+    measured: dict[Any, Any] = {}  # [Note: activations measured once per plan] in memsave/estimate_activations.py
     for stage in (0, 1, 2, 3):
         for off in offloads:
             if (off != "none" and stage == 0) or (off == "optimizer+params" and stage != 3):
@@ -81,7 +83,8 @@ def _choose(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh, tp: 
             for rec in ("none", "selective", "full"):
                 c = Candidate(dp=dp, tp=tp, pp=1, stage=stage, precision="fp32", recompute=rec, offload=off,
                               micro_batch=rows, micro_batches=1, optimizer=_optimizer_name(optimizer))
-                held = exact_peak(model, c, batch, device=device)
+                with activations_cached(measured):
+                    held = exact_peak(model, c, batch, device=device)
                 peak = sum(v for k, v in held.items() if k not in OFF_DEVICE)
                 priced = dataclasses.replace(price(spec, c, hw, seq), device={k: float(v) for k, v in held.items()
                                                                                if k not in OFF_DEVICE}, exact=True)

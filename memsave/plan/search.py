@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
+from memsave.estimate_activations import activations_cached
 from memsave.memory.schema import OFF_DEVICE, format_bytes
 from memsave.plan.cost import Candidate, Priced, price
 from memsave.plan.hardware import Hardware
@@ -111,6 +113,18 @@ def candidates(spec: ModelSpec, world: int, global_batch: int, *, gpus_per_node:
                                                     optimizer=optimizer)
 
 
+def _measuring_once(exact: Callable[[Candidate], dict[str, int]]) -> Callable[[Candidate], dict[str, int]]:
+    """``exact`` with the activations it measures kept across its calls ([Note: activations measured once per
+    plan] in memsave/estimate_activations.py)."""
+    store: dict[Any, Any] = {}
+
+    def run(c: Candidate) -> dict[str, int]:
+        with activations_cached(store):
+            return exact(c)
+
+    return run
+
+
 def plan(spec: ModelSpec, hw: Hardware, *, world: int, global_batch: int, seq: int, budget: float,
          host_budget: float | None = None, disk_budget: float = 0.0, gpus_per_node: int = 8,
          precisions: Sequence[str] | None = None, offloads: Sequence[str] | None = None,
@@ -140,6 +154,8 @@ def plan(spec: ModelSpec, hw: Hardware, *, world: int, global_batch: int, seq: i
     unpriced: dict[str, str] = {}
     smallest: dict[str, Priced] = {}
     n = 0
+    if exact is not None:
+        exact = _measuring_once(exact)
     for c in candidates(spec, world, global_batch, gpus_per_node=gpus_per_node, precisions=precisions,
                         offloads=offloads, recomputes=recomputes, optimizer=optimizer, tp_degrees=tp_degrees,
                         pp_degrees=pp_degrees):
