@@ -351,6 +351,34 @@ def test_sent_activations_are_freed_where_safe(pp2: list[dict[str, tuple[bool, A
     assert [o["freed"] for o in _outcomes(pp4, "pp4-unet-skip-1f1b")] == [0, 0, 0, 0]
 
 
+def test_which_sent_outputs_keep_their_values() -> None:
+    """A stage's sent output is freed after the send unless its backward reads its values ([Note: freed sends] in
+    memsave/pp/runtime_messages.py): a Linear's or an add's output is not read; tanh saves its result; a custom
+    autograd.Function may save its output (freeing that one crashed the backward), so it is always kept."""
+    from memsave.pp.runtime_messages import values_needed
+
+    class SavesOutput(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):  # type: ignore[no-untyped-def]
+            out = a * 2
+            ctx.save_for_backward(out)
+            return out
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[no-untyped-def]
+            (out,) = ctx.saved_tensors
+            return g * out
+
+    x = torch.randn(4, 6, requires_grad=True)
+    lin = nn.Linear(6, 6)
+    assert not values_needed(lin(x))
+    assert not values_needed(lin(x) + x)
+    assert values_needed(torch.tanh(lin(x)))
+    assert values_needed(SavesOutput.apply(lin(x)))
+    assert values_needed(lin(x).t())  # a view
+    assert values_needed(x)  # a leaf
+
+
 def test_activations_held_follow_the_schedule(pp2: list[dict[str, tuple[bool, Any]]],
                                              pp4: list[dict[str, tuple[bool, Any]]]) -> None:
     """Micro-batches whose activations a stage holds at once: m under GPipe; pp - stage under 1F1B (stage 0 holds

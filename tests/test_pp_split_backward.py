@@ -169,3 +169,4 @@ def test_weight_pass_rebuilds_each_recomputed_unit_once_and_releases_it() -> Non
     assert 0 < most[0] <= one_unit, (most[0], one_unit)
     for n, p in model.blocks.named_parameters():
         assert rel(p.grad, full[n]) < FP32_TOL, n
+

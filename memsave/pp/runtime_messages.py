@@ -4,6 +4,7 @@ of one rank."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -13,7 +14,29 @@ import torch
 from memsave.dist.p2p import P2P
 from memsave.pp.probe import CallKey, Layout
 
-__all__ = ["Messages"]
+__all__ = ["Messages", "values_needed"]
+
+
+@functools.cache
+def _saved_names(node_type: type) -> tuple[str, ...]:
+    """The ``_saved_*`` attributes of an autograd node type (``dir()`` per send was a tenth of a small stage's
+    forward)."""
+    return tuple(n for n in dir(node_type) if n.startswith("_saved_"))
+
+
+def values_needed(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values may be read after its forward ([Note: freed sends]): it is a leaf or a view, or not
+    contiguous, or its ``grad_fn`` saved it, or its ``grad_fn`` is a custom ``autograd.Function``, whose
+    ``save_for_backward`` cannot be looked into without unpacking (freeing such a saved output crashed the
+    backward)."""
+    node = t.grad_fn
+    if node is None or t._base is not None or not t.is_contiguous():
+        return True
+    if isinstance(node, torch.autograd.function.BackwardCFunction):
+        return True
+    ptr = t.untyped_storage().data_ptr()
+    return any(isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == ptr
+               for v in (getattr(node, n, None) for n in _saved_names(type(node))))
 
 
 class Messages:
@@ -51,8 +74,8 @@ class Messages:
         """[Note: freed sends] (Megatron's ``deallocate_output_tensor``) The outputs of a stage's last atom call,
         sent to one stage on another rank, are needed afterwards only as the roots of this stage's backward, which
         reads their shape and ``grad_fn``, not their values, unless autograd saved them (an op that saves its
-        result: tanh, sigmoid, ...) or they view other storage. Such outputs are freed once sent: one activation
-        per micro-batch in flight less on every stage but the last."""
+        result: tanh, sigmoid, ...; :func:`values_needed`) or they view other storage. Such outputs are freed once
+        sent: one activation per micro-batch in flight less on every stage but the last."""
         layout = self.layout
         assert layout is not None
         readers = layout.readers[key]
@@ -60,11 +83,7 @@ class Messages:
             return frozenset()
         out = set()
         for j, t in enumerate(tensors):
-            if t.grad_fn is None or t._base is not None or not t.is_contiguous():
-                continue
-            saved = [getattr(t.grad_fn, n, None) for n in dir(t.grad_fn) if n.startswith("_saved_")]
-            if any(isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
-                   for v in saved):
+            if values_needed(t):
                 continue
             out.add(j)
             self.freed_bytes += t.numel() * t.element_size()
