@@ -146,7 +146,8 @@ def _timed(fn: Any, min_s: float = 0.3) -> float:
 
 
 def _matmul_flops(device: str, dtype: torch.dtype) -> float:
-    n = 4096 if device == "cuda" else 1024
+    # a CPU has no 16-bit matmul units: a 1024 one took 1.5 s a call (0.9 GFLOP/s; 256: 1.35 GFLOP/s in 0.3 s)
+    n = 4096 if device == "cuda" else 1024 if dtype == torch.float32 else 256
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
     return 2 * n**3 / _timed(lambda: torch.mm(a, b))
 
