@@ -50,13 +50,13 @@ def measured_workspace() -> int:
     return torch.cuda.memory_allocated() - before - y.nbytes
 
 
-def allocator_extra(*, forward_end: int, step: int, peak: int, logits: int, compute: str, stepped: int,
+def allocator_extra(*, forward_end: int, step: int, peak: int, logits: int, compute: str, optimizer_state: float,
                     optimizer: str) -> tuple[int, str]:
     """Bytes the allocator holds at its peak beyond ``peak`` (the estimate's), and a note. ``forward_end`` and
     ``step``: the estimate's totals at the end of forward and in the step; ``logits``: elements of the largest
-    floating output (the logits); ``stepped``: elements stepped on the device."""
+    floating output (the logits); ``optimizer_state``: its bytes on the device (Adam's 8 per stepped element)."""
     head = logits * (4 + (0 if compute == "fp32" else 2))  # fp32 logits' gradient, and bf16/fp16 ones'
-    temporary = 4 * stepped if optimizer in FOREACH_OPTIMIZERS else 0
+    temporary = 4 * (int(optimizer_state) // 8) if optimizer in FOREACH_OPTIMIZERS else 0
     workspace = workspace_bytes()
     top = max(peak, forward_end + head, step + temporary)
     mib = 2**20

@@ -216,7 +216,7 @@ def estimate_stages(model: nn.Module, prof: Profile, *, world_size: int, batch: 
             transient, note = allocator_extra(
                 forward_end=total, step=_total(held), peak=total,
                 logits=acts.logits if acts is not None and outputs else 0, compute=prof.precision.compute,
-                stepped=held.get("optimizer_state", 0) // 8, optimizer=prof.optimizer.name)
+                optimizer_state=held.get("optimizer_state", 0), optimizer=prof.optimizer.name)
             notes.append(note)
         out.append(Estimate(profile=prof.name, world_size=world_size, tp=par.tp, model=user_class(model).__name__,
                             num_params=sum(p.numel() for p in model.parameters()), transient=int(transient),

@@ -298,7 +298,7 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
     transient = 0
     if device_type == "cuda":  # [Note: the allocator's peak]
         transient, note = allocator_extra(**points, peak=_total(best), logits=logits, compute=prof.precision.compute,
-                                          stepped=held.get("optimizer_state", 0) // 8, optimizer=prof.optimizer.name)
+                                          optimizer_state=held.get("optimizer_state", 0), optimizer=prof.optimizer.name)
         notes.append(note)
     return Estimate(profile=prof.name, world_size=world_size, tp=tp, model=user_class(model).__name__,
                     num_params=sum(p.numel() for p in model.parameters()), bytes=best, transient=transient,

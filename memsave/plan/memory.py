@@ -145,7 +145,7 @@ def device_bytes(spec: ModelSpec, c: Candidate, seq: int,
                 forward_end=int(max(sum(b.values()) for b in points[:2 if after else 1])),  # a forward's end
                 step=int(sum(step.values())), peak=int(sum(device.values())),
                 logits=int(c.micro_batch * seq * spec.vocab / c.tp) if s == c.pp - 1 else 0, compute=c.precision,
-                stepped=int(held["optimizer_state"] // 8) if c.offload == "none" else 0, optimizer=c.optimizer)
+                optimizer_state=held["optimizer_state"] if c.offload == "none" else 0, optimizer=c.optimizer)
             device = dict(device, transient=float(extra))
         total = sum(device.values())
         if best is None or total > best[0]:
