@@ -142,7 +142,7 @@ def test_weight_pass_rebuilds_each_recomputed_unit_once_and_releases_it() -> Non
         return sum(t.untyped_storage().nbytes() for r in regions for d in r.frame.recomputed.values()
                    for t in d.values())
 
-    one_unit, most = 0, [0]
+    most = [0]
     real = torch.autograd.backward
 
     def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -159,13 +159,12 @@ def test_weight_pass_rebuilds_each_recomputed_unit_once_and_releases_it() -> Non
     assert held() == 0
     for b in blocks:  # one unit's rebuilt activations: what a plain backward holds while it rebuilds a unit
         restore_unit(b)
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-        sizes: dict[int, int] = {}
-        with torch.autograd.graph.saved_tensors_hooks(
-                lambda t: sizes.__setitem__(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) or t,
-                lambda t: t):
-            blocks[0](x.clone().requires_grad_())
-        one_unit = sum(sizes.values())
+    sizes: dict[int, int] = {}
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: sizes.__setitem__(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) or t,
+            lambda t: t):
+        blocks[0](x.clone().requires_grad_())
+    one_unit = sum(sizes.values())
     assert 0 < most[0] <= one_unit, (most[0], one_unit)
     for n, p in model.blocks.named_parameters():
         assert rel(p.grad, full[n]) < FP32_TOL, n
