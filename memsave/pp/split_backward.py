@@ -190,11 +190,13 @@ def backward_input(roots: list[torch.Tensor], grads: list[torch.Tensor | None], 
         seen, met = _closure([w], closure, consumers)
         if not met:
             orphans.append(_variable(w))
-            orphan_runs.update(n._sequence_nr() for n in seen)
+            if regions:  # only a recomputed forward has regions to release
+                orphan_runs.update(n._sequence_nr() for n in seen)
             continue
         found = list({id(groups[n]): groups[n] for n in met if n in groups}.values())
         group = found[0] if found else _Group([], [], [])
-        group.runs.update(n._sequence_nr() for n in seen | met)
+        if regions:
+            group.runs.update(n._sequence_nr() for n in seen | met)
         for other in found[1:]:  # one weight joins two groups: they become one
             group.weights += other.weights
             group.runs |= other.runs
