@@ -14,6 +14,7 @@ Measured: at most 5e-7 (the accumulated gradient sums in another order; tied gra
 
 from __future__ import annotations
 
+import functools
 import time
 import traceback
 from collections.abc import Callable
@@ -377,6 +378,21 @@ def test_which_sent_outputs_keep_their_values() -> None:
     assert values_needed(SavesOutput.apply(lin(x)))
     assert values_needed(lin(x).t())  # a view
     assert values_needed(x)  # a leaf
+
+    # under recomputation: answered without unpacking what autograd saved, which would rebuild the unit at forward
+    # time and keep the rebuild until the backward ([Note: needed without unpacking])
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+    calls = [0]
+    lin.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    assert not values_needed(checkpoint(nn.Sequential(lin, nn.GELU()), x, use_reentrant=False))
+    assert not values_needed(checkpoint(lambda a: torch.tanh(lin(a)), x, use_reentrant=False))  # rebuilt later
+    assert calls == [2], calls  # the two forwards, no rebuild
+
+    def keep_tanh(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.tanh.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    selective = functools.partial(create_selective_checkpoint_contexts, keep_tanh)
+    assert values_needed(checkpoint(lambda a: torch.tanh(lin(a)), x, use_reentrant=False, context_fn=selective))
 
 
 def test_activations_held_follow_the_schedule(pp2: list[dict[str, tuple[bool, Any]]],

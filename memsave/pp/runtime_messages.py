@@ -24,17 +24,35 @@ def _saved_names(node_type: type) -> tuple[str, ...]:
     return tuple(n for n in dir(node_type) if n.startswith("_saved_"))
 
 
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _storage_refs(t: torch.Tensor) -> int:
+    assert _use_count is not None
+    return int(_use_count(t.untyped_storage()._cdata))
+
+
+_ALONE = _storage_refs(torch.empty(1)) if _use_count is not None else 0  # the tensor and the storage asked for
+
+
 def values_needed(t: torch.Tensor) -> bool:
     """Whether ``t``'s values may be read after its forward ([Note: freed sends]): it is a leaf or a view, or not
-    contiguous, or its ``grad_fn`` saved it, or its ``grad_fn`` is a custom ``autograd.Function``, whose
-    ``save_for_backward`` cannot be looked into without unpacking (freeing such a saved output crashed the
-    backward)."""
+    contiguous, or its ``grad_fn`` is a custom ``autograd.Function`` (whose ``ctx`` may keep it in any attribute),
+    or anything else references its storage: an autograd node that saved it (an op saving its result: tanh,
+    sigmoid, ...), a selective recomputation's cache, a view.
+
+    [Note: needed without unpacking] Autograd's saved tensors are not read: under a checkpoint's saved-tensor hooks
+    reading one (``node._saved_self``) runs the unit's recomputation, at forward time, and keeps what it rebuilt
+    until the backward (a whole unit's activations per micro-batch in flight). The count of references to the
+    storage (torch's ``_storage_Use_Count``; every tensor or saved alias of it is one) answers without that."""
     node = t.grad_fn
     if node is None or t._base is not None or not t.is_contiguous():
         return True
     if isinstance(node, torch.autograd.function.BackwardCFunction):
         return True
-    ptr = t.untyped_storage().data_ptr()
+    if _use_count is not None:
+        return _storage_refs(t) > _ALONE
+    ptr = t.untyped_storage().data_ptr()  # a torch without the count: unpack (may recompute, see the note)
     return any(isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == ptr
                for v in (getattr(node, n, None) for n in _saved_names(type(node))))
 
