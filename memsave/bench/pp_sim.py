@@ -9,7 +9,7 @@ memsave/pp/runtime.py; every rank's clock is the machine's monotonic clock, so r
   other rank (its sends are posted inside it) to the end of the wait (the action's start plus its wait: the
   receives come first); the mean;
 - the step's fixed cost outside the actions: before the first action (the step's checks, the layout look-up)
-  and after the last (the gradient sync, the loss broadcast), per step the smallest over ranks (a rank that
+  and after the last (the gradient sync, the wait for the loss), per step the smallest over ranks (a rank that
   finished early waits there for the last one: that wait is the schedule's, which the simulator plays), the mean
   over steps. The closing drain's wait counts as idle, as in the measured idle, so it is left out.
 

@@ -161,13 +161,15 @@ class P2P:
         self._sends: list[_Pending] = []
         self._freeing: list[tuple[threading.Event, list[BaseException]]] = []
 
-    def send(self, tensor: torch.Tensor, peer: int, tag: int, *, free_after: bool = False) -> None:
+    def send(self, tensor: torch.Tensor, peer: int, tag: int, *, free_after: bool = False,
+             count_as: str = "pp_send") -> None:
         """Post the send of ``tensor``. ``free_after``: free its storage (``resize_(0)``) once the send completed,
         from a helper thread (the caller vouches that nothing reads the values again: [Note: freed sends] in
-        memsave/pp/runtime.py)."""
+        memsave/pp/runtime.py). ``count_as``: its kind in :data:`COMM_STATS` (``"control"``: not the model's
+        traffic)."""
         tensor = tensor.contiguous()
         _check_device("pp_send", None, tensor)
-        COMM_STATS.add("pp_send", _nbytes(tensor))
+        COMM_STATS.add(count_as, _nbytes(tensor))
         pending = _Pending(dist.isend(tensor, dst=peer, tag=tag), tensor, "pp_send", peer)
         if not free_after:
             self._sends.append(pending)
@@ -180,10 +182,11 @@ class P2P:
 
         self._freeing.append(_Waiter.get("free").submit(wait_then_free))
 
-    def recv(self, shape: Sequence[int], dtype: torch.dtype, peer: int, tag: int) -> _Pending:
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, peer: int, tag: int, *,
+             count_as: str = "pp_recv") -> _Pending:
         tensor = torch.empty(tuple(shape), dtype=dtype, device=self.device)
         _check_device("pp_recv", None, tensor)
-        COMM_STATS.add("pp_recv", _nbytes(tensor))
+        COMM_STATS.add(count_as, _nbytes(tensor))
         return _Pending(dist.irecv(tensor, src=peer, tag=tag), tensor, "pp_recv", peer)
 
     def wait(self, pending: _Pending) -> torch.Tensor:

@@ -8,7 +8,8 @@ inner one. It is the inner engine for everything of the :class:`~memsave.engines
   holders of a tied parameter (counted once);
 - :meth:`pipeline_step`: one optimizer step's forwards and backwards, as a schedule over the micro-batches
   (memsave/pp/runtime.py), every backward but this rank's last under the inner ``no_sync``; then the gradients of
-  tied parameters are summed over their holding stages, and the mean loss is broadcast from the last stage.
+  tied parameters are summed over their holding stages. The mean loss is returned on every rank: the last stage
+  sends it to the others ([Note: the loss by message] in memsave/pp/runtime_messages.py).
 """
 
 from __future__ import annotations
@@ -167,19 +168,14 @@ class PipelineEngine:
                 self.inner.reshard()
         if self.inner.require_grad_sync:
             self._sum_tied_grads()
-        return self._broadcast_loss(total)
+        return total.detach().float()[0]
 
     def pipeline_loss(self, micro_batches: Sequence[Any], *, targets: Sequence[Any] | None = None,
                       loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> torch.Tensor:
         """The mean loss over ``micro_batches`` by forwards only, without autograd (an evaluation through the
         pipeline), on every rank. Arguments as :meth:`pipeline_step`; collective over the whole mesh."""
         m, run, loss_of = self._prepare(micro_batches, targets, loss_fn)
-        return self._broadcast_loss(self.runner.run_forward(m, run, loss_of))
-
-    def _broadcast_loss(self, total: torch.Tensor | None) -> torch.Tensor:
-        mean = total.detach().reshape(1).float() if total is not None else torch.zeros(1, device=self.mesh.device)
-        mdist.broadcast(mean, (self.split.n_stages - 1) % self.pp_size, self.mesh.group("pp"))
-        return mean[0]
+        return self.runner.run_forward(m, run, loss_of).float()[0]
 
     def _prepare(self, micro_batches: Sequence[Any], targets: Sequence[Any] | None,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> tuple[int, Any, Any]:

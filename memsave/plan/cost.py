@@ -118,8 +118,8 @@ def collective_counts(spec: ModelSpec, c: Candidate) -> dict[str, int]:
     them (tests/test_plan.py checks them against :data:`memsave.dist.COMM_STATS`):
 
     - ``all_reduce``: the agreements, a few bytes each (a step's loss scale and skip; data parallelism's
-      used-gradient flags and checks, ZeRO one more and one per micro-batch at stage 3; the pipeline's shape
-      broadcast and, with tied weights, their reduction; tensor parallelism's loss reductions, three per micro-batch, and its
+      used-gradient flags and checks, ZeRO one more and one per micro-batch at stage 3; the pipeline's loss, a
+      message from the last stage, and, with tied weights, their reduction; tensor parallelism's loss reductions, three per micro-batch, and its
       gradient check), and stage 0's gradient buckets;
     - ``reduce_scatter`` / ``all_gather``: ZeRO's, one per unit (the stage's blocks and its root) and, at stage 3,
       a gather per block for forward and again for backward, every micro-batch without a pipeline; tensor
@@ -152,7 +152,7 @@ def _count_terms(spec: ModelSpec, c: Candidate) -> dict[str, int]:
             n["dp scatters"] = layers + 1
             n["dp gathers"] = 2 * layers * (m if c.pp == 1 else 1) if c.stage >= 3 else layers + 1
     if c.pp > 1:
-        n["agreements"] += 1 + spec.tied  # the shapes' broadcast; the tied weights' reduction
+        n["agreements"] += 1 + spec.tied  # the loss from the last stage; the tied weights' reduction
         # each of the rank's v chunks sends to and receives from both neighbours (the model's first and last
         # chunk from one), forward and backward, every micro-batch; with p = 2 a rank holds one of those two
         n["pp sends"] = 2 * m * (2 * c.virtual - (1 if c.pp == 2 else 0))

@@ -36,6 +36,8 @@ class Structure:
 
     spec: Any
     leaves: tuple[tuple[Any, ...], ...]
+    _zeros: dict[torch.device, list[torch.Tensor]] = dataclasses.field(
+        default_factory=dict, compare=False, repr=False, hash=False)  # placeholders per device
 
     def tensor_meta(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
         return [(leaf[1], leaf[2]) for leaf in self.leaves if leaf[0] == "t"]
@@ -47,8 +49,13 @@ class Structure:
         return tree_unflatten(leaves, self.spec)
 
     def placeholder(self, device: torch.device) -> Any:
-        """Zeros of the right shapes, costing one element each (expanded views)."""
-        return self.build([torch.zeros((), dtype=dt, device=device).expand(shape) for shape, dt in self.tensor_meta()])
+        """Zeros of the right shapes, costing one element each (expanded views), made once per device: their
+        values never reach a stage's result ([Note: the stage runner] in memsave/pp/runtime.py)."""
+        zeros = self._zeros.get(device)
+        if zeros is None:
+            zeros = self._zeros[device] = [torch.zeros((), dtype=dt, device=device).expand(shape)
+                                           for shape, dt in self.tensor_meta()]
+        return self.build(zeros)
 
     def describe(self) -> list[tuple[Any, ...]]:
         return [(leaf[0], tuple(leaf[1]), str(leaf[2])) if leaf[0] == "t" else ("v", repr(leaf[1]))

@@ -96,6 +96,7 @@ class StageRunner(Messages):
         self._held: dict[tuple[int, int], _Held] = {}
         self._originals: list[tuple[nn.Module, Any]] = []
         self._hooks: list[Any] = []
+        self._stops: set[str] = set()  # atoms with the stop hook
         self.last_losses: list[torch.Tensor] = []
         self.freed_bytes = 0  # sent activations freed ([Note: freed sends])
         self.max_in_flight = 0  # the most (stage, micro-batch) forwards held for their backward at once
@@ -114,7 +115,6 @@ class StageRunner(Messages):
             module = self.model.get_submodule(name)
             self._originals.append((module, module.__dict__.get("forward")))
             module.forward = self._atom_forward(name, module.forward)
-            self._hooks.append(module.register_forward_hook(self._stop_hook))
         root = self.model
         self._originals.append((root, root.__dict__.get("forward")))
         inner = root.forward
@@ -136,6 +136,7 @@ class StageRunner(Messages):
             else:
                 module.forward = forward
         self._hooks.clear()
+        self._stops.clear()
         self._originals.clear()
 
     def _atom_forward(self, name: str, forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -163,7 +164,7 @@ class StageRunner(Messages):
                 if key in ctx.received:
                     return ctx.received[key]
                 assert self.layout is not None
-                return self.layout.structure[key].placeholder(self.device)
+                return self.layout.structure[key].placeholder(self.device)  # (cached expanded zeros)
             raise AssertionError(f"pipeline runtime: {name!r} of stage {stage} called in the forward of stage "
                                  f"{ctx.stage} after its last module")
 
@@ -199,6 +200,10 @@ class StageRunner(Messages):
                 raise RuntimeError(f"pipeline probe: pp ranks {bad} found another structure of the stages' outputs "
                                    "than pp rank 0 (the forward differs across ranks)")
             self.layouts[signature] = layout
+            for name in {k[0] for s, k in layout.last_call.items() if s != self.n_stages - 1} - self._stops:
+                # the stop only where a stage can end: a hook keeps every call of its module off torch's fast path
+                self._stops.add(name)
+                self._hooks.append(self.model.get_submodule(name).register_forward_hook(self._stop_hook))
         self.layout = layout
         return layout
 
@@ -311,42 +316,36 @@ class StageRunner(Messages):
         self._send_input_grads(stage, mb, held, self._split_by_key(held, [t.grad for t in inputs]))
         del self._held[(stage, mb)]
 
-    @staticmethod
-    def _split_by_key(held: _Held, flat: list[torch.Tensor | None]) -> dict[CallKey, list[Any]]:
-        out: dict[CallKey, list[Any]] = {}
-        i = 0
-        for key, tensors in held.received.items():
-            n = sum(1 for t in tensors if t.requires_grad)
-            out[key] = flat[i: i + n]
-            i += n
-        return out
-
     # -- a step ----------------------------------------------------------------------------------------------
     def run_forward(self, micro_batches: int, run_mb: Callable[[int], Any],
-                    loss_of: Callable[[int, Any], torch.Tensor]) -> torch.Tensor | None:
+                    loss_of: Callable[[int, Any], torch.Tensor]) -> torch.Tensor:
         """Forwards only, without autograd (an evaluation): each micro-batch through this rank's stages in order.
-        Returns the sum of the losses on the rank holding the last stage (None elsewhere)."""
+        Returns the sum of the losses, shape (1,), on every rank ([Note: the loss by message])."""
         self.last_losses = []
+        m, last = micro_batches, self.n_stages - 1
         try:
+            total = pending = self._post_loss(m)
             with torch.no_grad(), mdist.trim_held():  # [Note: no trim in a pipeline step]
-                for mb in range(micro_batches):
+                for mb in range(m):
                     for stage in self.local_stages:
                         self.forward(stage, mb, functools.partial(run_mb, mb), functools.partial(loss_of, mb),
                                      keep=False)
-            self.p2p.drain()
+                        if stage == last and len(self.last_losses) == m:
+                            total = self._send_loss(m)
+            total = self._drain(pending, total)
         except BaseException as exc:
             if not isinstance(exc, PeerFailed):
                 announce_failure(f"{type(exc).__name__}: {exc}")
             self._mailbox.clear()
             self.p2p.reset()
             raise
-        return torch.stack(self.last_losses).sum() if self.n_stages - 1 in self.local_stages else None
+        return total
 
     def run(self, schedule: Schedule, run_mb: Callable[[int], Any], loss_of: Callable[[int, Any], torch.Tensor],
             *, backward_ctx: Callable[[bool], contextlib.AbstractContextManager[None]],
-            scale: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
-        """Run this rank's actions of ``schedule``; return the sum of the micro-batches' losses on the rank holding
-        the last stage (None elsewhere). ``backward_ctx(last)`` wraps each backward action (the engine's
+            scale: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Run this rank's actions of ``schedule``; return the sum of the micro-batches' losses, shape (1,), on every
+        rank ([Note: the loss by message]). ``backward_ctx(last)`` wraps each backward action (the engine's
         ``no_sync`` for all but this rank's last one)."""
         actions = schedule.actions[self.pp_rank]
         last_bwd = max((i for i, a in enumerate(actions) if a.kind in ("B", "W")), default=-1)
@@ -356,7 +355,9 @@ class StageRunner(Messages):
         split = any(a.kind == "W" for a in actions)
         self.last_losses = []
         timing, clock = self.timing, time.perf_counter
+        m, last = schedule.micro_batches, self.n_stages - 1
         try:
+            total = pending = self._post_loss(m)
             for i, a in enumerate(actions):
                 if i + 1 < len(actions):
                     self._post_ahead(actions[i + 1])
@@ -367,13 +368,15 @@ class StageRunner(Messages):
                         # [Note: no trim in a pipeline step] (dist/host_memory.py)
                         self.forward(a.stage, a.mb, functools.partial(run_mb, a.mb),
                                      functools.partial(loss_of, a.mb), regions=regions)
+                    if a.stage == last and len(self.last_losses) == m:
+                        total = self._send_loss(m)
                 else:
                     with backward_ctx(i == last_bwd):
                         self.backward(a.kind, a.stage, a.mb, scale, quiet=lambda: backward_ctx(False))
                 if timing is not None:
                     timing.append((a.kind, a.stage, a.mb, t0, clock(), self._waited))
             t0 = clock()
-            self.p2p.drain()
+            total = self._drain(pending, total)
             if timing is not None:
                 timing.append(("drain", -1, -1, t0, clock(), clock() - t0))
         except BaseException as exc:
@@ -389,6 +392,4 @@ class StageRunner(Messages):
             self._held.clear()
             self._mailbox.clear()
             raise RuntimeError(f"pipeline schedule {schedule.name!r} left forwards without a backward: {left}")
-        if self.n_stages - 1 in self.local_stages:
-            return torch.stack(self.last_losses).sum()
-        return None
+        return total

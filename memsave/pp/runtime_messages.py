@@ -69,7 +69,19 @@ class Messages:
     _mailbox: dict[tuple[Any, ...], list[torch.Tensor]]
     _posted: dict[tuple[Any, ...], list[Any]]  # receives posted ahead, by message ([Note: receives posted ahead])
     _waited: float
+    last_losses: list[torch.Tensor]
     peer: Callable[[int], int]  # the global rank of a pp rank of this rank's slice
+    @staticmethod
+    def _split_by_key(held: Any, flat: list[torch.Tensor | None]) -> dict[CallKey, list[Any]]:
+        """``flat`` (the gradients of a forward's received tensors that require grad) by the message they came in."""
+        out: dict[CallKey, list[Any]] = {}
+        i = 0
+        for key, tensors in held.received.items():
+            n = sum(1 for t in tensors if t.requires_grad)
+            out[key] = flat[i: i + n]
+            i += n
+        return out
+
     def _tag(self, mb: int, key: CallKey, dst_stage: int, leaf: int, backward: bool) -> int:
         assert self.layout is not None and leaf < 64
         c = self.layout.index(key)
@@ -135,3 +147,37 @@ class Messages:
         out = [self.p2p.wait(p) for p in pending]
         self._waited += time.perf_counter() - t
         return out
+
+    # -- the step's loss ([Note: the loss by message]) -------------------------------------------------------
+    def _loss_tag(self, m: int) -> int:
+        """The loss's tag: a message of micro-batch ``m``, which a step of ``m`` micro-batches never sends."""
+        assert self.layout is not None
+        return m * len(self.layout.order) * self.n_stages * 64 * 2
+
+    def _post_loss(self, m: int) -> Any:
+        """[Note: the loss by message] Every rank returns the step's loss, which only the last stage's rank
+        computes. It is sent to each other pp rank as one tagged message as soon as the last stage's last forward
+        ran (a receive posted at the step's start), not broadcast at the step's end: a collective there made the
+        last stage wait for the first one's last backward, and put its latency on the step of every rank. None: this
+        rank holds the last stage."""
+        src = self._rank_of(self.n_stages - 1)
+        if src == self.pp_rank:
+            return None
+        return self.p2p.recv((1,), torch.float32, self.peer(src), self._loss_tag(m), count_as="control")
+
+    def _send_loss(self, m: int) -> torch.Tensor:
+        """The sum of the step's ``m`` losses (each already divided by ``m``), sent to every other pp rank."""
+        total = torch.stack(self.last_losses).sum().reshape(1)
+        for r in range(self.pp_size):
+            if r != self.pp_rank:
+                self.p2p.send(total, self.peer(r), self._loss_tag(m), count_as="control")
+        return total
+
+    def _drain(self, pending: Any, total: torch.Tensor | None) -> torch.Tensor:
+        """The step's end: wait for this rank's sends, then the loss (``pending``) or, on the last stage's rank,
+        the ``total`` it sent."""
+        self.p2p.drain()
+        out = total if pending is None else self.p2p.wait(pending)
+        assert out is not None, "pipeline runtime: the last stage ran fewer forwards than the step's micro-batches"
+        return out
+
