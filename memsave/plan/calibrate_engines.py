@@ -10,6 +10,14 @@ zero3, tp = 2, pp = 2) on two local ranks at two widths and two micro-batch shap
 measured step less the collectives the cost model counts to ``stretch * compute + per_byte * parameter bytes +
 per_step`` (least squares on the relative error, no coefficient negative); the planner applies the family's
 figures to every candidate of it ([Note: the planner's time model] in memsave/plan/cost.py).
+
+[Note: tensor parallelism's cost per collective] Tensor parallelism's ``per_step`` is a cost per TP collective
+(:func:`engine_units`): its custom autograd functions, the slicing and joining around each all-gather,
+reduce-scatter and all-reduce, and the wait for the slower rank at each of them come per block and
+micro-batch, not per step. Calibrated at 2 blocks, a per-step figure priced the 4-block bench GPT's tp2 rows
+23-25% low; measured on this machine (GPT d 128, 8 rows of 64 tokens, sequence parallelism) against the cost
+model: per step -9.6% at 4 blocks, -9.9% at 8, -18.1% at 2 micro-batches, -19.3% under full recomputation;
+per collective +6.9%, +19.2%, +9.1%, +0.1% (both +3.0% at 2 blocks, where they are the same figure).
 """
 
 from __future__ import annotations
@@ -23,21 +31,29 @@ from typing import Any
 
 import torch
 
-__all__ = ["FAMILIES", "engine_overheads", "family_of", "fit_nonnegative", "train_step"]
+__all__ = ["FAMILIES", "engine_overheads", "engine_units", "family_of", "fit_nonnegative", "train_step"]
 
 # family -> (profile, tp, pp, the (rows per micro-batch, micro-batches) measured): the compute grows fourfold
 # between the two shapes while the parameters stay, so the fit can tell a cost per token from one per byte
 _SHAPES = ((2, 1), (8, 1))
 FAMILIES: dict[str, tuple[str, int, int, tuple[tuple[int, int], ...]]] = {
     "zero0": ("ddp", 1, 1, _SHAPES), "zero1": ("zero1", 1, 1, _SHAPES), "zero2": ("zero2", 1, 1, _SHAPES),
-    "zero3": ("zero3", 1, 1, _SHAPES), "tp": ("ddp", 2, 1, _SHAPES), "pp": ("ddp", 1, 2, ((2, 2), (4, 4))),
+    "zero3": ("zero3", 1, 1, _SHAPES), "tp+sp": ("ddp", 2, 1, _SHAPES), "pp": ("ddp", 1, 2, ((2, 2), (4, 4))),
 }
 _SEQ, _LAYERS = 64, 2
 _WIDTHS = (64, 192)  # d_model of the two calibration models (heads of 32 columns)
 
 
 def family_of(tp: int, pp: int, stage: int) -> str:
-    return "tp" if tp > 1 else "pp" if pp > 1 else f"zero{stage}"
+    return "tp+sp" if tp > 1 else "pp" if pp > 1 else f"zero{stage}"
+
+
+def engine_units(counts: dict[str, int], tp: int) -> float:
+    """What a family's ``per_step`` is paid per: a step, or with tensor parallelism each of its collectives
+    (``counts``: memsave.plan.cost's terms of the candidate; [Note: tensor parallelism's cost per collective])."""
+    if tp <= 1:
+        return 1.0
+    return float(counts["tp gathers"] + counts["tp scatters"] + counts["tp all-reduces"])
 
 
 def train_step(model: Any, optimizer: Any, batches: list[Any]) -> None:
@@ -138,7 +154,7 @@ def engine_overheads(hw: Any, *, steps: int = 4, rounds: int = 2, timeout_s: flo
     family -> (seconds per step, seconds per byte of a stage's parameters, the compute's stretch) beyond what
     :func:`memsave.plan.price` predicts for it without them (module docstring)."""
     from memsave._launch import spawn_local
-    from memsave.plan.cost import price
+    from memsave.plan.cost import _count_terms, price
     from memsave.plan.spec import from_gpt
 
     per_rank = spawn_local(_worker, 2, (steps, hw.flops["fp32"], rounds), timeout_s=timeout_s)
@@ -151,9 +167,10 @@ def engine_overheads(hw: Any, *, steps: int = 4, rounds: int = 2, timeout_s: flo
         for i, (width, (micro, m)) in enumerate(itertools.product(_WIDTHS, shapes)):
             spec = from_gpt(_config(width))
             measured = max(r[fam][i] for r in per_rank)
-            t = price(spec, _candidate(fam, micro, m), hw, _SEQ).time
+            c = _candidate(fam, micro, m)
+            t = price(spec, c, hw, _SEQ).time
             param_bytes = 4 * max(spec.stage_params(pp, s, tp) for s in range(pp))
-            rows.append((1.0, param_bytes, t["compute"]))
+            rows.append((engine_units(_count_terms(spec, c), tp), param_bytes, t["compute"]))
             targets.append(measured - (sum(t.values()) - t["compute"]))
         per_step, per_byte, stretch = fit_nonnegative(rows, targets)
         fitted[fam] = (per_step, per_byte, stretch)

@@ -188,13 +188,13 @@ def _time(spec: ModelSpec, c: Candidate, hw: Hardware, seq: int, elem: int, gpus
         compute += hw.layer_overhead * layers * c.micro_batches * (1 + rebuilds / 3 if c.recompute == "full" else 1)
     psi = max(spec.stage_params(c.pp, s, c.tp) for s in range(c.pp))
     t: dict[str, float] = {"compute": compute}
+    n = _count_terms(spec, c)
     if hw.engine:  # what the engine pays besides FLOPs and collectives, calibrated on this machine
-        from memsave.plan.calibrate_engines import family_of
+        from memsave.plan.calibrate_engines import engine_units, family_of
 
         per_step, per_byte, stretch = hw.engine.get(family_of(c.tp, c.pp, c.stage), (0.0, 0.0, 1.0))
         t["compute"] = compute * stretch
-        t["engine"] = per_step + per_byte * psi * elem
-    n = _count_terms(spec, c)
+        t["engine"] = per_step * engine_units(n, c.tp) + per_byte * psi * elem
     t["agreements"] = _collective(hw, "all_reduce", 0.0, world > gpus_per_node, n["agreements"])
     if c.tp > 1:
         inter = c.tp > gpus_per_node

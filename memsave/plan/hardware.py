@@ -286,8 +286,12 @@ def calibrate(*, device: str | None = None, folder: str | Path | None = None, re
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cache = _cache_file(device)
     data = json.loads(cache.read_text()) if cache.is_file() and not refresh else None
-    # a cache from before the per-kind collectives and the three engine figures is measured again
-    if data is not None and "collectives" in data and all(len(v) == 3 for v in data.get("engine", {}).values()):
+    # a cache from before the per-kind collectives, the three engine figures or the present families (tp+sp:
+    # per collective) is measured again
+    from memsave.plan.calibrate_engines import FAMILIES
+
+    if (data is not None and "collectives" in data and all(len(v) == 3 for v in data.get("engine", {}).values())
+            and set(data.get("engine") or FAMILIES) == set(FAMILIES)):
         for key in ("engine", "collectives"):
             data[key] = {k: tuple(v) for k, v in data.get(key, {}).items()}
         return Hardware(**data)
