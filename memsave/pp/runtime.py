@@ -322,17 +322,13 @@ class StageRunner(Messages):
         """Forwards only, without autograd (an evaluation): each micro-batch through this rank's stages in order.
         Returns the sum of the losses, shape (1,), on every rank ([Note: the loss by message])."""
         self.last_losses = []
-        m, last = micro_batches, self.n_stages - 1
         try:
-            total = pending = self._post_loss(m)
             with torch.no_grad(), mdist.trim_held():  # [Note: no trim in a pipeline step]
-                for mb in range(m):
+                for mb in range(micro_batches):
                     for stage in self.local_stages:
                         self.forward(stage, mb, functools.partial(run_mb, mb), functools.partial(loss_of, mb),
                                      keep=False)
-                        if stage == last and len(self.last_losses) == m:
-                            total = self._send_loss(m)
-            total = self._drain(pending, total)
+            total = self._drain(self._post_loss(micro_batches), self._send_loss(micro_batches))
         except BaseException as exc:
             if not isinstance(exc, PeerFailed):
                 announce_failure(f"{type(exc).__name__}: {exc}")
@@ -355,12 +351,14 @@ class StageRunner(Messages):
         split = any(a.kind == "W" for a in actions)
         self.last_losses = []
         timing, clock = self.timing, time.perf_counter
-        m, last = schedule.micro_batches, self.n_stages - 1
+        m = schedule.micro_batches
         try:
-            total = pending = self._post_loss(m)
+            pending = self._post_loss(m) if len(actions) < 2 else None
             for i, a in enumerate(actions):
                 if i + 1 < len(actions):
                     self._post_ahead(actions[i + 1])
+                    if i + 2 == len(actions):  # after every other receive: [Note: the loss by message]
+                        pending = self._post_loss(m)
                 t0, self._waited = clock(), 0.0
                 if a.kind == "F":
                     regions: list[RecomputedRegion] | None = [] if split else None
@@ -368,15 +366,13 @@ class StageRunner(Messages):
                         # [Note: no trim in a pipeline step] (dist/host_memory.py)
                         self.forward(a.stage, a.mb, functools.partial(run_mb, a.mb),
                                      functools.partial(loss_of, a.mb), regions=regions)
-                    if a.stage == last and len(self.last_losses) == m:
-                        total = self._send_loss(m)
                 else:
                     with backward_ctx(i == last_bwd):
                         self.backward(a.kind, a.stage, a.mb, scale, quiet=lambda: backward_ctx(False))
                 if timing is not None:
                     timing.append((a.kind, a.stage, a.mb, t0, clock(), self._waited))
             t0 = clock()
-            total = self._drain(pending, total)
+            total = self._drain(pending, self._send_loss(m))
             if timing is not None:
                 timing.append(("drain", -1, -1, t0, clock(), clock() - t0))
         except BaseException as exc:

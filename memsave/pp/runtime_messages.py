@@ -156,17 +156,23 @@ class Messages:
 
     def _post_loss(self, m: int) -> Any:
         """[Note: the loss by message] Every rank returns the step's loss, which only the last stage's rank
-        computes. It is sent to each other pp rank as one tagged message as soon as the last stage's last forward
-        ran (a receive posted at the step's start), not broadcast at the step's end: a collective there made the
-        last stage wait for the first one's last backward, and put its latency on the step of every rank. None: this
-        rank holds the last stage."""
+        computes. It sends it to each other pp rank as one tagged message after its last action; the others post
+        its receive before their last action runs, so it arrives while that action computes. It was a broadcast
+        at the step's end: a collective, where the last stage waited for the first one's last backward, and whose
+        latency every rank paid. The loss is the last message between each pair of ranks on both sides (sent
+        after every other, its receive posted after every other), so it pairs with its receive whether the
+        backend matches messages by tag (gloo) or by order. None: this rank holds the last stage."""
         src = self._rank_of(self.n_stages - 1)
         if src == self.pp_rank:
             return None
         return self.p2p.recv((1,), torch.float32, self.peer(src), self._loss_tag(m), count_as="control")
 
-    def _send_loss(self, m: int) -> torch.Tensor:
-        """The sum of the step's ``m`` losses (each already divided by ``m``), sent to every other pp rank."""
+    def _send_loss(self, m: int) -> torch.Tensor | None:
+        """On the last stage's rank: the sum of the step's ``m`` losses (each already divided by ``m``), sent to
+        every other pp rank; None elsewhere."""
+        if self._rank_of(self.n_stages - 1) != self.pp_rank:
+            return None
+        assert len(self.last_losses) == m, "pipeline runtime: the last stage ran another number of forwards"
         total = torch.stack(self.last_losses).sum().reshape(1)
         for r in range(self.pp_size):
             if r != self.pp_rank:
@@ -178,6 +184,5 @@ class Messages:
         the ``total`` it sent."""
         self.p2p.drain()
         out = total if pending is None else self.p2p.wait(pending)
-        assert out is not None, "pipeline runtime: the last stage ran fewer forwards than the step's micro-batches"
+        assert out is not None
         return out
-
