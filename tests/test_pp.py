@@ -45,7 +45,8 @@ def _train(kind: str, base: str = "ddp", schedule: str = "1f1b", virtual: int = 
                                                                              virtual=virtual), micro, schedule=sched)
         return {"diff": pc.compare(run, pc.reference(pc.KINDS[kind], micro)), "bytes": dict(stats.bytes),
                 "freed": model.memsave_engine.runner.freed_bytes,
-                "in_flight": model.memsave_engine.runner.max_in_flight}
+                "in_flight": model.memsave_engine.runner.max_in_flight,
+                "stops": sorted(model.memsave_engine.runner._stops)}
     return case
 
 
@@ -403,6 +404,15 @@ def test_activations_held_follow_the_schedule(pp2: list[dict[str, tuple[bool, An
     assert [o["in_flight"] for o in _outcomes(pp2, "gpt-1f1b")] == [2, 1]
     assert [o["in_flight"] for o in _outcomes(pp4, "pp4-unet-skip-1f1b")] == [4, 3, 2, 1]
     assert [o["in_flight"] for o in _outcomes(pp4, "pp4-gpt-1f1b-fewer-micro-batches-than-stages")] == [2, 2, 2, 1]
+
+
+def test_the_stop_hook_sits_only_where_a_stage_ends(pp2: list[dict[str, tuple[bool, Any]]],
+                                                    pp4: list[dict[str, tuple[bool, Any]]]) -> None:
+    """The hook that ends a stage's forward is on the atom each earlier stage ends with, on every rank, and on no
+    other (a module with a hook leaves torch's fast call path, at every call of every micro-batch)."""
+    assert [o["stops"] for o in _outcomes(pp2, "gpt-1f1b")] == [["blocks.1"], ["blocks.1"]]
+    assert [o["stops"] for o in _outcomes(pp4, "pp4-gpt-1f1b-fewer-micro-batches-than-stages")] == [
+        ["blocks.0", "blocks.1", "blocks.2"]] * 4
 
 
 def test_skip_connection_goes_straight_to_its_reader(pp4: list[dict[str, tuple[bool, Any]]]) -> None:
