@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memsave.offload.chunks import Chunk, Piece
-from memsave.offload.tiers import Tier, _EventHandle, round_up
+from memsave.offload.tiers import EventHandle, Tier, round_up
 from memsave.offload.window import Run
 from memsave.phases import MemoryCategory
 
@@ -292,7 +292,7 @@ class HostStep:
 
     def _uploaded(self, write: Any) -> list[Any]:
         """What a unit's first reader waits for after a chunk's step: its write, and its copy up."""
-        return [write] if self._staging is None else [write, _EventHandle(self._last_upload)]
+        return [write] if self._staging is None else [write, EventHandle(self._last_upload)]
 
     def _before(self, piece: Piece) -> torch.Tensor:
         """The rows a failed write puts back, as they are before the step ([Note: failed I/O] in state.py): on the
@@ -324,7 +324,7 @@ class HostStep:
             pieces = [p for p in chunk.pieces if self._attach(p, None, run)]
             self._step_in_memory(pieces, run)
             if pieces:
-                run.writes_of.setdefault(chunk.group_file, []).append(_EventHandle(self._last_upload))
+                run.writes_of.setdefault(chunk.group_file, []).append(EventHandle(self._last_upload))
             if last[chunk.group_file] is chunk and chunk.group_file in run.done:
                 run.done[chunk.group_file].set()
 

@@ -45,7 +45,7 @@ from memsave.offload.folders import (
 )
 from memsave.phases import MemoryCategory
 
-__all__ = ["ALIGN", "RECORD_ENV", "DiskTier", "Handle", "HostTier", "Tier", "aligned_empty", "check_disk_path",
+__all__ = ["ALIGN", "RECORD_ENV", "DiskTier", "EventHandle", "Handle", "HostTier", "Tier", "aligned_empty", "check_disk_path",
            "cleanup_on_signals", "live_folders", "remove_folder", "remove_live_folders", "round_up"]
 
 ALIGN = 4096  # O_DIRECT wants buffer addresses, file offsets and lengths aligned to the logical block size
@@ -293,7 +293,9 @@ class DiskTier:
 
 
 # -- host (pinned memory, CUDA) -----------------------------------------------------------------------------------
-class _EventHandle:
+class EventHandle:
+    """A CUDA copy's :class:`Handle`: ``wait`` makes the compute stream wait for its event (the host does not)."""
+
     def __init__(self, event: Any) -> None:
         self.event = event
 
@@ -341,7 +343,7 @@ class HostTier:
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
             event.record(self.stream)
-        return _EventHandle(event)
+        return EventHandle(event)
 
     def read_async(self, region: torch.Tensor, buf: torch.Tensor) -> Handle:
         return self._copy(buf[: region.numel()], region)
