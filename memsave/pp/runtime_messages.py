@@ -71,6 +71,7 @@ class Messages:
     _waited: float
     last_losses: list[torch.Tensor]
     peer: Callable[[int], int]  # the global rank of a pp rank of this rank's slice
+
     @staticmethod
     def _split_by_key(held: Any, flat: list[torch.Tensor | None]) -> dict[CallKey, list[Any]]:
         """``flat`` (the gradients of a forward's received tensors that require grad) by the message they came in."""
