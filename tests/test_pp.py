@@ -10,11 +10,18 @@ Tolerance: FP32_TOL (tests/pp_cases.py: 1e-5 relative, max abs diff / max abs va
 clip norms (clip_grad_norm over every stage, each parameter once: a tied one once) and every parameter after two
 SGD-momentum steps, against plain single-process training on the same global batch in the same micro-batches.
 Measured: at most 5e-7 (the accumulated gradient sums in another order; tied gradients are summed across stages).
+
+Every message is tagged 0 here (``MEMSAVE_PP_MATCH=order``), so gloo pairs a receive with the next send from its
+peer, as NCCL does whatever the tag: a message posted out of the one order both ends agree on ([Note: messages in
+one order] in memsave/pp/message_order.py) arrives as another one of the same shape and the numbers differ, or a
+rank hangs. The other pipeline tests (tests/test_pp_tp.py, tests/test_pp_recompute.py, the demo below) keep
+gloo's default, pairing by tag.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import time
 import traceback
 from collections.abc import Callable
@@ -297,10 +304,12 @@ def _run(cases: dict[str, Case], mesh: memsave.Mesh, prefix: str) -> dict[str, t
 
 
 def _pp2_worker() -> dict[str, tuple[bool, Any]]:
+    os.environ["MEMSAVE_PP_MATCH"] = "order"  # pair messages by order, as NCCL does: see the module docstring
     return _run(PP2_CASES, memsave.init(pp=2), "")
 
 
 def _pp4_worker() -> dict[str, tuple[bool, Any]]:
+    os.environ["MEMSAVE_PP_MATCH"] = "order"
     mesh = memsave.init(pp=4)
     out = _run(PP4_CASES, mesh, "pp4-")
     out.update(_run(DP2PP2_CASES, memsave.Mesh.build(device=mesh.device, pp=2), "dp2pp2-"))

@@ -1,10 +1,11 @@
 """Point-to-point sends and receives between pipeline stages: ordered plain ``isend`` / ``irecv``.
 
 Never ``batch_isend_irecv``: it has no stable gloo implementation and can hang there (pytorch/PiPPy#1130, #989;
-pytorch/pytorch#132644). Each message is one tensor with a *tag* that names it (micro-batch, direction, channel),
-so on gloo a receive pairs with its send whatever order the two ranks post them in; a send is not waited for
-until its buffer must be reused or the step ends (:meth:`Mailbox.drain`), so the order of a schedule's actions
-cannot deadlock on a send.
+pytorch/pytorch#132644). Each message is one tensor with a *tag* that names it (micro-batch, direction, channel).
+NCCL ignores tags and pairs sends and receives by their order alone, so the pipeline posts every message in one
+order that both of its ends agree on ([Note: messages in one order] in memsave/pp/message_order.py), and
+``MEMSAVE_PP_MATCH=order`` tags every message 0 on gloo, which then pairs by order too (the tests run so). A send
+is not waited for until its buffer must be reused or the step ends (:meth:`P2P.drain`).
 
 [Note: failure while waiting] A rank whose stage raises writes its error to the store (:func:`announce_failure`,
 under a key of the current pipeline step: :func:`set_failure_scope`); a peer waiting for one of its messages
@@ -158,6 +159,13 @@ class P2P:
     def __init__(self, device: torch.device, *, poll_s: float | None = None) -> None:
         self.device = device
         self.poll_s = float(os.environ.get("MEMSAVE_PP_POLL_S", "0.2")) if poll_s is None else poll_s
+        match = os.environ.get("MEMSAVE_PP_MATCH", "tag")
+        if match not in ("tag", "order"):
+            raise ValueError(f"MEMSAVE_PP_MATCH={match!r}: expected 'tag' (gloo pairs a receive with its send by "
+                             "tag) or 'order' (by order alone, as NCCL does)")
+        # the backend pairs messages by order, not tag: NCCL ignores tags ([Note: messages in one order] in
+        # memsave/pp/message_order.py); MEMSAVE_PP_MATCH=order makes gloo do the same (every tag 0)
+        self.by_order = match == "order" or (dist.is_initialized() and dist.get_backend() != "gloo")
         self._sends: list[_Pending] = []
         self._freeing: list[tuple[threading.Event, list[BaseException]]] = []
 

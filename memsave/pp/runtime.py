@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten
 
 from memsave import dist as mdist
 from memsave.dist.p2p import P2P, PeerFailed, announce_failure, arrive, set_failure_scope
+from memsave.pp.message_order import evaluation_schedule
 from memsave.pp.probe import CallKey, Layout, Probe
 from memsave.pp.runtime_messages import Messages
 from memsave.pp.schedule import Action, Schedule
@@ -93,6 +94,8 @@ class StageRunner(Messages):
         self.layout: Layout | None = None
         self._mailbox: dict[tuple[Any, ...], list[torch.Tensor]] = {}
         self._posted: dict[tuple[Any, ...], list[Any]] = {}
+        self._orders = {}
+        self._ops, self._position, self._cursor, self._ready, self._loss_m, self._loss_recv = [], {}, 0, {}, None, None
         self._held: dict[tuple[int, int], _Held] = {}
         self._originals: list[tuple[nn.Module, Any]] = []
         self._hooks: list[Any] = []
@@ -216,7 +219,7 @@ class StageRunner(Messages):
         leaves: dict[CallKey, list[torch.Tensor]] = {}
         for key in layout.reads[stage]:
             structure = layout.structure[key]
-            got = self._recv(structure.tensor_meta(), layout.stage_of[key], stage, mb, key, backward=False)
+            got = self._recv(layout.stage_of[key], stage, mb, key, backward=False)
             got = [t.detach().requires_grad_(_is_grad_dtype(t)) for t in got]
             leaves[key] = got
             received[key] = structure.build(got)
@@ -253,7 +256,7 @@ class StageRunner(Messages):
             total: list[torch.Tensor] | None = None
             graded = [t for t in tensors if _is_grad_dtype(t)]  # the receivers send a gradient for each of these
             for dst in layout.readers[key]:
-                got = self._recv([(tuple(t.shape), t.dtype) for t in graded], stage, dst, mb, key, backward=True)
+                got = self._recv(stage, dst, mb, key, backward=True)
                 total = got if total is None else [a + b for a, b in zip(total, got)]
             for t, g in zip(graded, total or []):
                 if t.requires_grad:
@@ -263,26 +266,14 @@ class StageRunner(Messages):
 
     def _post_ahead(self, a: Action) -> None:
         """Post the receives action ``a`` will wait for ([Note: receives posted ahead] in runtime_messages.py): a
-        forward's inputs, or a backward's gradients once its forward ran."""
+        forward's inputs, or a backward's gradients."""
         layout = self.layout
         assert layout is not None
         if a.kind == "F":
-            for key in layout.reads[a.stage]:
-                name = (a.mb, key, a.stage, False)
-                pending = self._post(layout.structure[key].tensor_meta(), layout.stage_of[key], a.stage, a.mb, key,
-                                     False)
-                if pending is not None:
-                    self._posted[name] = pending
-            return
-        held = self._held.get((a.stage, a.mb))
-        if a.kind == "W" or held is None or held.loss is not None:
-            return
-        for key, tensors in held.produced.items():
-            meta = [(tuple(t.shape), t.dtype) for t in tensors if _is_grad_dtype(t)]
-            for dst in layout.readers[key]:
-                pending = self._post(meta, a.stage, dst, a.mb, key, True)
-                if pending is not None:
-                    self._posted[(a.mb, key, dst, True)] = pending
+            self._post_ahead_of([(a.mb, key, a.stage, False) for key in layout.reads[a.stage]])
+        elif a.kind != "W":
+            self._post_ahead_of([(a.mb, key, dst, True) for key, dsts in layout.readers.items()
+                                 if layout.stage_of[key] == a.stage for dst in dsts])
 
     def _send_input_grads(self, stage: int, mb: int, held: _Held, grads: dict[CallKey, list[torch.Tensor]]
                           ) -> None:
@@ -323,17 +314,18 @@ class StageRunner(Messages):
         Returns the sum of the losses, shape (1,), on every rank ([Note: the loss by message])."""
         self.last_losses = []
         try:
+            self._begin(evaluation_schedule(self.pp_size, self.n_stages // self.pp_size, micro_batches),
+                        forward_only=True)
             with torch.no_grad(), mdist.trim_held():  # [Note: no trim in a pipeline step]
                 for mb in range(micro_batches):
                     for stage in self.local_stages:
                         self.forward(stage, mb, functools.partial(run_mb, mb), functools.partial(loss_of, mb),
                                      keep=False)
-            total = self._drain(self._post_loss(micro_batches), self._send_loss(micro_batches))
+            total = self._drain(self._send_loss(micro_batches))
         except BaseException as exc:
             if not isinstance(exc, PeerFailed):
                 announce_failure(f"{type(exc).__name__}: {exc}")
-            self._mailbox.clear()
-            self.p2p.reset()
+            self._forget_step()
             raise
         return total
 
@@ -353,12 +345,10 @@ class StageRunner(Messages):
         timing, clock = self.timing, time.perf_counter
         m = schedule.micro_batches
         try:
-            pending = self._post_loss(m) if len(actions) < 2 else None
+            self._begin(schedule, forward_only=False)
             for i, a in enumerate(actions):
                 if i + 1 < len(actions):
                     self._post_ahead(actions[i + 1])
-                    if i + 2 == len(actions):  # after every other receive: [Note: the loss by message]
-                        pending = self._post_loss(m)
                 t0, self._waited = clock(), 0.0
                 if a.kind == "F":
                     regions: list[RecomputedRegion] | None = [] if split else None
@@ -372,16 +362,14 @@ class StageRunner(Messages):
                 if timing is not None:
                     timing.append((a.kind, a.stage, a.mb, t0, clock(), self._waited))
             t0 = clock()
-            total = self._drain(pending, self._send_loss(m))
+            total = self._drain(self._send_loss(m))
             if timing is not None:
                 timing.append(("drain", -1, -1, t0, clock(), clock() - t0))
         except BaseException as exc:
             if not isinstance(exc, PeerFailed):
                 announce_failure(f"{type(exc).__name__}: {exc}")
             self._held.clear()
-            self._mailbox.clear()
-            self._posted.clear()
-            self.p2p.reset()
+            self._forget_step()
             raise
         if self._held or self._mailbox:
             left = sorted(self._held)

@@ -12,7 +12,9 @@ from typing import Any
 import torch
 
 from memsave.dist.p2p import P2P
+from memsave.pp.message_order import MessageName, Op, message_order
 from memsave.pp.probe import CallKey, Layout
+from memsave.pp.schedule import Schedule
 
 __all__ = ["Messages", "values_needed"]
 
@@ -69,6 +71,14 @@ class Messages:
     _mailbox: dict[tuple[Any, ...], list[torch.Tensor]]
     _posted: dict[tuple[Any, ...], list[Any]]  # receives posted ahead, by message ([Note: receives posted ahead])
     _waited: float
+    _held: dict[tuple[int, int], Any]  # (stage, mb) -> what its forward keeps (memsave.pp.runtime._Held)
+    _orders: dict[Any, tuple[list[Op], dict[MessageName, int]]]  # message orders, per schedule and layout
+    _ops: list[Op]  # this step's messages in the order this rank posts them ([Note: messages in one order])
+    _position: dict[MessageName, int]
+    _cursor: int  # how many of ``_ops`` are posted
+    _ready: dict[MessageName, tuple[list[torch.Tensor], frozenset[int]]]  # computed sends not yet posted
+    _loss_m: int | None  # the step's micro-batches while the loss's receive is not posted
+    _loss_recv: Any
     last_losses: list[torch.Tensor]
     peer: Callable[[int], int]  # the global rank of a pp rank of this rank's slice
 
@@ -85,11 +95,62 @@ class Messages:
 
     def _tag(self, mb: int, key: CallKey, dst_stage: int, leaf: int, backward: bool) -> int:
         assert self.layout is not None and leaf < 64
+        if self.p2p.by_order:  # [Note: messages in one order]
+            return 0
         c = self.layout.index(key)
         return ((((mb * len(self.layout.order) + c) * self.n_stages + dst_stage) * 64 + leaf) * 2 + int(backward))
 
     def _rank_of(self, stage: int) -> int:
         return stage % self.pp_size
+
+    # -- posting in one order ([Note: messages in one order] in message_order.py) ---------------------------
+    def _begin(self, schedule: Schedule, *, forward_only: bool) -> None:
+        """Start a step of ``schedule``: this rank's messages, in the order it posts them."""
+        assert self.layout is not None
+        cache_key = (schedule, id(self.layout), forward_only)
+        order = self._orders.get(cache_key)
+        if order is None:
+            order = self._orders[cache_key] = message_order(schedule, self.layout, self.pp_rank,
+                                                            forward_only=forward_only)
+        self._ops, self._position = order
+        self._cursor, self._ready, self._loss_m = 0, {}, schedule.micro_batches
+        self._loss_recv = None
+        self._advance(-1, must=False)  # no messages at all: the loss's receive now
+
+    def _advance(self, upto: int, *, must: bool) -> None:
+        """Post this rank's messages in order through position ``upto``: receives at once, a send once its action
+        computed it (:meth:`_send`). ``must``: the caller waits for position ``upto``, so a send not yet computed
+        before it is a broken order (an error, not a hang)."""
+        while self._cursor <= upto:
+            is_send, name, peer = self._ops[self._cursor]
+            if is_send:
+                if name not in self._ready:
+                    if must:
+                        raise AssertionError(f"pipeline runtime: a message waits behind {name}, which this rank "
+                                             "has not computed yet (the message order is broken)")
+                    return
+                tensors, free = self._ready.pop(name)
+                mb, key, dst_stage, backward = name
+                for j, t in enumerate(tensors):
+                    self.p2p.send(t, self.peer(peer), self._tag(mb, key, dst_stage, j, backward),
+                                  free_after=j in free)
+            else:
+                self._posted[name] = self._post_recv(name)
+            self._cursor += 1
+        if self._cursor == len(self._ops) and self._loss_m is not None:  # [Note: the loss by message]
+            self._loss_recv, self._loss_m = self._post_loss(self._loss_m), None
+
+    def _post_ahead_of(self, names: list[MessageName]) -> None:
+        """[Note: receives posted ahead] Post the receives of the next action, as far as the order allows."""
+        upto = max((self._position[n] for n in names if n in self._position), default=-1)
+        self._advance(upto, must=False)
+
+    def _forget_step(self) -> None:
+        """After a failed step: drop its messages (a peer may never receive the sends)."""
+        self._mailbox.clear()
+        self._posted.clear()
+        self._ready.clear()
+        self.p2p.reset()
 
     def _send(self, tensors: list[torch.Tensor], src_stage: int, dst_stage: int, mb: int, key: CallKey,
               backward: bool, free: frozenset[int] = frozenset()) -> None:
@@ -97,9 +158,9 @@ class Messages:
         if dst == self.pp_rank:
             self._mailbox[(mb, key, dst_stage, backward)] = [t.detach() for t in tensors]
             return
-        for j, t in enumerate(tensors):
-            self.p2p.send(t.detach(), self.peer(dst), self._tag(mb, key, dst_stage, j, backward),
-                          free_after=j in free)
+        name = (mb, key, dst_stage, backward)
+        self._ready[name] = ([t.detach() for t in tensors], free)
+        self._advance(self._position[name], must=True)
 
     def _freeable(self, stage: int, key: CallKey, tensors: list[torch.Tensor]) -> frozenset[int]:
         """[Note: freed sends] (Megatron's ``deallocate_output_tensor``) The outputs of a stage's last atom call,
@@ -120,30 +181,31 @@ class Messages:
             self.freed_bytes += t.numel() * t.element_size()
         return frozenset(out)
 
-    def _post(self, meta: list[tuple[tuple[int, ...], torch.dtype]], src_stage: int, dst_stage: int, mb: int,
-              key: CallKey, backward: bool) -> list[Any] | None:
-        """Post the receives of one message (None: it comes from this rank, through the mailbox).
+    def _post_recv(self, name: MessageName) -> list[Any]:
+        """Post the receives of one message ([Note: receives posted ahead]: gloo moves a message's bytes only once
+        its receive is posted, so the runner posts the receives of its next action before it runs the current
+        one, and the transfer overlaps that compute; :meth:`_recv` finds them in ``_posted``)."""
+        layout = self.layout
+        assert layout is not None
+        mb, key, dst_stage, backward = name
+        if not backward:
+            meta = layout.structure[key].tensor_meta()
+            src = self._rank_of(layout.stage_of[key])
+        else:  # the gradients of what this rank's forward of (stage, mb) sent: their shapes are known since
+            meta = [(tuple(t.shape), t.dtype) for t in self._held[(layout.stage_of[key], mb)].produced[key]
+                    if t.is_floating_point() or t.is_complex()]
+            src = self._rank_of(dst_stage)
+        return [self.p2p.recv(shape, dtype, self.peer(src), self._tag(mb, key, dst_stage, j, backward))
+                for j, (shape, dtype) in enumerate(meta)]
 
-        [Note: receives posted ahead] Gloo moves a message's bytes only once its receive is posted (the receiver
-        tells the sender it is ready), so a receive posted when its action starts waits for the whole transfer
-        even when the sender finished long before. The runner posts the receives of its next action before it
-        runs the current one (:meth:`StageRunner._post_ahead`), so the transfer overlaps that compute; the
-        action then finds them here."""
+    def _recv(self, src_stage: int, dst_stage: int, mb: int, key: CallKey, backward: bool) -> list[torch.Tensor]:
         src = self._rank_of(src_stage if not backward else dst_stage)
-        if src == self.pp_rank:
-            return None
         name = (mb, key, dst_stage, backward)
-        pending = self._posted.pop(name, None)
-        if pending is None:
-            pending = [self.p2p.recv(shape, dtype, self.peer(src), self._tag(mb, key, dst_stage, j, backward))
-                       for j, (shape, dtype) in enumerate(meta)]
-        return pending
-
-    def _recv(self, meta: list[tuple[tuple[int, ...], torch.dtype]], src_stage: int, dst_stage: int, mb: int,
-              key: CallKey, backward: bool) -> list[torch.Tensor]:
-        pending = self._post(meta, src_stage, dst_stage, mb, key, backward)
-        if pending is None:
-            return self._mailbox.pop((mb, key, dst_stage, backward))
+        if src == self.pp_rank:
+            return self._mailbox.pop(name)
+        if name not in self._posted:
+            self._advance(self._position[name], must=True)
+        pending = self._posted.pop(name)
         t = time.perf_counter()
         out = [self.p2p.wait(p) for p in pending]
         self._waited += time.perf_counter() - t
@@ -153,12 +215,13 @@ class Messages:
     def _loss_tag(self, m: int) -> int:
         """The loss's tag: a message of micro-batch ``m``, which a step of ``m`` micro-batches never sends."""
         assert self.layout is not None
-        return m * len(self.layout.order) * self.n_stages * 64 * 2
+        return 0 if self.p2p.by_order else m * len(self.layout.order) * self.n_stages * 64 * 2
 
     def _post_loss(self, m: int) -> Any:
         """[Note: the loss by message] Every rank returns the step's loss, which only the last stage's rank
         computes. It sends it to each other pp rank as one tagged message after its last action; the others post
-        its receive before their last action runs, so it arrives while that action computes. It was a broadcast
+        its receive once they posted every other message of the step (:meth:`_advance`; at the latest before
+        their last action runs), so it arrives while that action computes. It was a broadcast
         at the step's end: a collective, where the last stage waited for the first one's last backward, and whose
         latency every rank paid. The loss is the last message between each pair of ranks on both sides (sent
         after every other, its receive posted after every other), so it pairs with its receive whether the
@@ -173,6 +236,7 @@ class Messages:
         every other pp rank; None elsewhere."""
         if self._rank_of(self.n_stages - 1) != self.pp_rank:
             return None
+        self._advance(len(self._ops) - 1, must=True)
         assert len(self.last_losses) == m, "pipeline runtime: the last stage ran another number of forwards"
         total = torch.stack(self.last_losses).sum().reshape(1)
         for r in range(self.pp_size):
@@ -180,10 +244,11 @@ class Messages:
                 self.p2p.send(total, self.peer(r), self._loss_tag(m), count_as="control")
         return total
 
-    def _drain(self, pending: Any, total: torch.Tensor | None) -> torch.Tensor:
-        """The step's end: wait for this rank's sends, then the loss (``pending``) or, on the last stage's rank,
-        the ``total`` it sent."""
+    def _drain(self, total: torch.Tensor | None) -> torch.Tensor:
+        """The step's end: wait for this rank's sends, then the loss or, on the last stage's rank, the ``total`` it
+        sent."""
+        self._advance(len(self._ops) - 1, must=True)
         self.p2p.drain()
-        out = total if pending is None else self.p2p.wait(pending)
+        out = total if self._loss_recv is None else self.p2p.wait(self._loss_recv)
         assert out is not None
         return out
