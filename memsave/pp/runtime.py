@@ -95,7 +95,8 @@ class StageRunner(Messages):
         self._mailbox: dict[tuple[Any, ...], list[torch.Tensor]] = {}
         self._posted: dict[tuple[Any, ...], list[Any]] = {}
         self._orders = {}
-        self._ops, self._position, self._cursor, self._ready, self._loss_m, self._loss_recv = [], {}, 0, {}, None, None
+        self._ops, self._position, self._cursor, self._ready, self._early = [], {}, 0, {}, set()
+        self._loss_m, self._loss_recv = None, None
         self._held: dict[tuple[int, int], _Held] = {}
         self._originals: list[tuple[nn.Module, Any]] = []
         self._hooks: list[Any] = []

@@ -77,6 +77,7 @@ class Messages:
     _position: dict[MessageName, int]
     _cursor: int  # how many of ``_ops`` are posted
     _ready: dict[MessageName, tuple[list[torch.Tensor], frozenset[int]]]  # computed sends not yet posted
+    _early: set[MessageName]  # receives posted ahead of the order (gloo only: :meth:`_post_ahead_of`)
     _loss_m: int | None  # the step's micro-batches while the loss's receive is not posted
     _loss_recv: Any
     last_losses: list[torch.Tensor]
@@ -113,7 +114,7 @@ class Messages:
             order = self._orders[cache_key] = message_order(schedule, self.layout, self.pp_rank,
                                                             forward_only=forward_only)
         self._ops, self._position = order
-        self._cursor, self._ready, self._loss_m = 0, {}, schedule.micro_batches
+        self._cursor, self._ready, self._early, self._loss_m = 0, {}, set(), schedule.micro_batches
         self._loss_recv = None
         self._advance(-1, must=False)  # no messages at all: the loss's receive now
 
@@ -134,6 +135,8 @@ class Messages:
                 for j, t in enumerate(tensors):
                     self.p2p.send(t, self.peer(peer), self._tag(mb, key, dst_stage, j, backward),
                                   free_after=j in free)
+            elif name in self._early:
+                self._early.discard(name)
             else:
                 self._posted[name] = self._post_recv(name)
             self._cursor += 1
@@ -141,15 +144,28 @@ class Messages:
             self._loss_recv, self._loss_m = self._post_loss(self._loss_m), None
 
     def _post_ahead_of(self, names: list[MessageName]) -> None:
-        """[Note: receives posted ahead] Post the receives of the next action, as far as the order allows."""
-        upto = max((self._position[n] for n in names if n in self._position), default=-1)
-        self._advance(upto, must=False)
+        """[Note: receives posted ahead] Post the receives of the next action: as far as the order allows where
+        the backend pairs by order; where it pairs by tag (gloo), at once, out of the order (a receive waiting
+        behind this rank's send of the action now running would start its transfer only after that action)."""
+        mine = [n for n in names if n in self._position]
+        if self.p2p.by_order:
+            self._advance(max((self._position[n] for n in mine), default=-1), must=False)
+            return
+        assert self.layout is not None
+        for name in mine:
+            mb, key, _dst, backward = name
+            if backward and (self.layout.stage_of[key], mb) not in self._held:
+                continue  # its forward runs first: the gradients' shapes are those of what it sends
+            if self._position[name] >= self._cursor and name not in self._early:
+                self._posted[name] = self._post_recv(name)
+                self._early.add(name)
 
     def _forget_step(self) -> None:
         """After a failed step: drop its messages (a peer may never receive the sends)."""
         self._mailbox.clear()
         self._posted.clear()
         self._ready.clear()
+        self._early.clear()
         self.p2p.reset()
 
     def _send(self, tensors: list[torch.Tensor], src_stage: int, dst_stage: int, mb: int, key: CallKey,
