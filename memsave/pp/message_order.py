@@ -15,8 +15,8 @@ which every pp rank agreed on, so each pair's operations come in the same sequen
 waits in a cycle (the operations at the head of every stream with the smallest key always pair with each other).
 A rank can always post in this order: a message it must receive before an action has a key no later than that
 action's start on paper, and every send of a smaller key is computed by an action that comes earlier on the same
-rank. The runner posts a receive no earlier than the action before the one that reads it, unless the order
-forces it to ([Note: receives posted ahead] in runtime_messages.py).
+rank. The runner posts the receives of its next action before it runs the current one, as far as this order
+allows ([Note: receives posted ahead] in runtime_messages.py; on gloo, which pairs by tag, out of it).
 
 ``MEMSAVE_PP_MATCH=order`` makes gloo pair by order as NCCL does (every pipeline message has tag 0): the
 pipeline tests run so, and a message out of order fails them.

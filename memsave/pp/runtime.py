@@ -34,7 +34,7 @@ from memsave import dist as mdist
 from memsave.dist.p2p import P2P, PeerFailed, announce_failure, arrive, set_failure_scope
 from memsave.pp.message_order import evaluation_schedule
 from memsave.pp.probe import CallKey, Layout, Probe
-from memsave.pp.runtime_messages import Messages
+from memsave.pp.runtime_messages import Messages, is_grad_dtype
 from memsave.pp.schedule import Action, Schedule
 from memsave.pp.split import StageSplit
 from memsave.pp.split_backward import WeightPass, backward_input
@@ -70,10 +70,6 @@ class _Held:
     loss: torch.Tensor | None
     weight_pass: WeightPass | None = None  # after an I: what W runs ([Note: the I/W split])
     regions: list[RecomputedRegion] = dataclasses.field(default_factory=list)  # the forward's recomputed calls
-
-
-def _is_grad_dtype(t: torch.Tensor) -> bool:
-    return t.is_floating_point() or t.is_complex()
 
 
 class StageRunner(Messages):
@@ -221,7 +217,7 @@ class StageRunner(Messages):
         for key in layout.reads[stage]:
             structure = layout.structure[key]
             got = self._recv(layout.stage_of[key], stage, mb, key, backward=False)
-            got = [t.detach().requires_grad_(_is_grad_dtype(t)) for t in got]
+            got = [t.detach().requires_grad_(is_grad_dtype(t)) for t in got]
             leaves[key] = got
             received[key] = structure.build(got)
         ctx = self.ctx = _Ctx(stage, received)
@@ -255,7 +251,7 @@ class StageRunner(Messages):
         grads: list[torch.Tensor | None] = []
         for key, tensors in held.produced.items():
             total: list[torch.Tensor] | None = None
-            graded = [t for t in tensors if _is_grad_dtype(t)]  # the receivers send a gradient for each of these
+            graded = [t for t in tensors if is_grad_dtype(t)]  # the receivers send a gradient for each of these
             for dst in layout.readers[key]:
                 got = self._recv(stage, dst, mb, key, backward=True)
                 total = got if total is None else [a + b for a, b in zip(total, got)]

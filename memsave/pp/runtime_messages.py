@@ -16,7 +16,12 @@ from memsave.pp.message_order import MessageName, Op, message_order
 from memsave.pp.probe import CallKey, Layout
 from memsave.pp.schedule import Schedule
 
-__all__ = ["Messages", "values_needed"]
+__all__ = ["Messages", "is_grad_dtype", "values_needed"]
+
+
+def is_grad_dtype(t: torch.Tensor) -> bool:
+    """Whether a tensor of ``t``'s dtype can carry a gradient (what a received tensor's gradient is sent back for)."""
+    return t.is_floating_point() or t.is_complex()
 
 
 @functools.cache
@@ -144,9 +149,13 @@ class Messages:
             self._loss_recv, self._loss_m = self._post_loss(self._loss_m), None
 
     def _post_ahead_of(self, names: list[MessageName]) -> None:
-        """[Note: receives posted ahead] Post the receives of the next action: as far as the order allows where
-        the backend pairs by order; where it pairs by tag (gloo), at once, out of the order (a receive waiting
-        behind this rank's send of the action now running would start its transfer only after that action)."""
+        """[Note: receives posted ahead] Gloo moves a message's bytes only once its receive is posted (the
+        receiver tells the sender it is ready), so a receive posted when its action starts waits for the whole
+        transfer even when the sender finished long before. The runner posts the receives of its next action
+        before it runs the current one, so the transfer overlaps that compute; the action then finds them in
+        ``_posted``. Where the backend pairs by order, as far as the order allows ([Note: messages in one order]);
+        where it pairs by tag (gloo), at once, out of the order: a receive behind this rank's own send of the
+        action now running would start its transfer only after that action."""
         mine = [n for n in names if n in self._position]
         if self.p2p.by_order:
             self._advance(max((self._position[n] for n in mine), default=-1), must=False)
@@ -198,9 +207,7 @@ class Messages:
         return frozenset(out)
 
     def _post_recv(self, name: MessageName) -> list[Any]:
-        """Post the receives of one message ([Note: receives posted ahead]: gloo moves a message's bytes only once
-        its receive is posted, so the runner posts the receives of its next action before it runs the current
-        one, and the transfer overlaps that compute; :meth:`_recv` finds them in ``_posted``)."""
+        """Post the receives of one message (:meth:`_recv` finds them in ``_posted``)."""
         layout = self.layout
         assert layout is not None
         mb, key, dst_stage, backward = name
@@ -209,7 +216,7 @@ class Messages:
             src = self._rank_of(layout.stage_of[key])
         else:  # the gradients of what this rank's forward of (stage, mb) sent: their shapes are known since
             meta = [(tuple(t.shape), t.dtype) for t in self._held[(layout.stage_of[key], mb)].produced[key]
-                    if t.is_floating_point() or t.is_complex()]
+                    if is_grad_dtype(t)]
             src = self._rank_of(dst_stage)
         return [self.p2p.recv(shape, dtype, self.peer(src), self._tag(mb, key, dst_stage, j, backward))
                 for j, (shape, dtype) in enumerate(meta)]
