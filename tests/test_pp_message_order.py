@@ -53,6 +53,7 @@ def _nccl_finishes(schedule: Schedule, orders: list[list[Op]], layout: Layout, f
     peer's stream, a send only after the action that computed it, an action only after its receives. True when
     every rank gets through (no wait in a cycle)."""
     needs, makes = _messages(layout, schedule, forward_only)
+    remote = [{op[1] for op in order} for order in orders]
     done_msgs: set[Any] = set()
     sent_ready: set[Any] = set()
     act_pos = [0] * schedule.pp
@@ -63,8 +64,7 @@ def _nccl_finishes(schedule: Schedule, orders: list[list[Op]], layout: Layout, f
         for r in range(schedule.pp):
             while act_pos[r] < len(schedule.actions[r]):
                 a = schedule.actions[r][act_pos[r]]
-                remote = [m for m in needs.get((r, a), []) if any(m == op[1] for op in orders[r])]
-                if not all(m in done_msgs for m in remote):
+                if not all(m in done_msgs for m in needs.get((r, a), []) if m in remote[r]):
                     break
                 sent_ready.update(makes.get((r, a), []))
                 act_pos[r] += 1
