@@ -115,3 +115,17 @@ def test_an_order_each_rank_picks_for_itself_hangs_on_nccl() -> None:
     assert g0 < a2
     one.insert(g0, one.pop(a2))
     assert not _nccl_finishes(schedule, orders, layout)
+
+
+def test_a_bad_match_setting_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from memsave.dist.p2p import P2P
+
+    monkeypatch.setenv("MEMSAVE_PP_MATCH", "tags")
+    with pytest.raises(ValueError, match=r"MEMSAVE_PP_MATCH='tags'.*'tag'.*'order'"):
+        P2P(torch.device("cpu"))
+    monkeypatch.setenv("MEMSAVE_PP_MATCH", "order")
+    assert P2P(torch.device("cpu")).by_order
+    monkeypatch.delenv("MEMSAVE_PP_MATCH")
+    assert not P2P(torch.device("cpu")).by_order  # no process group: gloo's default, by tag
