@@ -33,6 +33,7 @@ from torch import nn
 
 import memsave
 from memsave.dist import COMM_STATS
+from memsave.pp.schedule import build
 from memsave.pp.split import plan_split, strip_atoms
 from tests import pp_cases as pc
 from tests.harness import run_ranks
@@ -46,7 +47,8 @@ def _train(kind: str, base: str = "ddp", schedule: str = "1f1b", virtual: int = 
         pp = mesh.degree("pp")
         sched = (pc.looped(pp, micro, virtual) if hand == "looped"
                  else pc.greedy_interleaved(pp, micro, virtual) if hand == "greedy"
-                 else pc.split_backward(pp, micro) if hand == "iw" else None)
+                 else pc.split_backward(pp, micro) if hand == "iw"
+                 else build("zero-bubble-h2", pp, micro) if hand == "h2" else None)
         with COMM_STATS.measure() as stats:
             run, model, _ = pc.pipelined(pc.KINDS[kind], mesh, pc.profile(base, pp=pp, schedule=schedule,
                                                                              virtual=virtual), micro, schedule=sched)
@@ -271,6 +273,7 @@ PP2_CASES: dict[str, Case] = {
     "llama-virtual-2-interleaved": _train("llama-untied", schedule="interleaved", virtual=2, hand="greedy"),
     "llama-iw-split": _train("llama", schedule="zero-bubble", hand="iw"),
     "llama-zero-bubble": _train("llama", schedule="zero-bubble"),  # memsave.pp.zero_bubble (ZB-H1)
+    "gpt-zero-bubble-h2": _train("gpt", schedule="zero-bubble", hand="h2"),  # ZB-H2: more forwards in flight
     "eval": _eval,
     "trainer": _trainer,
     "overflow": _overflow_on_one_stage,
