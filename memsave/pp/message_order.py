@@ -18,8 +18,8 @@ action's start on paper, and every send of a smaller key is computed by an actio
 rank. The runner posts the receives of its next action before it runs the current one, as far as this order
 allows ([Note: receives posted ahead] in runtime_messages.py; on gloo, which pairs by tag, out of it).
 
-``MEMSAVE_PP_MATCH=order`` makes gloo pair by order as NCCL does (every pipeline message has tag 0): the
-pipeline tests run so, and a message out of order fails them.
+``MEMSAVE_PP_MATCH=order`` makes gloo pair by order as NCCL does (every pipeline message has tag 0):
+tests/test_pp.py runs so, and a message out of order fails it (tests/test_pp_message_order.py checks the order).
 """
 
 from __future__ import annotations
