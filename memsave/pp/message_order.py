@@ -24,7 +24,6 @@ tests/test_pp.py runs so, and a message out of order fails it (tests/test_pp_mes
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from memsave.pp.probe import Layout
@@ -58,22 +57,20 @@ def message_order(schedule: Schedule, layout: Layout, pp_rank: int, *, forward_o
     end = {(t.action.kind, t.action.stage, t.action.mb): t.end for t in timed}
     grad_of = {(s, mb): "I" if ("I", s, mb) in end else "B"
                for (_k, s, mb) in end}  # the action that sends (s, mb)'s input gradients
-    rank_of: Callable[[int], int] = schedule.rank_of
     keyed: list[tuple[float, tuple[Any, ...], Op]] = []
     for key, dsts in layout.readers.items():
         src = layout.stage_of[key]
         idx = layout.index(key)
         for dst in dsts:
-            a, b = rank_of(src), rank_of(dst)
+            a, b = schedule.rank_of(src), schedule.rank_of(dst)
             if a == b or pp_rank not in (a, b):
                 continue
+            peer = b if pp_rank == a else a
             for mb in range(schedule.micro_batches):
-                fwd: MessageName = (mb, key, dst, False)
-                keyed.append((end[("F", src, mb)], (0, mb, idx, dst), (pp_rank == a, fwd, b if pp_rank == a else a)))
-                if not forward_only:
-                    bwd: MessageName = (mb, key, dst, True)
+                keyed.append((end[("F", src, mb)], (0, mb, idx, dst), (pp_rank == a, (mb, key, dst, False), peer)))
+                if not forward_only:  # the gradients back, sent by the reader's B (or I)
                     keyed.append((end[(grad_of[(dst, mb)], dst, mb)], (1, mb, idx, dst),
-                                  (pp_rank == b, bwd, b if pp_rank == a else a)))
+                                  (pp_rank == b, (mb, key, dst, True), peer)))
     keyed.sort(key=lambda k: (k[0], k[1]))
     ops = [op for _t, _name, op in keyed]
     return ops, {op[1]: i for i, op in enumerate(ops)}
