@@ -189,8 +189,9 @@ class DataParallelEngine:
             bucket.handle.wait()
             bucket.handle = None
             bucket.pending = len(bucket.params)
-        assert self._used_handle is not None
-        self._used_handle.wait()
+        if self._used_handle is not None:  # (none without a bucket: every parameter here frozen, a pipeline stage's)
+            self._used_handle.wait()
+            self._used_handle = None
         used = self._used.tolist()
         for p, k in self._order.items():
             bucket, i = self._slot[p]

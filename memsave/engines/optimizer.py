@@ -41,6 +41,17 @@ from memsave.zero.rows import check_shardable
 __all__ = ["MemsaveOptimizer"]
 
 
+def _alike_on_every_stage(axes: list[str], kinds: list[tuple[str, ...]]) -> tuple[list[str], list[tuple[str, ...]]]:
+    """[Note: alike on every stage] Under pp each rank steps only its stages' tensors, and a stage may hold none
+    (every parameter frozen: fine-tuning the top of a model) or other placements than another stage (tensor-
+    parallel rows on one, only replicated norms on the other). The axes a decision is agreed over and the sets of
+    sharded axes a norm sums over must still be the same on every rank, or one rank skips a collective that its
+    peers wait in: their union over every rank (once, while the optimizer is made)."""
+    per_rank = mdist.all_gather_object((axes, kinds))
+    return (sorted({a for got, _ in per_rank for a in got}),
+            sorted({tuple(k) for _, got in per_rank for k in got}))
+
+
 class MemsaveOptimizer(WrappedOptimizer):
     """The user's optimizer stepping what ``engine`` shards, with precision, clipping and offload composed."""
 
@@ -52,7 +63,13 @@ class MemsaveOptimizer(WrappedOptimizer):
         self.nonfinite = nonfinite if nonfinite is not None else NonfiniteGuard()
         stepped: dict[torch.Tensor, torch.Tensor] = dict(engine.stepped())
         placements = {s: engine.placement_of(s) for s in stepped.values()}
-        self.any_sharded = any(pl.sharded_axes() for pl in placements.values())
+        # Decisions from local gradients are agreed over the axes along which they differ ([Note: placements] in
+        # memsave/dist/placement.py), and a norm is summed per set of sharded axes: alike on every rank
+        axes = sorted({a for pl in placements.values() for a in pl.differs_along()})
+        kinds = sorted({pl.sharded_axes() for pl in placements.values()})
+        if hasattr(engine, "pipeline_step"):
+            axes, kinds = _alike_on_every_stage(axes, kinds)
+        self.any_sharded = any(kinds)
         if self.any_sharded:
             check_shardable(optimizer, getattr(engine, "stage", 0))
         self.scaler = scaler
@@ -66,9 +83,6 @@ class MemsaveOptimizer(WrappedOptimizer):
                 full = [p for p in full if p in stepped]
             group["params"] = [stepped[p] for p in full]
             self._full_of.update(zip(group["params"], full))
-        # Decisions from local gradients are agreed over the axes along which they differ ([Note: placements] in
-        # memsave/dist/placement.py).
-        axes = sorted({a for pl in placements.values() for a in pl.differs_along()})
         self.agree_over = engine.mesh.groups_for(axes)
         self._norm_groups = {a: engine.mesh.group(a) if engine.mesh.degree(a) > 1 else None for a in axes}
         # [Note: partial gradients] stepped tensors whose gradient is a partial sum over a non-data axis
@@ -87,6 +101,7 @@ class MemsaveOptimizer(WrappedOptimizer):
         self._opt_full: dict[torch.Tensor, nn.Parameter] = ({m: self._full_of[s] for m, s in self.mp.pairs} if self.mp is not None
                           else dict(self._full_of))
         self._placement = {t: placements[stepped[p]] for t, p in self._opt_full.items()}
+        self._norm_parts = kinds  # the sets of sharded axes a norm sums over (some may hold nothing on this rank)
         # norms sum in the model's registration order, as torch's clip_grad_norm_(model.parameters()) does
         position = {p: i for i, p in enumerate(engine.model.parameters())}
         self._norm_order = sorted(self._opt_full, key=lambda t: position[self._opt_full[t]])
@@ -207,7 +222,7 @@ class MemsaveOptimizer(WrappedOptimizer):
             return norm
         device = self.engine.mesh.device
         # one part per set of sharded axes, on every rank alike (empty ones too: the reductions must match)
-        parts: dict[tuple[str, ...], list[torch.Tensor]] = {pl.sharded_axes(): [] for pl in self._placement.values()}
+        parts: dict[tuple[str, ...], list[torch.Tensor]] = {axes: [] for axes in self._norm_parts}
         for t, g in pairs:
             if g.numel() and not self._placement[t].tie_copy:  # a tied copy counts on its first stage only
                 parts[self._placement[t].sharded_axes()].append(g)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -54,9 +55,26 @@ def _call(model: nn.Module, batch: Any) -> Any:
     return model(batch)
 
 
+_VALUES = (bool, int, float, str, type(None))
+
+
 def _signature(batch: Any) -> Any:
+    """A micro-batch's tensors' shapes and dtypes, and its other arguments' values where they are plain (a flag
+    such as ``output_hidden_states`` changes what the stages hand on) or else their types."""
     leaves = torch.utils._pytree.tree_flatten(batch)[0]
-    return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__ for t in leaves)
+    return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor)
+                 else (type(t).__name__, repr(t)) if isinstance(t, _VALUES) else type(t).__name__ for t in leaves)
+
+
+def _code_of(fn: Any) -> Any:
+    """What decides which outputs a loss function reads: its code (the same for a lambda made anew each step),
+    a partial's function's, or the class of a callable object."""
+    if fn is None:
+        return None
+    if isinstance(fn, functools.partial):
+        return ("partial", _code_of(fn.func))
+    code = getattr(fn, "__code__", None)
+    return code if code is not None else type(fn)
 
 
 def _loss_of_output(out: Any) -> torch.Tensor:
@@ -66,8 +84,12 @@ def _loss_of_output(out: Any) -> torch.Tensor:
     if loss is None and isinstance(out, torch.Tensor) and out.dim() == 0:
         loss = out
     if not isinstance(loss, torch.Tensor):
-        raise ValueError(f"pipeline_step: the model's output ({type(out).__name__}) has no loss; pass labels in the "
-                         "micro-batches (a model that returns .loss), or loss_fn=(output, target) -> loss with targets=")
+        hint = (" (a tuple, as a Hugging Face model returns with return_dict=False: its loss, if it computed one, is "
+                "out[0]; pass loss_fn=lambda out, _: out[0] with targets=[None] * len(micro_batches))"
+                if isinstance(out, tuple | list) else "")
+        raise ValueError(f"pipeline_step: the model's output ({type(out).__name__}) has no loss{hint}; pass labels in "
+                         "the micro-batches (a model that returns .loss), or loss_fn=(output, target) -> loss with "
+                         "targets=")
     return loss
 
 
@@ -99,6 +121,7 @@ class PipelineEngine:
                 if self.pp_rank != ranks[0]:
                     self._tie_copies.add(id(p))
         self._stepped_param = {id(s): p for p, s in inner.stepped()}
+        self._ties_summed = False  # the tied gradients hold a sum over their stages ([Note: tied gradients summed once])
         if getattr(inner, "stage", 0) == 3:
             self._skip_other_stages(list(getattr(inner, "units", ())))
 
@@ -152,6 +175,7 @@ class PipelineEngine:
         else:
             self._check_schedule(schedule, m)
         before = self.inner.num_syncs
+        self._restart_tie_copies()
         self.inner.in_scaled_backward = True
         pinned = self._pin_units()
         try:
@@ -191,7 +215,8 @@ class PipelineEngine:
         for i, mb in enumerate(micro_batches):
             if _signature(mb) != signature:
                 raise ValueError(f"pipeline_step: micro-batch {i} has the shapes {_signature(mb)}, micro-batch 0 has "
-                                 f"{signature}; every micro-batch of a step must have the same shapes")
+                                 f"{signature}; every micro-batch of a step must have the same shapes (and the same "
+                                 "values of its non-tensor arguments)")
 
         def loss_of(i: int, out: Any) -> torch.Tensor:
             loss = loss_fn(out, targets[i]) if loss_fn is not None and targets is not None else _loss_of_output(out)
@@ -200,7 +225,10 @@ class PipelineEngine:
         def run(i: int) -> Any:
             return _call(self.model, micro_batches[i])
 
-        self.runner.ensure_layout(signature, lambda: loss_of(0, run(0)))
+        # [Note: what the layout depends on] what crosses stages is probed once per input signature, train/eval
+        # mode of every module and loss function (an auxiliary loss read in training only, or by one loss_fn)
+        modes = tuple(mod.training for mod in self.model.modules())
+        self.runner.ensure_layout((signature, modes, _code_of(loss_fn)), lambda: loss_of(0, run(0)))
         return m, run, loss_of
 
     def _skip_other_stages(self, units: list[Any]) -> None:
@@ -253,6 +281,24 @@ class PipelineEngine:
             if g is None:
                 g = torch.zeros_like(stepped[p])
             mdist.all_reduce(g, group, count_as="pp_tie")
+        self._ties_summed = bool(self.ties)
+
+    @torch.no_grad()
+    def _restart_tie_copies(self) -> None:
+        """[Note: tied gradients summed once] After a step's backwards a tied parameter's gradient is the sum over
+        its holding stages, the same on each. Gradients accumulated over more steps before the optimizer's (calls
+        that each sync, or no ``zero_grad`` between steps) add onto it, and summing the holders' accumulated
+        gradients again would count the earlier sum once per holder. So before such a step every holder but the
+        first starts its tied gradient from zero; the first keeps the earlier sum, and the step's sum adds each
+        holder's new part once. Clearing the gradients (any ``zero_grad``) makes this unnecessary."""
+        if not self._ties_summed:
+            return
+        self._ties_summed = False
+        stepped = dict(self.inner.stepped())
+        for p, _ in self.ties:
+            g = self.inner.grad_of(stepped[p]) if id(p) in self._tie_copies else None
+            if g is not None:
+                g.zero_()
 
     # -- the rest of the Engine protocol: the inner engine's ------------------------------------------------
     @property
@@ -306,6 +352,7 @@ class PipelineEngine:
         return self.inner.grad_of(stepped)
 
     def zero_grad(self, set_to_none: bool) -> None:
+        self._ties_summed = False
         self.inner.zero_grad(set_to_none)
 
     def before_step(self) -> None:

@@ -1,0 +1,231 @@
+"""Pipeline training the way users write their loops (pp=2 on gloo CPU ranks, messages paired by order), against
+plain single-process training on the same global batch (losses, clip norms and every parameter within FP32_TOL):
+
+- gradients accumulated over several ``pipeline_step`` calls before one optimizer step, or over steps without
+  ``zero_grad``, with tied input and output embeddings: the tied gradient is summed over its two stages once,
+  not once more per call ([Note: tied gradients summed once] in memsave/engines/pipeline.py);
+- an evaluation before training in ``model.eval()``, or with another ``loss_fn``, where the forward reads other
+  outputs across stages than in training: each (mode, loss function, input signature) gets its own probe of what
+  crosses stages ([Note: what the layout depends on]);
+- a stage whose parameters are all frozen (fine-tuning the top of a model): no crash, no hang in the clip's or
+  the step's collectives ([Note: alike on every stage] in memsave/engines/optimizer.py).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import memsave
+from tests import pp_cases as pc
+from tests.harness import run_ranks
+
+TOL = pc.FP32_TOL
+
+
+def _sd(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+
+
+def _diff(got: tuple[list[float], dict[str, torch.Tensor]], ref: tuple[list[float], dict[str, torch.Tensor]]
+          ) -> dict[str, float]:
+    """Worst relative differences of the per-step figures (losses, norms) and of this rank's parameters."""
+    (figures, params), (ref_figures, ref_params) = got, ref
+    return {"figures": pc.rel(figures, ref_figures),
+            "params": max(pc.rel(v.numpy(), ref_params[k].numpy()) for k, v in params.items())}
+
+
+# -- tied weights, gradients accumulated over calls or steps ----------------------------------------------------
+def _accumulate(mesh: memsave.Mesh, base: str, calls: int, clear: bool) -> dict[str, float]:
+    """GPT (tied), SGD with momentum: each optimizer step runs ``calls`` pipeline_step calls over the batch's parts
+    (2 micro-batches each); ``clear``: zero_grad after the step, else gradients add up over the steps too."""
+    data = pc.lm_data()
+
+    def parts(batch: torch.Tensor) -> list[list[dict[str, torch.Tensor]]]:
+        return [[{"input_ids": ids, "labels": ids} for ids in part.chunk(2)] for part in batch.chunk(calls)]
+
+    ref = pc.gpt(True)
+    opt = torch.optim.SGD(ref.parameters(), lr=pc.LR, momentum=pc.MOMENTUM)
+    figures = []
+    for batch in data:
+        for part in parts(batch):
+            for mb in part:
+                (ref(**mb).loss / len(part)).backward()
+        figures.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), pc.CLIP)))
+        opt.step()
+        if clear:
+            opt.zero_grad()
+    model = pc.gpt(True)
+    sgd = torch.optim.SGD(model.parameters(), lr=pc.LR, momentum=pc.MOMENTUM)
+    model, mopt = memsave.wrap(model, sgd, pc.profile(base, pp=2), mesh=mesh)
+    got = []
+    for batch in data:
+        for part in parts(batch):
+            model.pipeline_step(part)
+        got.append(float(mopt.clip_grad_norm(pc.CLIP)))
+        mopt.step()
+        if clear:
+            model.zero_grad()
+    return _diff((got, _sd(model)), (figures, _sd(ref)))
+
+
+# -- what crosses stages follows the mode and the loss function ---------------------------------------------------
+class _Aux(nn.Module):
+    """Every block's output feeds an auxiliary term, in training only (as a mixture of experts' balance loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(12, 16)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)])
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h, aux = self.inp(x), torch.zeros(())
+        for block in self.blocks:
+            h = block(h)
+            aux = aux + h.pow(2).mean()
+        return self.head(h), aux if self.training else torch.zeros(())
+
+
+def _task(out: Any, y: torch.Tensor) -> torch.Tensor:
+    return pc.mse(out[0], y)
+
+
+def _task_aux(out: Any, y: torch.Tensor) -> torch.Tensor:
+    return pc.mse(out[0], y) + 0.1 * out[1]
+
+
+def _layout(mesh: memsave.Mesh, change: str) -> dict[str, float]:
+    """An evaluation first (``change`` = "mode": in eval mode, where the blocks' outputs reach no loss; "loss_fn":
+    with the task loss alone), then training with the auxiliary term, which reads every block's output."""
+    data = pc.dense_data()
+    eval_fn = _task if change == "loss_fn" else _task_aux
+    ref = _Aux()
+    opt = torch.optim.SGD(ref.parameters(), lr=pc.LR)
+    ref.train(change != "mode")
+    with torch.no_grad():  # (the mean over two micro-batches of equal size: the whole batch's loss)
+        figures = [float(eval_fn(ref(data[0][0]), data[0][1]))]
+    ref.train()
+    for x, y in data:
+        loss = _task_aux(ref(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        figures.append(float(loss))
+    model = _Aux()
+    model, mopt = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=pc.LR), pc.profile(pp=2), mesh=mesh)
+    model.train(change != "mode")
+    x, y = data[0]
+    with torch.no_grad():
+        got = [float(model.pipeline_loss(list(x.chunk(2)), targets=list(y.chunk(2)), loss_fn=eval_fn))]
+    model.train()
+    for x, y in data:
+        got.append(float(model.pipeline_step(list(x.chunk(2)), targets=list(y.chunk(2)), loss_fn=_task_aux)))
+        mopt.step()
+        mopt.zero_grad()
+    return _diff((got, _sd(model)), (figures, _sd(ref)))
+
+
+# -- a stage with nothing to train ----------------------------------------------------------------------------------
+def _frozen_stage(mesh: memsave.Mesh, base: str) -> dict[str, float]:
+    """nn.Sequential split before child 4: stage 0's two Linears frozen, its optimizer empty on rank 0."""
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = pc.sequential()
+        for child in list(model)[:4]:
+            child.requires_grad_(False)
+        return model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=pc.LR,
+                                      momentum=pc.MOMENTUM)
+
+    ref, opt = build()
+    figures = []
+    for x, y in pc.dense_data():
+        for xs, ys in zip(x.chunk(2), y.chunk(2), strict=True):
+            (pc.mse(ref(xs), ys) / 2).backward()
+        figures.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), pc.CLIP)))
+        opt.step()
+        opt.zero_grad()
+    model, sgd = build()
+    model, mopt = memsave.wrap(model, sgd, pc.profile(base, pp=2, split=("4",)), mesh=mesh)
+    got = []
+    for x, y in pc.dense_data():
+        model.pipeline_step(list(x.chunk(2)), targets=list(y.chunk(2)), loss_fn=pc.mse)
+        got.append(float(mopt.clip_grad_norm(pc.CLIP)))
+        mopt.step()
+        mopt.zero_grad()
+    return _diff((got, _sd(model)), (figures, _sd(ref)))
+
+
+# -- a Hugging Face model's tuple output ------------------------------------------------------------------------------
+def _tuple_output(mesh: memsave.Mesh) -> dict[str, float]:
+    """Llama with return_dict=False returns (loss, logits, ...): without loss_fn the refusal says to take out[0];
+    with it, the step trains as one process."""
+    batches = [[{"input_ids": ids, "labels": ids, "return_dict": False} for ids in batch.chunk(2)]
+               for batch in pc.lm_data()]
+    ref = pc.llama(True)
+    opt = torch.optim.SGD(ref.parameters(), lr=pc.LR)
+    figures = []
+    for mbs in batches:
+        figures.append(sum(float(ref(**mb)[0]) for mb in mbs) / len(mbs))
+        for mb in mbs:
+            (ref(**mb)[0] / len(mbs)).backward()
+        opt.step()
+        opt.zero_grad()
+    model = pc.llama(True)
+    model, mopt = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=pc.LR), pc.profile(pp=2), mesh=mesh)
+    try:
+        model.pipeline_step(batches[0])
+    except ValueError as exc:
+        assert "out[0]" in str(exc) and "return_dict=False" in str(exc), exc
+    else:
+        raise AssertionError("a tuple output without loss_fn was not refused")
+    got = []
+    for mbs in batches:
+        got.append(float(model.pipeline_step(mbs, targets=[None] * len(mbs), loss_fn=lambda out, _: out[0])))
+        mopt.step()
+        mopt.zero_grad()
+    return _diff((got, _sd(model)), (figures, _sd(ref)))
+
+
+CASES: dict[str, Callable[[memsave.Mesh], dict[str, float]]] = {
+    "tied-two-calls-a-step-ddp": lambda mesh: _accumulate(mesh, "ddp", calls=2, clear=True),
+    "tied-two-calls-a-step-zero3": lambda mesh: _accumulate(mesh, "zero3", calls=2, clear=True),
+    "tied-no-zero-grad-between-steps-ddp": lambda mesh: _accumulate(mesh, "ddp", calls=1, clear=False),
+    "eval-mode-before-training": lambda mesh: _layout(mesh, "mode"),
+    "other-loss-fn-before-training": lambda mesh: _layout(mesh, "loss_fn"),
+    "frozen-stage-ddp": lambda mesh: _frozen_stage(mesh, "ddp"),
+    "frozen-stage-zero2": lambda mesh: _frozen_stage(mesh, "zero2"),
+    "hf-tuple-output": _tuple_output,
+}
+
+
+def _worker() -> dict[str, tuple[bool, Any]]:
+    os.environ["MEMSAVE_PP_MATCH"] = "order"  # as NCCL pairs them: a skipped or extra message shows
+    mesh = memsave.init(pp=2)
+    out: dict[str, tuple[bool, Any]] = {}
+    for name, case in CASES.items():
+        try:
+            out[name] = (True, case(mesh))
+        except Exception:
+            out[name] = (False, traceback.format_exc())
+    return out
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> list[dict[str, tuple[bool, Any]]]:
+    return run_ranks(_worker, 2, timeout=180)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_trains_as_one_process(outcomes: list[dict[str, tuple[bool, Any]]], name: str) -> None:
+    for rank, per_rank in enumerate(outcomes):
+        ok, value = per_rank[name]
+        if not ok:
+            pytest.fail(f"case {name} failed on rank {rank}:\n{value}", pytrace=False)
+        assert value["figures"] <= TOL and value["params"] <= TOL, (rank, value)
