@@ -184,8 +184,8 @@ def plan(spec: ModelSpec, hw: Hardware, *, world: int, global_batch: int, seq: i
                 smallest[fam] = p
     fits.sort(key=lambda p: (p.step_time, p.peak))
     fitting_families = {p.candidate.family for p in fits}
-    rejected = {fam: _why(p, budget, host_budget, disk_budget) for fam, p in sorted(smallest.items())
-                if fam not in fitting_families}
+    rejected = {fam: _why(p, budget, host_budget, disk_budget, headroom if p.exact else analytic_headroom)
+                for fam, p in sorted(smallest.items()) if fam not in fitting_families}
     if not fits:
         if not smallest:
             raise PlanError(f"no configuration of {spec.name} could be priced: "
@@ -212,11 +212,13 @@ def _over(p: Priced, budget: float, host: float, disk: float) -> float:
     return max(p.peak / budget, p.host / host if host else 0.0, p.disk / disk if disk else (2.0 if p.disk else 0.0))
 
 
-def _why(p: Priced, budget: float, host: float, disk: float) -> str:
+def _why(p: Priced, budget: float, host: float, disk: float, margin: float) -> str:
     if p.host > host:
         return f"host memory {format_bytes(int(p.host))} > host budget {format_bytes(int(host))} ({p.candidate.label()})"
     if p.disk > disk:
         return f"disk {format_bytes(int(p.disk))} > disk budget {format_bytes(int(disk))} ({p.candidate.label()})"
     largest = max(p.device, key=p.device.__getitem__)
-    return (f"{_NAMES.get(largest, largest)} {format_bytes(int(p.device[largest]))} of {format_bytes(int(p.peak))} per device > "
-            f"budget {format_bytes(int(budget))} at best ({p.candidate.label()})")
+    # under the budget but not with the headroom kept free: say so (the peak alone would read as fitting)
+    kept = "" if p.peak > budget else f", {_at_least(p.peak * (1 + margin))} with {margin:.0%} headroom"
+    return (f"{_NAMES.get(largest, largest)} {format_bytes(int(p.device[largest]))} of {format_bytes(int(p.peak))} per "
+            f"device{kept} > budget {format_bytes(int(budget))} at best ({p.candidate.label()})")
