@@ -318,9 +318,9 @@ def expect_every_rank(what: str, group: ProcessGroup | None, timeout_s: float | 
         if time.monotonic() > deadline:
             missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
             raise RuntimeError(
-                f"{what} is collective: every rank of the data-parallel group must call it, but rank(s) {missing} "
-                f"did not within {timeout:.0f} s (MEMSAVE_ARRIVAL_S). Call it on every rank and keep or save the "
-                "result on rank 0 only, as memsave.save does"
+                f"{what} is collective: every rank of its group (global ranks {ranks}) must call it, but rank(s) "
+                f"{missing} did not within {timeout:.0f} s (MEMSAVE_ARRIVAL_S). Call it on every rank and keep or "
+                "save the result on rank 0 only, as memsave.save does"
             )
         time.sleep(0.002)
 

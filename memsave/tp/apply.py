@@ -322,6 +322,8 @@ def full_state_dicts(model: nn.Module, ctx: TPContext) -> None:
                if (lay := tp_param(p)) is not None and lay.dim is not None}
 
     def gather(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        if layouts:  # rank 0 alone (`if rank == 0: model.state_dict()`): its error, not a 600 s hang in the gather
+            mdist.expect_every_rank("model.state_dict() under tensor parallelism", ctx.group)
         for key, lay in layouts.items():
             value = state_dict.get(prefix + key)
             if isinstance(value, torch.Tensor) and lay.dim is not None:
