@@ -55,15 +55,16 @@ def _call(model: nn.Module, batch: Any) -> Any:
     return model(batch)
 
 
-_VALUES = (bool, int, float, str, type(None))
+_FLAGS = (bool, str, type(None))
 
 
 def _signature(batch: Any) -> Any:
-    """A micro-batch's tensors' shapes and dtypes, and its other arguments' values where they are plain (a flag
-    such as ``output_hidden_states`` changes what the stages hand on) or else their types."""
+    """A micro-batch's tensors' shapes and dtypes, and its other arguments' values where they are flags (a flag
+    such as ``output_hidden_states`` changes what the stages hand on) or else their types (a number that changes
+    every step, as a token count, must not make every step probe again)."""
     leaves = torch.utils._pytree.tree_flatten(batch)[0]
     return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor)
-                 else (type(t).__name__, repr(t)) if isinstance(t, _VALUES) else type(t).__name__ for t in leaves)
+                 else (type(t).__name__, repr(t)) if isinstance(t, _FLAGS) else type(t).__name__ for t in leaves)
 
 
 def _code_of(fn: Any) -> Any:
@@ -216,7 +217,7 @@ class PipelineEngine:
             if _signature(mb) != signature:
                 raise ValueError(f"pipeline_step: micro-batch {i} has the shapes {_signature(mb)}, micro-batch 0 has "
                                  f"{signature}; every micro-batch of a step must have the same shapes (and the same "
-                                 "values of its non-tensor arguments)")
+                                 "values of its flag arguments)")
 
         def loss_of(i: int, out: Any) -> torch.Tensor:
             loss = loss_fn(out, targets[i]) if loss_fn is not None and targets is not None else _loss_of_output(out)
