@@ -162,6 +162,31 @@ def _frozen_stage(mesh: memsave.Mesh, base: str) -> dict[str, float]:
     return _diff((got, _sd(model)), (figures, _sd(ref)))
 
 
+# -- torch's clip over this rank's gradients --------------------------------------------------------------------------
+def _torch_clip(mesh: memsave.Mesh) -> dict[str, float]:
+    """ddp under pp: torch.nn.utils.clip_grad_norm_(model.parameters()) would clip by this stage's norm alone; it
+    raises, and a parameter's own gradient and norm stay readable ([Note: a rank's part of the gradient]). Then
+    optimizer.clip_grad_norm trains as one process."""
+    kind = pc.KINDS["gpt"]
+    model = kind.build()
+    model, opt = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=pc.LR, momentum=pc.MOMENTUM),
+                              pc.profile(pp=2), mesh=mesh)
+    inputs, _ = pc.micro(kind, kind.data()[0], pc.MICRO)
+    model.pipeline_step(inputs)
+    for foreach in (None, True):
+        try:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), pc.CLIP, foreach=foreach)
+        except RuntimeError as exc:
+            assert "optimizer.clip_grad_norm" in str(exc), exc
+        else:
+            raise AssertionError(f"torch's clip_grad_norm_ (foreach={foreach}) over one stage was not refused")
+    grad = next(p.grad for p in model.parameters() if p.grad is not None)
+    assert float(grad.norm()) > 0 and float(grad.abs().max()) > 0
+    opt.zero_grad()
+    run, _, _ = pc.pipelined(kind, mesh, pc.profile(pp=2))  # (it clips with optimizer.clip_grad_norm)
+    return {"figures": pc.rel(run.norms, pc.reference(kind).norms), "params": 0.0}
+
+
 # -- a Hugging Face model's tuple output ------------------------------------------------------------------------------
 def _tuple_output(mesh: memsave.Mesh) -> dict[str, float]:
     """Llama with return_dict=False returns (loss, logits, ...): without loss_fn the refusal says to take out[0];
@@ -202,6 +227,7 @@ CASES: dict[str, Callable[[memsave.Mesh], dict[str, float]]] = {
     "frozen-stage-ddp": lambda mesh: _frozen_stage(mesh, "ddp"),
     "frozen-stage-zero2": lambda mesh: _frozen_stage(mesh, "zero2"),
     "hf-tuple-output": _tuple_output,
+    "torch-clip-over-one-stage": _torch_clip,
 }
 
 

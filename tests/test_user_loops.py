@@ -273,11 +273,18 @@ def _state_dict_on_rank0_only(world: int) -> str:
 
     tp = memsave.Mesh.build(device=mesh.device, tp=2)
     model = GPT(gpt_config("tiny", vocab_size=64, d_model=32, n_layer=1, block_size=8))
-    model, _ = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), "ddp", mesh=tp)
+    model, tp_opt = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), "ddp", mesh=tp)
     if tp.axis_rank("tp") == 0:
         with pytest.raises(RuntimeError, match=r"under tensor parallelism is collective.*rank\(s\) \[1\] did not"):
             model.state_dict()
     memsave.dist.barrier(None)
+    # ...and torch's clip over this rank's slices would clip by their norm, each tp rank by another factor
+    ids = torch.arange(16).reshape(2, 8) % 64
+    model(ids, labels=ids).loss.backward()
+    with pytest.raises(RuntimeError, match=r"optimizer\.clip_grad_norm"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    assert float(tp_opt.clip_grad_norm(0.1)) > 0  # the norm over both slices; then the step reads plain gradients
+    tp_opt.step()
     return "ok"
 
 

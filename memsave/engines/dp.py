@@ -32,6 +32,7 @@ from torch import nn
 
 from memsave import dist as mdist
 from memsave.dist import Mesh
+from memsave.engines import part_grad
 from memsave.phases import MemoryCategory
 from memsave.wrapped import check_still_frozen, sync_suspended, unscaled_backward_error
 
@@ -66,6 +67,8 @@ class DataParallelEngine:
         self.mesh = mesh
         self.group = mesh.dp_group
         self.dp_size = mesh.dp_size
+        # tp or pp: this rank's gradients are its part of the model's ([Note: a rank's part of the gradient])
+        self._part_of_model = mesh.degree("tp") > 1 or mesh.degree("pp") > 1
         self.require_grad_sync = True
         self.agreement = mdist.Agreement(mesh.new_group("dp"), mesh.device)  # [Note: control-flow agreement]
         named = trainable_parameters(model)
@@ -208,6 +211,8 @@ class DataParallelEngine:
         self._used.zero_()
         self._next_launch = 0
         self.num_syncs += 1
+        if self._part_of_model:  # [Note: a rank's part of the gradient]
+            part_grad.mark(self._order)
 
     # -- the Engine protocol (memsave/engines/protocol.py) ---------------------------------------------------
     def unshard(self, unit: Any = None) -> None:

@@ -22,6 +22,7 @@ from torch import nn
 
 from memsave import dist as mdist
 from memsave.config import OffloadConfig
+from memsave.engines import part_grad
 from memsave.engines import state as _state
 from memsave.engines.protocol import Engine
 from memsave.offload import OffloadedState
@@ -184,6 +185,7 @@ class MemsaveOptimizer(WrappedOptimizer):
         sequence parallelism) has on each ``tp`` rank the gradient of its own tokens: they are summed over ``tp``
         once, the first time anything reads the gradients after backward (clipping, the step, ``full_grads``), in
         one flat all-reduce. The sum is linear, so gradient accumulation over several backwards is summed once."""
+        part_grad.unmark(self._full_of.values())  # the optimizer reads them now ([Note: a rank's part of the gradient])
         if not self._partial:
             return
         syncs = self.engine.num_syncs
