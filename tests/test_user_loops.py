@@ -291,7 +291,7 @@ def _state_dict_on_rank0_only(world: int) -> str:
 def test_state_dict_on_one_rank_says_it_is_collective() -> None:
     """Without the arrival check rank 0 hangs for the 600 s collective timeout, then shows a raw gloo error (under
     ZeRO-3's state dict, ZeRO's optimizer state dict, and tensor parallelism's, even under ddp)."""
-    assert run_ranks(_state_dict_on_rank0_only, 2, 2, timeout=120, env={"MEMSAVE_ARRIVAL_S": "2"}) == ["ok"] * 2
+    assert run_ranks(_state_dict_on_rank0_only, 2, 2, timeout=120, env={"MEMSAVE_ARRIVAL_S": "1"}) == ["ok"] * 2
 
 
 class _Opaque:
