@@ -67,8 +67,9 @@ class DataParallelEngine:
         self.mesh = mesh
         self.group = mesh.dp_group
         self.dp_size = mesh.dp_size
-        # tp or pp: this rank's gradients are its part of the model's ([Note: a rank's part of the gradient])
-        self._part_of_model = mesh.degree("tp") > 1 or mesh.degree("pp") > 1
+        # tp or pp: this rank's gradients are its part of the model's, marked after each sync ([Note: a rank's part
+        # of the gradient] in memsave/engines/part_grad.py; the optimizer unmarks them where this is true)
+        self.marks_part_grads = mesh.degree("tp") > 1 or mesh.degree("pp") > 1
         self.require_grad_sync = True
         self.agreement = mdist.Agreement(mesh.new_group("dp"), mesh.device)  # [Note: control-flow agreement]
         named = trainable_parameters(model)
@@ -211,7 +212,7 @@ class DataParallelEngine:
         self._used.zero_()
         self._next_launch = 0
         self.num_syncs += 1
-        if self._part_of_model:  # [Note: a rank's part of the gradient]
+        if self.marks_part_grads:  # [Note: a rank's part of the gradient]
             part_grad.mark(self._order)
 
     # -- the Engine protocol (memsave/engines/protocol.py) ---------------------------------------------------

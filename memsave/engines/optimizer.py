@@ -103,6 +103,7 @@ class MemsaveOptimizer(WrappedOptimizer):
                           else dict(self._full_of))
         self._placement = {t: placements[stepped[p]] for t, p in self._opt_full.items()}
         self._norm_parts = kinds  # the sets of sharded axes a norm sums over (some may hold nothing on this rank)
+        self._unmarks = bool(getattr(engine, "marks_part_grads", False))  # (no pass over the grads where none is)
         # norms sum in the model's registration order, as torch's clip_grad_norm_(model.parameters()) does
         position = {p: i for i, p in enumerate(engine.model.parameters())}
         self._norm_order = sorted(self._opt_full, key=lambda t: position[self._opt_full[t]])
@@ -185,7 +186,8 @@ class MemsaveOptimizer(WrappedOptimizer):
         sequence parallelism) has on each ``tp`` rank the gradient of its own tokens: they are summed over ``tp``
         once, the first time anything reads the gradients after backward (clipping, the step, ``full_grads``), in
         one flat all-reduce. The sum is linear, so gradient accumulation over several backwards is summed once."""
-        part_grad.unmark(self._full_of.values())  # the optimizer reads them now ([Note: a rank's part of the gradient])
+        if self._unmarks:  # the optimizer reads them now ([Note: a rank's part of the gradient])
+            part_grad.unmark(self._full_of.values())
         if not self._partial:
             return
         syncs = self.engine.num_syncs

@@ -311,6 +311,10 @@ class PipelineEngine:
         self.inner.require_grad_sync = value
 
     @property
+    def marks_part_grads(self) -> bool:
+        return bool(getattr(self.inner, "marks_part_grads", False))
+
+    @property
     def num_syncs(self) -> int:
         return self.inner.num_syncs
 
