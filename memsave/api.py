@@ -203,12 +203,13 @@ def _split_stages(model: nn.Module, plan: Plan, units: Sequence[nn.Module] | Non
     """Strip the modules of the stages this rank does not hold (memsave/pp/split.py), drop their parameters from
     the optimizer's groups, and return the units with parameters left (ZeRO's and recompute's)."""
     from memsave.models.units import default_units
-    from memsave.pp.split import strip_atoms
+    from memsave.pp.split import load_takes_whole_model, strip_atoms
 
     split, mesh = plan.pp_split, plan.mesh
     pp, rank = mesh.degree("pp"), mesh.axis_rank("pp")
     chosen = list(units) if units is not None else default_units(model)
     local = [s for s in range(split.n_stages) if s % pp == rank]
+    load_takes_whole_model(model, split, local)
     gone = {id(p) for p in strip_atoms(model, split, local, dtype=plan.compute_dtype)}
     if optimizer is not None:
         for group in optimizer.param_groups:

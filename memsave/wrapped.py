@@ -175,14 +175,18 @@ def _mark_left_out(module: nn.Module, memo: dict[int, Any]) -> list[tuple[nn.Mod
 
 
 def swap_class(module: nn.Module, engine: Any) -> nn.Module:
-    """Make ``module`` an instance of ``Memsave<Class>(Class, MemsaveModule)`` in place and attach ``engine``."""
+    """Make ``module`` an instance of a subclass of ``(Class, MemsaveModule)`` in place and attach ``engine``.
+
+    The subclass keeps the class's name: Hugging Face's ``save_pretrained`` writes ``type(model).__name__`` into
+    config.json's ``architectures``, which tools read to pick the class to load (transformers strips FSDP2's
+    ``FSDP`` prefix for the same reason); ``isinstance(model, memsave.MemsaveModule)`` tells a wrapped model."""
     cls = type(module)
     if isinstance(module, MemsaveModule):
         raise ValueError(f"module of class {cls.__name__} is already wrapped by memsave; wrap it once")
     if cls not in _CLASS_CACHE:
         # MemsaveModule's methods come first: zero_grad must reach the engine whatever the user's class defines
-        _CLASS_CACHE[cls] = type(f"Memsave{cls.__name__}", (cls, MemsaveModule), {
-            "__module__": cls.__module__, "zero_grad": MemsaveModule.zero_grad,
+        _CLASS_CACHE[cls] = type(cls.__name__, (cls, MemsaveModule), {
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__, "zero_grad": MemsaveModule.zero_grad,
             "unshard": MemsaveModule.unshard, "reshard": MemsaveModule.reshard, "_apply": MemsaveModule._apply,
             "__deepcopy__": MemsaveModule.__deepcopy__})
     module.__class__ = _CLASS_CACHE[cls]

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import pytest
 import torch
 
 import memsave
@@ -274,6 +275,11 @@ def export_and_load_weights(root: Path) -> str:
         exported = load_file(root / "model.safetensors")
         assert sorted(set(whole) - set(exported)) == ["lm_head.weight"], sorted(set(whole) - set(exported))
         assert all(torch.equal(whole[k], exported[k]) for k in exported)
+        (root / "hf").mkdir()  # a folder: FOLDER/model.safetensors, where from_pretrained looks
+        assert main(["export", str(root / "to-export"), str(root / "hf")]) == 0
+        assert load_file(root / "hf" / "model.safetensors").keys() == exported.keys()
+        with pytest.raises(ValueError, match="the folder .*missing.* does not exist"):
+            memsave.checkpoint.export(root / "to-export", root / "missing" / "model.safetensors")
     _barrier()
     return "ok"
 

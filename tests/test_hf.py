@@ -8,7 +8,10 @@ function. And a model with no ``nn.ModuleList`` at all (``nn.Sequential``).
 from __future__ import annotations
 
 import copy
+import json
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -87,7 +90,12 @@ def _cases() -> str:
     rank = mesh.dp_rank
     model = train_against_ddp(gpt2, gpt2_batch, gpt2_loss, rank, mesh)
     assert model.lm_head.weight is model.transformer.wte.weight, "wrap must keep the tied embedding tied"
-    assert type(model).__name__ == "MemsaveGPT2LMHeadModel"
+    assert type(model).__name__ == "GPT2LMHeadModel"
+    with tempfile.TemporaryDirectory() as folder:  # transformers writes type(model).__name__ into config.json
+        model.save_pretrained(folder, is_main_process=rank == 0)
+        if rank == 0:
+            config = json.loads((Path(folder) / "config.json").read_text())
+            assert config["architectures"] == ["GPT2LMHeadModel"], config["architectures"]
     model = train_against_ddp(sequential, sequential_batch, sequential_loss, rank, mesh)
     assert isinstance(model, nn.Sequential) and len(model) == 6
     return "ok"

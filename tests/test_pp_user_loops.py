@@ -7,6 +7,7 @@ plain single-process training on the same global batch (losses, clip norms and e
 - an evaluation before training in ``model.eval()``, or with another ``loss_fn``, where the forward reads other
   outputs across stages than in training: each (mode, loss function, input signature) gets its own probe of what
   crosses stages ([Note: what the layout depends on]);
+- ``model.load_state_dict`` of the whole model's state dict after wrap (strict), on every rank;
 - a stage whose parameters are all frozen (fine-tuning the top of a model): no crash, no hang in the clip's or
   the step's collectives ([Note: alike on every stage] in memsave/engines/optimizer.py).
 """
@@ -42,15 +43,22 @@ def _diff(got: tuple[list[float], dict[str, torch.Tensor]], ref: tuple[list[floa
 
 
 # -- tied weights, gradients accumulated over calls or steps ----------------------------------------------------
-def _accumulate(mesh: memsave.Mesh, base: str, calls: int, clear: bool) -> dict[str, float]:
+def _accumulate(mesh: memsave.Mesh, base: str, calls: int, clear: bool, load: bool = False) -> dict[str, float]:
     """GPT (tied), SGD with momentum: each optimizer step runs ``calls`` pipeline_step calls over the batch's parts
-    (2 micro-batches each); ``clear``: zero_grad after the step, else gradients add up over the steps too."""
+    (2 micro-batches each); ``clear``: zero_grad after the step, else gradients add up over the steps too.
+    ``load``: the reference starts from other weights, which every rank loads after wrap as the whole model's
+    state dict (strict: each rank takes its stages' keys)."""
     data = pc.lm_data()
 
     def parts(batch: torch.Tensor) -> list[list[dict[str, torch.Tensor]]]:
         return [[{"input_ids": ids, "labels": ids} for ids in part.chunk(2)] for part in batch.chunk(calls)]
 
     ref = pc.gpt(True)
+    if load:
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.mul_(1.5)
+        whole = {k: v.clone() for k, v in ref.state_dict().items()}
     opt = torch.optim.SGD(ref.parameters(), lr=pc.LR, momentum=pc.MOMENTUM)
     figures = []
     for batch in data:
@@ -64,6 +72,8 @@ def _accumulate(mesh: memsave.Mesh, base: str, calls: int, clear: bool) -> dict[
     model = pc.gpt(True)
     sgd = torch.optim.SGD(model.parameters(), lr=pc.LR, momentum=pc.MOMENTUM)
     model, mopt = memsave.wrap(model, sgd, pc.profile(base, pp=2), mesh=mesh)
+    if load:
+        model.load_state_dict(whole)
     got = []
     for batch in data:
         for part in parts(batch):
@@ -222,6 +232,7 @@ CASES: dict[str, Callable[[memsave.Mesh], dict[str, float]]] = {
     "tied-two-calls-a-step-ddp": lambda mesh: _accumulate(mesh, "ddp", calls=2, clear=True),
     "tied-two-calls-a-step-zero3": lambda mesh: _accumulate(mesh, "zero3", calls=2, clear=True),
     "tied-no-zero-grad-between-steps-ddp": lambda mesh: _accumulate(mesh, "ddp", calls=1, clear=False),
+    "load-whole-state-dict-after-wrap-zero3": lambda mesh: _accumulate(mesh, "zero3", calls=1, clear=True, load=True),
     "eval-mode-before-training": lambda mesh: _layout(mesh, "mode"),
     "other-loss-fn-before-training": lambda mesh: _layout(mesh, "loss_fn"),
     "frozen-stage-ddp": lambda mesh: _frozen_stage(mesh, "ddp"),

@@ -35,8 +35,15 @@ _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"
 
 
 def export(checkpoint: str | Path, out: str | Path) -> dict[str, tuple[int, ...]]:
-    """Write the model of ``checkpoint`` (a :func:`memsave.save` directory) to the safetensors file ``out``, one
-    tensor at a time. One process, no process group needed. Returns the keys written with their shapes."""
+    """Write the model of ``checkpoint`` (a :func:`memsave.save` directory) to the safetensors file ``out`` (an
+    existing folder: ``out/model.safetensors``, where ``from_pretrained`` looks), one tensor at a time. One
+    process, no process group needed. Returns the keys written with their shapes."""
+    target = Path(out)
+    if target.is_dir():
+        target = target / "model.safetensors"
+    if not target.parent.is_dir():
+        raise ValueError(f"export: out={str(out)!r}: the folder {str(target.parent)!r} does not exist; "
+                         "create it first, or name a file in an existing folder")
     ckpt = Path(checkpoint)
     read_manifest(ckpt)
     keys = tensor_keys(read_metadata(ckpt))
@@ -52,7 +59,6 @@ def export(checkpoint: str | Path, out: str | Path) -> dict[str, tuple[int, ...]
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-    target = Path(out)
     tmp = target.with_name(target.name + ".part")
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["StageSplit", "plan_split", "strip_atoms"]
+__all__ = ["StageSplit", "load_takes_whole_model", "plan_split", "strip_atoms"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,3 +202,19 @@ def strip_atoms(model: nn.Module, split: StageSplit, local_stages: Sequence[int]
                 del m._buffers[key]
                 object.__setattr__(m, key, torch.empty_like(b, device="meta"))
     return list(gone.values())
+
+
+def load_takes_whole_model(model: nn.Module, split: StageSplit, local_stages: Sequence[int]) -> None:
+    """Before :func:`strip_atoms`: make ``model.load_state_dict`` take the whole model's state dict on every rank
+    (strict, as a user loads one file everywhere) by dropping the keys of the stages this rank does not hold,
+    which their own ranks load; a key of no stage, or one of this rank's stages that is missing, is still
+    refused. This rank's keys alone load as before."""
+    local = set(local_stages)
+    keys = {f"{a}.{k}" for a in split.atoms if split.stage_of[a] not in local
+            for k in model.get_submodule(a).state_dict(keep_vars=True)}
+
+    def drop_other_stages(module: nn.Module, state_dict: dict[str, object], prefix: str, *args: object) -> None:
+        for key in keys:
+            state_dict.pop(prefix + key, None)
+
+    model.register_load_state_dict_pre_hook(drop_other_stages)
