@@ -377,6 +377,9 @@ def _plans_case(mesh: memsave.Mesh) -> dict[str, Any]:
            r"module 'blocks\.0\.qkv' is matched by both 'blocks\.\*\.qkv' and 'blocks\.0\.qkv'")
     refuse(tc.gpt(), {"blocks.*.ln_1": "colwise"}, ValueError, r"module 'blocks\.0\.ln_1' \(LayerNorm\) has style "
            r"'colwise', which needs an nn\.Linear")
+    refuse(_lora_sequential(), {"0": "colwise", "2": "rowwise"}, ValueError,
+           r"module '0' \(_LoRA\) has style 'colwise', which needs an nn\.Linear; it holds the nn\.Linear '0\.base', "
+           r"'0\.A', '0\.B': name those\. An adapter \(LoRA\) .* colwise one the adapter's up-projection colwise")
     refuse(_sequential(width=33), {"0": "colwise", "2": "rowwise"}, ValueError,
            rf"module '0' has out_features=33, not divisible by .*tp={tp}")
 
@@ -408,7 +411,17 @@ def _plans_case(mesh: memsave.Mesh) -> dict[str, Any]:
     run = tc.train(model, opt, mesh, data, mse)
     out = tc.compare(run, ref)
     assert all(err <= tc.FP32_TOL for err, _ in out.values()), out
-    return {"refused": len(refused), "sequential": out}
+
+    # LoRA adapters on frozen base layers, cut as the refusal above says: trains as one process does
+    ref = tc.reference(_lora_sequential, data, mse)
+    model = _lora_sequential()
+    model, opt = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=tc.LR, momentum=tc.MOMENTUM), prof,
+                              mesh=mesh, tp_plan={"0.base": "colwise", "0.B": "colwise", "2.base": "rowwise",
+                                                  "2.A": "rowwise"})
+    assert model[0].A.weight.shape == (2, 16) and model[0].B.weight.shape == (32 // tp, 2)
+    lora = tc.compare(tc.train(model, opt, mesh, data, mse), ref)
+    assert all(err <= tc.FP32_TOL for err, _ in lora.values()), lora
+    return {"refused": len(refused), "sequential": out, "lora": lora}
 
 
 def _gpt_plan() -> dict[str, str]:
@@ -435,6 +448,25 @@ def _llama_heads3() -> nn.Module:
 def _sequential(width: int = 32) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, width), nn.GELU(), nn.Linear(width, 4))
+
+
+class _LoRA(nn.Module):
+    """A frozen base layer plus a trainable low-rank update B(A(x)), as LoRA adapters are written."""
+
+    def __init__(self, base: nn.Linear, rank: int = 2) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.A = nn.Linear(base.in_features, rank, bias=False)
+        self.B = nn.Linear(rank, base.out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.B(self.A(x))
+
+
+def _lora_sequential() -> nn.Module:
+    model = _sequential()
+    torch.manual_seed(1)
+    return nn.Sequential(_LoRA(model[0]), model[1], _LoRA(model[2]))
 
 
 def _embedding_case(mesh: memsave.Mesh) -> dict[str, Any]:
@@ -655,7 +687,7 @@ def test_vocab_parallel_cross_entropy_equals_torch(tp2: dict, dp2tp2: dict, grou
 
 
 def test_bad_plans_are_refused_before_anything_changes_and_a_user_plan_trains(tp2: dict) -> None:
-    assert _outcome(tp2, "plans")["refused"] == 8
+    assert _outcome(tp2, "plans")["refused"] == 9
 
 
 def test_a_vocab_parallel_embedding_with_every_option_trains_as_one_process(tp2: dict) -> None:

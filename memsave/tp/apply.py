@@ -98,8 +98,13 @@ def _check(model: nn.Module, cuts: list[_Cut], t: int, r: int, sequence: bool) -
     for cut in cuts:
         m, style = cut.module, cut.style
         if style in (*_COLUMN, "rowwise") and not isinstance(m, nn.Linear):
+            inner = [f"{cut.name}.{n}" for n, c in m.named_children() if isinstance(c, nn.Linear)]
+            hint = (f"; it holds the nn.Linear {', '.join(map(repr, inner))}: name those. An adapter (LoRA) around "
+                    "a base layer: cut the base layer, and with a colwise one the adapter's up-projection colwise "
+                    "too, with a rowwise one its down-projection rowwise too; the other factor stays whole"
+                    ) if inner else ""
             raise ValueError(f"tp plan: module {cut.name!r} ({type(m).__name__}) has style {style!r}, which needs an "
-                             "nn.Linear")
+                             f"nn.Linear{hint}")
         if style == "vocab_embedding" and not isinstance(m, nn.Embedding):
             raise ValueError(f"tp plan: module {cut.name!r} ({type(m).__name__}) has style 'vocab_embedding', which "
                              "needs an nn.Embedding")
