@@ -75,6 +75,8 @@ class MemsaveModule:
         fp32 reduce buckets): after it the next backward starts from fresh gradients, as with the optimizer's."""
         self.memsave_engine.zero_grad(set_to_none)
         nn.Module.zero_grad(self, set_to_none)  # type: ignore[arg-type]
+        for listener in self.memsave_engine.zero_grad_listeners:  # the optimizer forgets the cleared step
+            listener()
 
     def unshard(self) -> None:
         """ZeRO-3: gather every unit's full parameters (collective: call on every rank), e.g. to read weights

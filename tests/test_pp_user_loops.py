@@ -8,6 +8,7 @@ plain single-process training on the same global batch (losses, clip norms and e
   outputs across stages than in training: each (mode, loss function, input signature) gets its own probe of what
   crosses stages ([Note: what the layout depends on]);
 - ``model.load_state_dict`` of the whole model's state dict after wrap (strict), on every rank;
+- ``torch.autocast`` around ``pipeline_step``: refused naming it, then training goes on;
 - a stage whose parameters are all frozen (fine-tuning the top of a model): no crash, no hang in the clip's or
   the step's collectives ([Note: alike on every stage] in memsave/engines/optimizer.py).
 """
@@ -144,8 +145,11 @@ def _layout(mesh: memsave.Mesh, change: str) -> dict[str, float]:
 
 
 # -- a stage with nothing to train ----------------------------------------------------------------------------------
-def _frozen_stage(mesh: memsave.Mesh, base: str) -> dict[str, float]:
-    """nn.Sequential split before child 4: stage 0's two Linears frozen, its optimizer empty on rank 0."""
+def _frozen_stage(mesh: memsave.Mesh, base: str, autocast_first: bool = False) -> dict[str, float]:
+    """nn.Sequential split before child 4: stage 0's two Linears frozen, its optimizer empty on rank 0.
+    ``autocast_first``: a step under the user's torch.autocast first, which the probe cannot follow (it runs the
+    other ranks' stages on the meta device, where autocast does not cast): refused naming autocast, on both ranks,
+    nothing trained (it read garbage, or aborted the process in gloo); then the loop trains as one process."""
     def build() -> tuple[nn.Module, torch.optim.Optimizer]:
         model = pc.sequential()
         for child in list(model)[:4]:
@@ -163,6 +167,12 @@ def _frozen_stage(mesh: memsave.Mesh, base: str) -> dict[str, float]:
         opt.zero_grad()
     model, sgd = build()
     model, mopt = memsave.wrap(model, sgd, pc.profile(base, pp=2, split=("4",)), mesh=mesh)
+    if autocast_first:
+        x, y = pc.dense_data()[0]
+        with pytest.raises(RuntimeError, match=r"under torch\.autocast.*compute = \"bf16\""):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model.pipeline_step(list(x.chunk(2)), targets=list(y.chunk(2)), loss_fn=pc.mse)
+        mopt.zero_grad()
     got = []
     for x, y in pc.dense_data():
         model.pipeline_step(list(x.chunk(2)), targets=list(y.chunk(2)), loss_fn=pc.mse)
@@ -237,6 +247,7 @@ CASES: dict[str, Callable[[memsave.Mesh], dict[str, float]]] = {
     "other-loss-fn-before-training": lambda mesh: _layout(mesh, "loss_fn"),
     "frozen-stage-ddp": lambda mesh: _frozen_stage(mesh, "ddp"),
     "frozen-stage-zero2": lambda mesh: _frozen_stage(mesh, "zero2"),
+    "autocast-around-the-step-refused": lambda mesh: _frozen_stage(mesh, "ddp", autocast_first=True),
     "hf-tuple-output": _tuple_output,
     "torch-clip-over-one-stage": _torch_clip,
 }

@@ -150,7 +150,10 @@ def _train_case(mesh: memsave.Mesh, key: str, prof_name: str, sequence: bool,
             checked[0] += 1
 
     with COMM_STATS.measure() as comm:
-        run = tc.train(model, mopt, mesh, tc.batches(vocab), loss_fn, after_clip=partial_grads_equal if partial else None)
+        # under SP cleared by model.zero_grad(): the summed norm gradients are summed afresh after it (it raised
+        # "accumulated over an optimizer step without zero_grad()" at the second step)
+        run = tc.train(model, mopt, mesh, tc.batches(vocab), loss_fn, after_clip=partial_grads_equal if partial else None,
+                       clear="model" if sequence else "optimizer")
     assert comm.calls["tp_logits_gather"] == 0, comm.snapshot()
     assert widths == [(ShardedLogits.__name__, -(-vocab // tp))] * (tc.STEPS + 1), widths  # (+ the eval forward)
     # under SP the norms' gradients are partial (each rank its tokens'); so are KV heads kept whole (nkv % tp != 0)

@@ -204,9 +204,34 @@ def _float_inputs(mesh: Any, profile: str) -> None:
         assert torch.equal(runs[0][1][k], v), f"float inputs [{profile}] {k}"
 
 
+def _skipped_by_user(mesh: Any, profile: str, clear: str) -> tuple[list[float], dict[str, torch.Tensor], int]:
+    """A loss-spike guard (``norm = clip(); if spike: zero_grad(); continue``) at step 1, then a NaN loss at step 2,
+    then a clean step. ``loss.backward()`` (allowed without a loss scale), cleared by ``clear`` ("optimizer" or
+    "model"). Returns the norms, the parameters and the steps skipped."""
+    model = ToyLM(n_blocks=2)
+    model, opt = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), _profile(profile), mesh=mesh)
+    norms = []
+    for step in range(4):
+        loss = _toy_loss(model, _local(_global_batch(step), mesh.dp_rank))
+        (loss * float("nan") if step == 2 else loss).backward()
+        norms.append(float(opt.clip_grad_norm(1.0)))
+        if step != 1:
+            opt.step()
+        opt.zero_grad() if clear == "optimizer" else model.zero_grad()
+    return norms, model.state_dict(), opt.nonfinite.num_skipped
+
+
 def _error_cases(world: int) -> str:
     mesh = memsave.init()
     rank = mesh.dp_rank
+    # [Note: what a step derives from its gradients]: a step the user skipped leaves no clip norm, unscaled master
+    # gradients or overflow check behind (the NaN step was applied; model.zero_grad() replayed the old gradients)
+    for profile in ("ddp-bf16", "zero2-bf16"):
+        norms, params, skipped = _skipped_by_user(mesh, profile, "optimizer")
+        assert skipped == 1 and all(v.isfinite().all() for v in params.values()), (profile, norms, skipped)
+        by_model = _skipped_by_user(mesh, profile, "model")
+        assert by_model[0] == norms and by_model[2] == 1, (profile, by_model[0], norms)
+        assert all(torch.equal(by_model[1][k], v) for k, v in params.items()), profile
     for profile in ("ddp-bf16", "zero1-bf16", "zero2-bf16", "zero3-bf16"):
         _load_after_wrap(mesh, profile)
     for profile in ("ddp-bf16", "zero3-bf16"):
@@ -230,6 +255,20 @@ def _error_cases(world: int) -> str:
         model, opt = memsave.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), _profile(profile), mesh=mesh)
         with pytest.raises(RuntimeError, match=r"optimizer\.backward\(loss\)"):
             _toy_loss(model, b).backward()
+    # fp16 under ddp: .grad holds the scaled gradient; torch's clip would clip the scaled values (its norm came out
+    # 0.00085 where 1.0 is asked), so it is refused; one gradient stays readable, and the optimizer's clip works
+    model = ToyLM(n_blocks=2)
+    fixed = memsave.load_profile("ddp", ["precision.compute=fp16", "precision.loss_scale=1024"])
+    model, opt = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), fixed, mesh=mesh)
+    opt.backward(_toy_loss(model, b))
+    for foreach in (False, True):
+        with pytest.raises(RuntimeError, match=r"times the fp16 loss scale.*optimizer\.clip_grad_norm"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=foreach)
+    assert model.embed.weight.grad.float().norm().isfinite()
+    ref = ToyLM(n_blocks=2)
+    ref, ref_opt = memsave.wrap(ref, torch.optim.SGD(ref.parameters(), lr=0.1), "ddp", mesh=mesh)
+    ref_opt.backward(_toy_loss(ref, b))  # the same model in fp32: the norm of the unscaled gradient
+    assert abs(float(opt.clip_grad_norm(1.0)) / float(ref_opt.clip_grad_norm(1.0)) - 1) < 1e-2
     # 5. unfreezing after wrap: refused at the next forward, on every engine
     for profile in ("ddp", "zero1", "zero3"):
         model = ToyLM(n_blocks=2)

@@ -68,8 +68,8 @@ class DataParallelEngine:
         self.group = mesh.dp_group
         self.dp_size = mesh.dp_size
         # tp or pp: this rank's gradients are its part of the model's, marked after each sync ([Note: a rank's part
-        # of the gradient] in memsave/engines/part_grad.py; the optimizer unmarks them where this is true)
-        self.marks_part_grads = mesh.degree("tp") > 1 or mesh.degree("pp") > 1
+        # of the gradient] in memsave/engines/part_grad.py; the optimizer unmarks them where marks_part_grads)
+        self._holds_part = mesh.degree("tp") > 1 or mesh.degree("pp") > 1
         self.require_grad_sync = True
         self.agreement = mdist.Agreement(mesh.new_group("dp"), mesh.device)  # [Note: control-flow agreement]
         named = trainable_parameters(model)
@@ -90,6 +90,7 @@ class DataParallelEngine:
         self.loss_scaled = False  # fp16: gradients must come from optimizer.backward (a scaled loss)
         self.in_scaled_backward = False
         self.load_listeners: list[Callable[[Any], None]] = []  # called after model.load_state_dict (with None)
+        self.zero_grad_listeners: list[Callable[[], None]] = []  # called by model.zero_grad()
         self._frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._slot]
         self._hooks.append(model.register_forward_pre_hook(self._check_trainable, prepend=True))
@@ -213,7 +214,13 @@ class DataParallelEngine:
         self._next_launch = 0
         self.num_syncs += 1
         if self.marks_part_grads:  # [Note: a rank's part of the gradient]
-            part_grad.mark(self._order)
+            part_grad.mark(self._order, part=self._holds_part, scaled=self.loss_scaled)
+
+    @property
+    def marks_part_grads(self) -> bool:
+        """Whether ``.grad`` is marked after each sync: this rank's part (tp or pp), or scaled by fp16's loss
+        scale (set by the optimizer, before it reads this)."""
+        return self._holds_part or self.loss_scaled
 
     # -- the Engine protocol (memsave/engines/protocol.py) ---------------------------------------------------
     def unshard(self, unit: Any = None) -> None:

@@ -76,6 +76,7 @@ class MemsaveOptimizer(WrappedOptimizer):
         self.scaler = scaler
         engine.loss_scaled = scaler is not None
         engine.load_listeners.append(weak_method(self._refresh_masters))
+        engine.zero_grad_listeners.append(weak_method(self._forget_grads))
         route_zero_grad(optimizer, self)
         self._full_of: dict[torch.Tensor, nn.Parameter] = {}  # what the inner optimizer steps -> the parameter
         for group in optimizer.param_groups:
@@ -90,6 +91,7 @@ class MemsaveOptimizer(WrappedOptimizer):
         self._partial = [s for s in stepped.values() if placements[s].partial_grad]
         self._partial_axes = sorted({a for s in self._partial for a in placements[s].partial_grad})
         self._partial_at: int | None = None  # engine.num_syncs when they were last completed (None: since zero_grad)
+        self._read_at: int | None = None  # engine.num_syncs when the step's gradients were last read ([Note: ...])
         # Mixed precision: the optimizer steps fp32 masters (of the shards: 4/N bytes per parameter), cast into the
         # compute-dtype tensors after the step. With offload on CUDA the masters are made on the host and go to
         # the tier from there: the device never holds 4 bytes per parameter of them ([Note: offloaded masters]).
@@ -188,9 +190,12 @@ class MemsaveOptimizer(WrappedOptimizer):
         one flat all-reduce. The sum is linear, so gradient accumulation over several backwards is summed once."""
         if self._unmarks:  # the optimizer reads them now ([Note: a rank's part of the gradient])
             part_grad.unmark(self._full_of.values())
+        syncs = self.engine.num_syncs
+        if self._read_at != syncs:  # [Note: what a step derives from its gradients]
+            self._read_at = syncs
+            self._forget_derived()
         if not self._partial:
             return
-        syncs = self.engine.num_syncs
         if self._partial_at is not None:
             if self._partial_at != syncs:
                 raise NotImplementedError(
@@ -288,8 +293,28 @@ class MemsaveOptimizer(WrappedOptimizer):
             mdist.after_forward()  # the host policy's trim: the chunks' transients go back to the OS too
         self.engine.after_step()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def _forget_derived(self) -> None:
+        """[Note: what a step derives from its gradients] Clipping computes, from this step's gradients, the fp32
+        unscaled master gradients and their overflow check (mixed precision) and the global norm (which the
+        step's non-finite check reuses); the step then reuses them. They belong to the gradients they came from:
+        new gradients (a synchronizing backward since they were derived: ``engine.num_syncs`` moved, also when
+        ``loss.backward()`` under bf16 never went through the optimizer, or the user set ``p.grad = None``) or
+        a ``zero_grad`` (the optimizer's or ``model.zero_grad()``) drop them. Kept past a step the user chose to
+        skip (``if spike: zero_grad(); continue``), the old finite norm passed the next step's NaN gradients as
+        finite and the step wrote NaN into every parameter; kept past ``model.zero_grad()``, the next step applied
+        the previous step's clipped gradients."""
+        self.nonfinite.norm = None
+        if self.mp is not None:
+            self.mp.forget()
+
+    def _forget_grads(self) -> None:
+        """``model.zero_grad()`` ran (the engine's listener): as :meth:`zero_grad` forgets."""
         self._partial_at = None
+        self._read_at = None
+        self._forget_derived()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._forget_grads()
         self.engine.zero_grad(set_to_none)  # (in place, it first waits for a background step that reads them)
         if self.mp is not None:
             self.mp.zero_grad(set_to_none)

@@ -13,6 +13,11 @@ with ``foreach=True``: ``clip_grad_norm_`` and ``get_total_norm``) and hands eve
 tensor, so a parameter's own values (and ``p.grad.norm()``) stay readable. The optimizer unmarks them the first
 time it reads the gradients (its ``clip_grad_norm``, its step, ``full_grads``): the user's optimizer steps plain
 tensors, at no cost.
+
+The same holds under fp16 with ``ddp`` at any layout, for another reason: ``.grad`` holds the gradient times the
+loss scale (:class:`ScaledGrad`). A total norm over it is that many times too large (or inf), and torch's clip
+would scale the scaled values, which the optimizer then unscales: the step's gradient norm came out 0.00085 where
+``clip_grad_norm(1.0)`` gives 1.0, with no error.
 """
 
 from __future__ import annotations
@@ -23,40 +28,62 @@ from typing import Any
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
-__all__ = ["PartGrad", "mark", "unmark"]
+__all__ = ["PartGrad", "ScaledGrad", "mark", "unmark"]
 
 _REFUSED = (torch.linalg.vector_norm, torch._foreach_norm)
-MESSAGE = ("this rank holds part of the model's gradient (tensor or pipeline parallelism: its slices, its stages), "
-           "so a total norm over its gradients, as torch.nn.utils.clip_grad_norm_(model.parameters(), ...) takes, "
-           "is the norm of that part only; clip with optimizer.clip_grad_norm(max_norm), the norm over every rank "
-           "(or read the whole gradients with optimizer.full_grads(), a collective)")
+PART = ("this rank holds part of the model's gradient (tensor or pipeline parallelism: its slices, its stages), "
+        "so a total norm over its gradients, as torch.nn.utils.clip_grad_norm_(model.parameters(), ...) takes, "
+        "is the norm of that part only")
+SCALED = ("they hold the gradient times the fp16 loss scale (optimizer.mp.loss_scale), so a total norm over them, as "
+          "torch.nn.utils.clip_grad_norm_(model.parameters(), ...) takes, is that many times too large and the clip "
+          "would scale the scaled values")
+ADVICE = ("; clip with optimizer.clip_grad_norm(max_norm), the norm of the unscaled gradient over every rank (or "
+          "read the whole gradients with optimizer.full_grads(), a collective)")
 
 
-def _holds_part(args: tuple[Any, ...]) -> bool:
+def _marked(args: tuple[Any, ...]) -> type[PartGrad] | None:
     first = args[0] if args else None
-    if isinstance(first, list | tuple):
-        return any(isinstance(t, PartGrad) for t in first)
-    return isinstance(first, PartGrad)
+    for t in first if isinstance(first, list | tuple) else (first,):
+        if isinstance(t, PartGrad):
+            return type(t)
+    return None
 
 
 class PartGrad(torch.Tensor):
     """A ``.grad`` that is one rank's part of the model's gradient (module docstring)."""
 
+    why = PART
+
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func in _REFUSED and _holds_part(args):
-            raise RuntimeError(f"{getattr(func, '__name__', func)} of parameter gradients: {MESSAGE}")
+        if func in _REFUSED:
+            marked = _marked(args)
+            if marked is not None:
+                raise RuntimeError(f"{getattr(func, '__name__', func)} of parameter gradients: {marked.why}{ADVICE}")
         with DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
 
 
-def mark(params: Iterable[torch.nn.Parameter]) -> None:
+class ScaledGrad(PartGrad):
+    """A ``.grad`` multiplied by the fp16 loss scale (module docstring)."""
+
+    why = SCALED
+
+
+class ScaledPartGrad(PartGrad):
+    """Both: one rank's part, times the loss scale."""
+
+    why = f"{PART}, and {SCALED}"
+
+
+def mark(params: Iterable[torch.nn.Parameter], *, part: bool = True, scaled: bool = False) -> None:
+    cls = ScaledPartGrad if part and scaled else ScaledGrad if scaled else PartGrad
     for p in params:
         if type(p.grad) is torch.Tensor:
-            p.grad.__class__ = PartGrad
+            p.grad.__class__ = cls
 
 
 def unmark(params: Iterable[torch.nn.Parameter]) -> None:
     for p in params:
-        if type(p.grad) is PartGrad:
+        if isinstance(p.grad, PartGrad):
             p.grad.__class__ = torch.Tensor  # type: ignore[assignment]

@@ -101,7 +101,7 @@ class PipelineEngine:
                  gather: str = "step") -> None:
         self.inner, self.runner, self.split = inner, runner, split
         self.model, self.mesh, self.agreement = inner.model, inner.mesh, inner.agreement
-        self.load_listeners = inner.load_listeners
+        self.load_listeners, self.zero_grad_listeners = inner.load_listeners, inner.zero_grad_listeners
         self.schedule_name, self.virtual, self.gather = schedule, virtual, gather
         self.balance: Any = None  # [parallel] balance = params / time: the memsave.pp.Balance (set by wrap)
         self.balance_by = "count"  # the [parallel] balance that chose the split (set by wrap)
@@ -229,7 +229,9 @@ class PipelineEngine:
         # [Note: what the layout depends on] what crosses stages is probed once per input signature, train/eval
         # mode of every module and loss function (an auxiliary loss read in training only, or by one loss_fn)
         modes = tuple(mod.training for mod in self.model.modules())
-        self.runner.ensure_layout((signature, modes, _code_of(loss_fn)), lambda: loss_of(0, run(0)))
+        kind = self.mesh.device.type  # (and torch.autocast around the step: it changes what crosses stages)
+        autocast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+        self.runner.ensure_layout((signature, modes, _code_of(loss_fn), autocast), lambda: loss_of(0, run(0)))
         return m, run, loss_of
 
     def _skip_other_stages(self, units: list[Any]) -> None:

@@ -34,6 +34,7 @@ class Engine(Protocol):
     loss_scaled: bool  # fp16: gradients must come from optimizer.backward (a scaled loss)
     in_scaled_backward: bool
     load_listeners: list[Callable[[Any], None]]  # called after model.load_state_dict
+    zero_grad_listeners: list[Callable[[], None]]  # called by model.zero_grad(): what was derived from the gradients
 
     # -- a schedule drives these -----------------------------------------------------------------------------
     def unshard(self, unit: Any = None) -> None:

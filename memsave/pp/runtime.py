@@ -197,8 +197,13 @@ class StageRunner(Messages):
             digests = mdist.all_gather_object(repr(layout.digest()), self.pp_group)
             if any(d != digests[0] for d in digests):
                 bad = [r for r, d in enumerate(digests) if d != digests[0]]
+                autocast = torch.is_autocast_enabled(self.device.type)
                 raise RuntimeError(f"pipeline probe: pp ranks {bad} found another structure of the stages' outputs "
-                                   "than pp rank 0 (the forward differs across ranks)")
+                                   "than pp rank 0 (" + ("under torch.autocast: the probe runs the stages other "
+                                   "ranks hold on the meta device, where autocast does not cast, so a rank's own "
+                                   "stages made other dtypes; train in the half dtype with [precision] compute = "
+                                   "\"bf16\" (or \"fp16\") instead of autocast around pipeline_step)" if autocast
+                                   else "the forward differs across ranks)"))
             self.layouts[signature] = layout
             for name in {k[0] for s, k in layout.last_call.items() if s != self.n_stages - 1} - self._stops:
                 # the stop only where a stage can end: a hook keeps every call of its module off torch's fast path

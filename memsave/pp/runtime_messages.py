@@ -87,6 +87,7 @@ class Messages:
     _loss_recv: Any
     last_losses: list[torch.Tensor]
     peer: Callable[[int], int]  # the global rank of a pp rank of this rank's slice
+    device: torch.device
 
     @staticmethod
     def _split_by_key(held: Any, flat: list[torch.Tensor | None]) -> dict[CallKey, list[Any]]:
@@ -183,9 +184,26 @@ class Messages:
         if dst == self.pp_rank:
             self._mailbox[(mb, key, dst_stage, backward)] = [t.detach() for t in tensors]
             return
+        if not backward:
+            self._check_probed(tensors, src_stage, mb, key)
         name = (mb, key, dst_stage, backward)
         self._ready[name] = ([t.detach() for t in tensors], free)
         self._advance(self._position[name], must=True)
+
+    def _check_probed(self, tensors: list[torch.Tensor], stage: int, mb: int, key: CallKey) -> None:
+        """The receiver allocates what the probe found for ``key``; a tensor of another shape or dtype would land
+        in it unchecked (gloo takes a smaller message into the buffer: garbage values; a larger one aborts the
+        process), so it is refused here, naming it."""
+        assert self.layout is not None
+        want = self.layout.structure[key].tensor_meta()
+        got = [(tuple(t.shape), t.dtype) for t in tensors]
+        if got != want:
+            hint = (" Under torch.autocast the probe ran the stages other ranks hold on the meta device, where "
+                    "autocast does not cast: train in the half dtype with [precision] compute = \"bf16\" (or "
+                    "\"fp16\") instead of autocast around pipeline_step" if torch.is_autocast_enabled(self.device.type)
+                    else " What crosses stages keeps the shapes and dtypes the first step of these inputs found")
+            raise RuntimeError(f"pipeline: stage {stage} sends {key[0]}'s output (micro-batch {mb}) as {got}, but the "
+                               f"probe found {want}, which the receiving stage allocates.{hint}")
 
     def _freeable(self, stage: int, key: CallKey, tensors: list[torch.Tensor]) -> frozenset[int]:
         """[Note: freed sends] (Megatron's ``deallocate_output_tensor``) The outputs of a stage's last atom call,

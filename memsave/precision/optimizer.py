@@ -170,6 +170,15 @@ class MixedPrecisionOptimizer(WrappedOptimizer):
             self.scaler.update(overflow)
         self._checked = None
 
+    def forget(self) -> None:
+        """Drop what :meth:`unscale` derived from the gradients (their fp32 copies and the overflow check): the
+        next read derives it again from the model's gradients ([Note: what a step derives from its gradients] in
+        memsave/engines/optimizer.py)."""
+        for master, p in self._pairs:
+            if master is not p:
+                master.grad = None
+        self._checked = None
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for master, p in self._pairs:
             for t in (p, master) if master is not p else (p,):

@@ -87,6 +87,7 @@ class ZeroEngine:
         self.in_scaled_backward = False
         # called after model.load_state_dict, with the new rows of shards that are offloaded (else None)
         self.load_listeners: list[Callable[[dict[torch.Tensor, torch.Tensor] | None], None]] = []
+        self.zero_grad_listeners: list[Callable[[], None]] = []  # called by model.zero_grad()
         self.before_zero_in_place: Callable[[], None] | None = None  # set by the optimizer (offload overlap)
         for u in self.units:
             u.on_sharded_read = self._sharded_read
