@@ -103,7 +103,12 @@ def wrapped(layout: Layout, *, seed: int = 0, dropout: float = 0.0,
     if layout.opt == "adafactor":
         opt: torch.optim.Optimizer = memsave.optim.Adafactor(model.parameters(), lr=1e-2, beta1=0.9)
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        # the usual two groups, of unequal sizes (no decay on norms and biases): the state of each parameter
+        # must come back to it (numbered per group, the states went to other parameters with no error)
+        params = list(model.parameters())
+        opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() > 1]},
+                                 {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}],
+                                lr=1e-2, weight_decay=0.1)
     torch.manual_seed(1234 + mesh.dp_rank)  # dropout streams per dp rank, as a launcher-started run has
     model, opt = memsave.wrap(model, opt, prof, mesh=mesh)
     return model, opt, mesh

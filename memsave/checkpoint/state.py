@@ -244,10 +244,11 @@ class OptimizerLoad:
     def install(self) -> None:
         opt, inner = self.opt, self.opt.optimizer
         saved_groups = self.meta["param_groups"]
-        groups = []
-        for g, saved in zip(inner.param_groups, saved_groups):
+        groups, start = [], 0
+        for g, saved in zip(inner.param_groups, saved_groups):  # numbered across the groups, as torch's state is
             groups.append({**{k: _like(decode(v), g.get(k)) for k, v in saved.items() if k != "params"},
-                           "params": list(range(len(g["params"])))})
+                           "params": list(range(start, start + len(g["params"])))})
+            start += len(g["params"])
         stepped = _stepped_pairs(opt)
         index = {s: i for i, s in enumerate(stepped)}
         for s, st in self.states.items():
