@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memsave
+from memsave import dist as mdist
 from memsave.dist import COMM_STATS
 from tests import tp_cases as tc
 from tests.harness import run_ranks
@@ -165,6 +166,19 @@ def _train_case(mesh: memsave.Mesh, key: str, prof_name: str, sequence: bool,
             assert np.array_equal(sd[n].float().numpy(), v), n
         model.load_state_dict(sd)
         assert all(torch.equal(sd[k], v) for k, v in model.state_dict().items())
+    if prof_name in ("ddp", "zero3") and not sequence:  # the optimizer's: whole over tp (save on rank 0, load on
+        # every rank): each rank cuts its own slices back (before, rank 0's slices went to every tp rank)
+        osd = mopt.state_dict()
+        params = dict(model.named_parameters())
+        whole = {n: tuple(lay.full_shape) for n, p in params.items() if (lay := tp_param(p)) is not None}
+        index = {n: i for i, n in enumerate(params)}
+        for n, shape in whole.items():
+            assert tuple(osd["state"][index[n]]["exp_avg" if "exp_avg" in osd["state"][index[n]] else
+                                           "momentum_buffer"].shape) == shape, n
+        mopt.load_state_dict(mdist.all_gather_object(osd)[0])
+        again = mopt.state_dict()
+        for i, st in osd["state"].items():
+            assert all(torch.equal(v, again["state"][i][k]) for k, v in st.items()), i
     ref = bf16_refs[key] if prof_name == "ddp-bf16" else _fp32_reference(key)
     return tc.compare(run, ref)
 

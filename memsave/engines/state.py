@@ -4,7 +4,11 @@ A state dict saved under any engine is the one the user's optimizer would save u
 and ``loss_scaler`` under mixed precision, the format of :class:`~memsave.precision.MixedPrecisionOptimizer`),
 so it loads under another engine, stage or dp size. Which entries are gathered on save and cut to this rank's
 rows on load follows each stepped tensor's placement: ``dp=Shard(0)`` rows are gathered (a collective over dp),
-replicated tensors are taken as they are.
+replicated tensors are taken as they are. Under tensor parallelism the per-element state (and the fp32 masters)
+of a parameter tp cuts is gathered whole over ``tp`` too, as ``model.state_dict()`` holds it, and each rank cuts
+its slice on load (a state dict of this rank's slices loads as it is). So a state dict saved on one rank loads
+on every rank, and into a plain optimizer; before, rank 0's file held its own slices, which the other tp rank
+loaded as its own with no error. (Adafactor's factored statistics under tp stay this rank's.)
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memsave import dist as mdist
-from memsave.tp import gather_tp, tp_param
+from memsave.optim import Adafactor
+from memsave.tp import TPParam, cut_tp, gather_tp, tp_param
 from memsave.zero.rows import RowSharding
 
 if TYPE_CHECKING:
@@ -28,11 +33,41 @@ def _sharded(opt: MemsaveOptimizer, t: torch.Tensor) -> bool:
     return isinstance(opt.placement_of(t).dp, mdist.Shard)
 
 
+def _tp_cut(opt: MemsaveOptimizer, t: torch.Tensor) -> TPParam | None:
+    """The tp layout of the parameter of ``t`` (a stepped tensor or its master), where tp cuts it (else None)."""
+    if isinstance(opt.optimizer, Adafactor):
+        return None
+    lay = tp_param(opt.full_of(t))
+    return lay if lay is not None and lay.dim is not None else None
+
+
+def _whole_over_tp(opt: MemsaveOptimizer, t: torch.Tensor, value: Any, key: str = "") -> Any:
+    """``value`` (an entry of ``t``'s state, whole over dp) gathered whole over tp where it is per element."""
+    lay = _tp_cut(opt, t)
+    full = opt.full_of(t)
+    if lay is None or not isinstance(value, torch.Tensor) or key == "step" or value.shape != full.shape:
+        return value
+    assert lay.dim is not None
+    return gather_tp(value, lay.dim, opt.engine.mesh.group("tp"), blocks=lay.blocks, full=lay.full_shape[lay.dim])
+
+
+def _slice_over_tp(opt: MemsaveOptimizer, t: torch.Tensor, value: Any) -> Any:
+    """``value`` (an entry of a state dict for ``t``) cut to this tp rank's slice where it is whole over tp."""
+    lay = _tp_cut(opt, t)
+    if lay is None or not isinstance(value, torch.Tensor) or tuple(value.shape) != lay.full_shape:
+        return value
+    mesh = opt.engine.mesh
+    return cut_tp(value, lay, mesh.degree("tp"), mesh.axis_rank("tp"))
+
+
 def state_dict(opt: MemsaveOptimizer) -> dict[str, Any]:
-    """The full optimizer state (collective over dp when anything is sharded: call on every rank)."""
+    """The full optimizer state (collective over dp when anything is sharded, and over tp where tp cuts a
+    parameter: call on every rank)."""
     rows = RowSharding(opt.engine.mesh)
     if opt.any_sharded:
         mdist.expect_every_rank("optimizer.state_dict() under ZeRO", rows.group)
+    if opt.engine.mesh.degree("tp") > 1:
+        mdist.expect_every_rank("optimizer.state_dict() under tensor parallelism", opt.engine.mesh.group("tp"))
     opt.settle()
     inner = opt.optimizer
     sd = inner.state_dict()
@@ -49,9 +84,12 @@ def state_dict(opt: MemsaveOptimizer) -> dict[str, Any]:
             for key in sorted(state):
                 if rows.is_per_element(inner, key, state[key], s, full):
                     state[key] = rows.gather(state[key], full)
+        for key in sorted(state):
+            state[key] = _whole_over_tp(opt, s, state[key], key)
     if opt.mp is not None:  # the format of MixedPrecisionOptimizer's
-        sd["master_params"] = [rows.gather(own.get(m, m).detach(), opt.full_of(m)) if _sharded(opt, m)
-                               else own.get(m, m).detach().clone() for m in stepped]
+        sd["master_params"] = [_whole_over_tp(opt, m, rows.gather(own.get(m, m).detach(), opt.full_of(m))
+                                              if _sharded(opt, m) else own.get(m, m).detach().clone())
+                               for m in stepped]
         sd["loss_scaler"] = opt.scaler.state_dict() if opt.scaler is not None else None
     return sd
 
@@ -68,6 +106,7 @@ def load_state_dict(opt: MemsaveOptimizer, sd: dict[str, Any]) -> None:
         full = opt.full_of(s)
         out = {}
         for key, value in state.items():
+            value = _slice_over_tp(opt, s, value) if key != "step" else value
             if _sharded(opt, s) and rows.is_per_element(inner, key, value, full, full):
                 out[key] = rows.own_rows(value.to(s.device), full).clone()
             else:  # never alias the caller's tensors (e.g. Adam's step, which is incremented in place)
@@ -82,6 +121,7 @@ def load_state_dict(opt: MemsaveOptimizer, sd: dict[str, Any]) -> None:
     if masters is not None:
         if len(masters) != len(stepped):
             raise ValueError(f"state dict holds {len(masters)} master weights, this optimizer has {len(stepped)}")
+        masters = [_slice_over_tp(opt, s, m) for m, s in zip(masters, stepped)]
         local["master_params"] = [
             rows.own_rows(m.to(s.device, torch.float32), opt.full_of(s)).clone() if _sharded(opt, s)
             else m.to(s.device, torch.float32) for m, s in zip(masters, stepped)]

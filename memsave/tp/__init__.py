@@ -2,7 +2,7 @@
 vocab-parallel loss) applied to an unchanged model by a plan. ``memsave.wrap`` / ``memsave.parallelize`` apply it
 when the mesh has a ``tp`` axis; the pieces are public for users who compose by hand."""
 
-from memsave.tp.apply import TPParam, apply_tp, cut_shapes, full_state_dicts, tp_param
+from memsave.tp.apply import TPParam, apply_tp, cut_shapes, cut_tp, full_state_dicts, tp_param
 from memsave.tp.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -31,6 +31,7 @@ __all__ = [
     "VocabShard",
     "apply_tp",
     "cut_shapes",
+    "cut_tp",
     "default_plan",
     "full_state_dicts",
     "gather_tp",

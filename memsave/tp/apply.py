@@ -37,7 +37,7 @@ from memsave.tp.mappings import ScatterSeq
 from memsave.tp.plan import default_plan, match_plan
 from memsave.tp.random import RegionRandom, sync_default_rng
 
-__all__ = ["TPParam", "apply_tp", "cut_shapes", "full_state_dicts", "tp_param"]
+__all__ = ["TPParam", "apply_tp", "cut_shapes", "cut_tp", "full_state_dicts", "tp_param"]
 
 _HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
 _WIDTH_ATTRS = ("hidden_size", "embed_dim", "all_head_size")
@@ -222,6 +222,13 @@ def _slice(full: torch.Tensor, dim: int, t: int, r: int, blocks: int, pad_to: in
     return torch.cat(parts, dim).clone() if blocks > 1 else parts[0].clone()
 
 
+def cut_tp(whole: torch.Tensor, lay: TPParam, t: int, r: int) -> torch.Tensor:
+    """Rank ``r``'s slice (of ``t``) of a whole tensor laid out as ``lay`` says (padded as the parameter is)."""
+    assert lay.dim is not None
+    pad_to = -(-lay.full_shape[lay.dim] // t) * t
+    return _slice(whole, lay.dim, t, r, lay.blocks, pad_to)
+
+
 def _set(p: torch.Tensor, local: torch.Tensor, layout: TPParam, done: dict[int, TPParam], name: str) -> None:
     if id(p) in done:  # a tied parameter, cut already: the same layout or a refusal
         if done[id(p)] != layout:
@@ -339,8 +346,7 @@ def full_state_dicts(model: nn.Module, ctx: TPContext) -> None:
         for key, lay in layouts.items():
             value = state_dict.get(prefix + key)
             if isinstance(value, torch.Tensor) and lay.dim is not None and tuple(value.shape) == lay.full_shape:
-                pad_to = -(-lay.full_shape[lay.dim] // ctx.size) * ctx.size
-                state_dict[prefix + key] = _slice(value, lay.dim, ctx.size, ctx.rank, lay.blocks, pad_to)
+                state_dict[prefix + key] = cut_tp(value, lay, ctx.size, ctx.rank)
 
     model.register_state_dict_post_hook(gather)
     model.register_load_state_dict_pre_hook(cut)
