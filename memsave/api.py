@@ -248,6 +248,11 @@ def _data_parallel(model: nn.Module, plan: Plan, units: Sequence[nn.Module] | No
 
         engine = shard(model, stage=zero.stage, mesh=plan.mesh, units=units, config=zero,
                        reduce_dtype=plan.reduce_dtype, before_unit=before_unit)
+        if zero.stage == 3 and plan.mesh.dp_size > 1:
+            # every forward gathers over dp: Hugging Face's generate then keeps the ranks stepping together
+            # (synced_gpus) until all are done, as it does for FSDP and DeepSpeed ZeRO-3; a rank whose prompts
+            # ended early waited alone in the next gather until the collective timeout
+            model._is_fsdp_managed_module = True
     return engine
 
 

@@ -221,9 +221,31 @@ def _skipped_by_user(mesh: Any, profile: str, clear: str) -> tuple[list[float], 
     return norms, model.state_dict(), opt.nonfinite.num_skipped
 
 
+def _generate_stops_apart(mesh: Any) -> None:
+    """HF generate under zero3, each rank its prompts, rank 0's reaching eos after one token: the ranks keep
+    stepping together (synced_gpus, as HF does for FSDP and DeepSpeed ZeRO-3) and each gets the tokens one
+    process generates; rank 1 hung alone in its next forward's gather until the collective timeout."""
+    ref = hf_llama().eval()
+    prompts = torch.randint(3, 64, (4, 6), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        whole = ref.generate(input_ids=prompts, max_new_tokens=5, do_sample=False, pad_token_id=0)[:, 6:]
+    eos = sorted({int(whole[0, 0]), int(whole[1, 0])})
+    assert not set(whole[2:, :-1].flatten().tolist()) & set(eos), "the prompts must let rank 1 go on"
+    model = hf_llama()
+    model, _ = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), "zero3", mesh=mesh)
+    model.eval()
+    mine = slice(2 * mesh.dp_rank, 2 * mesh.dp_rank + 2)
+    with torch.no_grad():
+        out = model.generate(input_ids=prompts[mine], max_new_tokens=5, do_sample=False, pad_token_id=0,
+                             eos_token_id=eos)[:, 6:]
+    want = whole[mine, :1] if mesh.dp_rank == 0 else whole[mine]
+    assert torch.equal(out, want), (mesh.dp_rank, out.tolist(), want.tolist())
+
+
 def _error_cases(world: int) -> str:
     mesh = memsave.init()
     rank = mesh.dp_rank
+    _generate_stops_apart(mesh)
     # [Note: what a step derives from its gradients]: a step the user skipped leaves no clip norm, unscaled master
     # gradients or overflow check behind (the NaN step was applied; model.zero_grad() replayed the old gradients)
     for profile in ("ddp-bf16", "zero2-bf16"):

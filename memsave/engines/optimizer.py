@@ -199,8 +199,10 @@ class MemsaveOptimizer(WrappedOptimizer):
         if self._partial_at is not None:
             if self._partial_at != syncs:
                 raise NotImplementedError(
-                    "gradients accumulated over an optimizer step without zero_grad() under sequence parallelism: "
-                    "the summed norm gradients would be summed again; call optimizer.zero_grad() after each step")
+                    "gradients accumulated over an optimizer step without zero_grad() where a gradient is summed "
+                    "over tp (norms under sequence parallelism, key/value heads fewer than tp): the summed "
+                    "gradients would be summed again; call optimizer.zero_grad() or model.zero_grad() after each "
+                    "step (gradients cleared by hand, p.grad = None, are not told apart from accumulated ones here)")
             return
         grads = [g for g in (self.engine.grad_of(s) for s in self._partial) if g is not None]
         if grads:
