@@ -35,8 +35,11 @@ __all__ = ["CopyToTP", "GatherLast", "GatherSeq", "ReduceFromTP", "ReduceScatter
 
 def _check_divisible(size: int, n: int, dim: int) -> None:
     if size % n != 0:
+        decoding = (" (a decoding step of generate(), with its key/value cache, runs one token: generate without "
+                    "sequence parallelism)") if size == 1 else ""
         raise ValueError(f"sequence parallelism: dim {dim} has size {size}, which is not divisible by tp={n}; "
-                         f"use a sequence length that is a multiple of {n}, or set [parallel] sequence = false")
+                         f"use a sequence length that is a multiple of {n}, or set [parallel] sequence = false"
+                         f"{decoding}")
 
 
 def all_gather_dim(x: torch.Tensor, dim: int, group: ProcessGroup, *, count_as: str = "tp_all_gather") -> torch.Tensor:
