@@ -252,7 +252,7 @@ def _data_parallel(model: nn.Module, plan: Plan, units: Sequence[nn.Module] | No
             # every forward gathers over dp: Hugging Face's generate then keeps the ranks stepping together
             # (synced_gpus) until all are done, as it does for FSDP and DeepSpeed ZeRO-3; a rank whose prompts
             # ended early waited alone in the next gather until the collective timeout
-            model._is_fsdp_managed_module = True
+            model.__dict__["_is_fsdp_managed_module"] = True  # (a plain attribute, as nn.Module keeps a bool)
     return engine
 
 
@@ -316,6 +316,7 @@ def wrap(
 
         profile = auto_profile(model, optimizer, mesh if mesh is not None else default_mesh(), budget=budget,
                                example_inputs=example_inputs)
+        example_inputs = None  # the choice's batch: no budget:<size> recompute policy is chosen to use it
     elif budget is not None:
         raise ValueError(f'budget = {budget!r} is only allowed with profile = "auto", not {profile!r}')
     check_arguments(profile, mesh)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 from memsave.cli_args import UsageError, split_overrides
 from memsave.cli_estimate import _estimate_model
 from memsave.config import load_profile
-from memsave.memory.schema import format_bytes
+from memsave.memory.schema import OFF_DEVICE, format_bytes
 from memsave.models import GPT
 from memsave.plan import (
     Candidate,
@@ -27,6 +28,7 @@ from memsave.plan import (
     to_toml,
 )
 from memsave.plan import plan as make_plan
+from memsave.plan.search import ANALYTIC_HEADROOM, HEADROOM
 from memsave.plan.spec import from_gpt
 from memsave.recompute.policy import parse_size
 
@@ -92,7 +94,7 @@ def _model(spec: str, seq: int) -> tuple[Any, torch.nn.Module | None, Any]:
             raise UsageError(f"--model {spec!r}: no such file")
         try:
             return from_hf_config(path), None, None
-        except (ValueError, KeyError) as exc:
+        except (ValueError, KeyError, NotImplementedError) as exc:
             raise UsageError(f"--model {spec!r}: {exc}") from None
     model, batch = _estimate_model(spec, 1, seq)
     if spec.startswith("gpt:"):
@@ -119,18 +121,67 @@ def _breakdown(p: Any) -> str:
     dev = ", ".join(f"{k} {format_bytes(int(v))}" for k, v in sorted(p.device.items(), key=lambda kv: -kv[1]) if v)
     off = "".join(f", {k} {format_bytes(int(v))}" for k, v in (("host", p.host), ("disk", p.disk)) if v)
     times = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in sorted(p.time.items(), key=lambda kv: -kv[1]))
-    return (f"  memory per rank{' (memsave.estimate)' if p.exact else ''}: {format_bytes(int(p.peak))} = {dev}{off}\n"
+    return (f"  memory per rank ({'memsave.estimate' if p.exact else 'closed forms'}): {format_bytes(int(p.peak))} = "
+            f"{dev}{off}\n"
             f"  step {p.step_time * 1e3:.1f} ms = {times}; bottleneck: {p.bottleneck}")
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Flag values the plan cannot use, refused naming the flag (before anything is printed)."""
+    for flag, value in (("--world", args.world), ("--gpus-per-node", args.gpus_per_node), ("--top", args.top),
+                        ("--seq-len", args.seq_len), ("--global-batch", args.global_batch),
+                        ("--micro-batches", args.micro_batches), ("--micro-batch", args.micro_batch)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} {value} is not allowed; expected a positive integer")
+
+
+def _explain(args: argparse.Namespace, overrides: Sequence[str], spec: Any, hw: Any, budget: float,
+             exact: Any) -> Any:
+    """``--explain PROFILE``: its candidate priced (memsave.estimate on the model where the search would use it),
+    judged with the search's headroom."""
+    prof = load_profile(args.explain, overrides)
+    tp, pp = prof.parallel.tp, prof.parallel.pp
+    if args.world % (tp * pp):
+        raise ValueError(f"--explain {args.explain}: tp {tp} x pp {pp} does not divide --world {args.world}")
+    if spec.heads and spec.heads % tp:
+        raise ValueError(f"--explain {args.explain}: tp {tp} does not divide the model's {spec.heads} heads")
+    if pp > spec.layers:
+        raise ValueError(f"--explain {args.explain}: pp {pp} > the model's {spec.layers} layers")
+    dp = args.world // (tp * pp)
+    mb = args.micro_batch or max(1, args.global_batch // (dp * args.micro_batches))
+    off = ("none" if prof.offload.optimizer == "none" else "optimizer"
+           + ("+params" if prof.offload.params != "none" else "")
+           + (":disk" if prof.offload.optimizer == "disk" else ""))
+    c = Candidate(dp=dp, tp=tp, pp=pp, stage=prof.zero.stage, precision=prof.precision.compute,
+                  recompute=prof.recompute.policy, offload=off, micro_batch=mb, micro_batches=args.micro_batches,
+                  schedule=prof.parallel.schedule, virtual=prof.parallel.virtual, sequence=prof.parallel.sequence,
+                  optimizer=prof.optimizer.name)
+    p = price(spec, c, hw, args.seq_len, gpus_per_node=args.gpus_per_node)
+    note = ""
+    try:
+        held = exact(c) if exact is not None else None
+    except Exception as exc:  # as the search: said, and the closed forms instead
+        held, note = None, f"  memsave.estimate failed ({type(exc).__name__}: {exc}"[:300] + "); closed forms used\n"
+    if held is not None:
+        p = dataclasses.replace(p, device={k: float(v) for k, v in held.items() if k not in OFF_DEVICE},
+                                host=held.get("offload_host", 0) or p.host, disk=held.get("offload_disk", 0) or p.disk,
+                                exact=True)
+    return c, p, note
 
 
 def run_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
     overrides = split_overrides(extra, hint="")
+    _check_flags(args)
     spec, model, batch = _model(args.model, args.seq_len)
     try:
         hw = load_hardware(args.hardware)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    budget = _size("--device-memory", args.device_memory) or hw.memory
+    given = _size("--device-memory", args.device_memory)
+    if given is not None and not given > 0:
+        raise UsageError(f"--device-memory {args.device_memory!r} is not allowed; expected a positive size")
+    budget = hw.memory if given is None else given
+    host_budget, disk_budget = _size("--host-memory", args.host_memory), _size("--disk", args.disk) or 0.0
     exact = None
     if model is not None and batch is not None and args.exact != "off":
         meta = model
@@ -140,29 +191,23 @@ def run_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
             if c not in cache:
                 cache[c] = exact_peak(meta, c, _rows(batch, c.micro_batch), device=hw.device)
             return cache[c]
+    explained = _explain(args, overrides, spec, hw, budget, exact) if args.explain else None
     print(f"memsave plan: {spec.name}, {spec.num_params:,} parameters; {args.world} device(s) of {hw.name} "
           f"({hw.source}); budget {format_bytes(int(budget))} per device; {args.global_batch} x {args.seq_len} "
           "tokens per step")
-    if args.explain:
-        prof = load_profile(args.explain, overrides)
-        dp = args.world // (prof.parallel.tp * prof.parallel.pp)
-        mb = args.micro_batch or max(1, args.global_batch // (dp * args.micro_batches))
-        off = ("none" if prof.offload.optimizer == "none" else "optimizer"
-               + ("+params" if prof.offload.params != "none" else "")
-               + (":disk" if prof.offload.optimizer == "disk" else ""))
-        c = Candidate(dp=dp, tp=prof.parallel.tp, pp=prof.parallel.pp, stage=prof.zero.stage,
-                      precision=prof.precision.compute, recompute=prof.recompute.policy, offload=off,
-                      micro_batch=mb, micro_batches=args.micro_batches, schedule=prof.parallel.schedule,
-                      virtual=prof.parallel.virtual, sequence=prof.parallel.sequence, optimizer=prof.optimizer.name)
-        p = price(spec, c, hw, args.seq_len, gpus_per_node=args.gpus_per_node)
-        print(f"{args.explain}: {c.label()}\n{_breakdown(p)}")
-        print("fits" if p.peak <= budget else f"does not fit: {format_bytes(int(p.peak))} > {format_bytes(int(budget))}")
+    if explained is not None:
+        c, p, note = explained
+        margin = HEADROOM if p.exact else ANALYTIC_HEADROOM
+        need = p.peak * (1 + margin)
+        print(f"{args.explain}: {c.label()}\n{note}{_breakdown(p)}")
+        print(("fits" if need <= budget else "does not fit") + f": {format_bytes(int(p.peak))} + {margin:.0%} "
+              f"headroom ({'of an exact figure' if p.exact else 'of a closed-form figure'}, as the search keeps) "
+              f"= {format_bytes(int(need))} {'<=' if need <= budget else '>'} {format_bytes(int(budget))}")
         return 0
     try:
         result = make_plan(spec, hw, world=args.world, global_batch=args.global_batch, seq=args.seq_len,
-                           budget=budget, host_budget=_size("--host-memory", args.host_memory),
-                           disk_budget=_size("--disk", args.disk) or 0.0, gpus_per_node=args.gpus_per_node,
-                           exact=exact)
+                           budget=budget, host_budget=host_budget, disk_budget=disk_budget,
+                           gpus_per_node=args.gpus_per_node, exact=exact)
     except PlanError as exc:
         print(f"memsave plan: {exc}")
         return 1
@@ -177,7 +222,8 @@ def run_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
     for mesh, why in result.unpriced.items():
         print(f"not priced {mesh}: {why}")
     if args.write is not None:
-        args.write.write_text(to_toml(result.best.candidate, why=f"binding: {result.binding()}"))
+        args.write.write_text(to_toml(result.best.candidate, why=f"binding: {result.binding()}", seq=args.seq_len,
+                                      model=args.model, path=args.write))
         print(f"profile written to {args.write}")
     if args.json is not None:
         args.json.write_text(json.dumps({"schema": "memsave.plan/1", "model": args.model, "hardware": hw.to_dict(),

@@ -106,29 +106,56 @@ def _to_meta(batch: Any) -> Any:
     return batch
 
 
+def _cpu_flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any, dropout_p: float,
+               gqa: bool) -> bool:
+    """Whether a CPU runs the call's flash kernel: sdp_utils_cpp.cpp's ``use_flash_attention_cpp`` (no dropout;
+    4-d inputs of one batch size, grouped KV heads with ``enable_gqa``; a mask of no gradient, 2-d or 4-d
+    broadcasting over batch and heads; one head dimension; floating dtypes), else its math path."""
+    if dropout_p > 0 or not torch.backends.cuda.flash_sdp_enabled() or any(t.dim() != 4 for t in (query, key, value)):
+        return False
+    (b, heads, s, d), (kb, kh, ks, kd), (vb, vh, _, vd) = query.shape, key.shape, value.shape
+    if not b == kb == vb or kh != vh or not d == kd == vd or 0 in (s, ks) or heads % max(kh, 1) != 0 \
+            or (kh != heads and not gqa) or query.dtype not in (torch.float32, torch.float64, torch.bfloat16,
+                                                                torch.float16):
+        return False
+    if attn_mask is None:
+        return True
+    m = attn_mask.shape
+    return (not attn_mask.requires_grad and m[-2] in (s, 1) and m[-1] in (ks, 1)
+            and (len(m) == 2 or (len(m) == 4 and m[0] in (b, 1) and m[1] in (heads, 1))))
+
+
 @contextlib.contextmanager
 def _fused_attention_on_meta(device_type: str) -> Iterator[None]:
     """Make ``F.scaled_dot_product_attention`` on meta tensors run the fused (flash) kernel the target device
     would pick, instead of the math fallback the meta device decomposes into, which saves the whole attention
-    matrix for backward: an estimate several times too big at long sequences. Grouped-query calls
-    (``enable_gqa``, Hugging Face's Llama, Mistral, Qwen) run it too on CUDA, whose flash kernel takes fewer key
-    and value heads as they are (sdp_utils.cpp's ``check_grouped_query_attention``); on a CPU and with masks the
-    original function runs."""
+    matrix for backward: an estimate several times too big at long sequences. On CUDA without a mask, grouped
+    KV heads (``enable_gqa``: Hugging Face's Llama, Mistral, Qwen) too, but not in fp32 (sdp_utils.cpp's
+    ``check_grouped_query_attention``); with a mask the original function runs. On a CPU as
+    :func:`_cpu_flash` decides: grouped heads and masks fused (the mask kept, a boolean one as a copy in the
+    query's dtype), dropout on the math path, which keeps the attention matrix and its dropout mask."""
     original = F.scaled_dot_product_attention
 
     def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, **kwargs: Any) -> Any:
         gqa = kwargs.pop("enable_gqa", False)
-        # grouped-query on CUDA: flash takes it, but not in fp32 (nor does the memory-efficient kernel): math
-        math_gqa = gqa and (device_type != "cuda" or query.dtype == torch.float32)
-        if query.device.type != "meta" or attn_mask is not None or kwargs or math_gqa:
+        if query.device.type != "meta" or kwargs:
+            fused = False
+        elif device_type == "cuda":  # grouped-query: flash takes it, but not in fp32 (nor the memory-efficient one)
+            fused = attn_mask is None and not (gqa and query.dtype == torch.float32)
+        else:
+            fused = _cpu_flash(query, key, value, attn_mask, dropout_p, gqa)
+        if not fused:
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale, enable_gqa=gqa, **kwargs)
         if device_type == "cuda":
             return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
                                                                       scale=scale)[0]
+        if attn_mask is not None and attn_mask.dtype == torch.bool:  # as attention.cpp converts it, per call
+            attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                attn_mask.logical_not(), float("-inf"))
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal,
-                                                                          scale=scale)[0]
+                                                                          attn_mask=attn_mask, scale=scale)[0]
 
     F.scaled_dot_product_attention = sdpa  # type: ignore[assignment]
     try:

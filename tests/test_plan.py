@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import memsave
+from memsave import _logging as memsave_logging
 from memsave.cli import main
 from memsave.cli_plan import _rows
 from memsave.dist import COMM_STATS
@@ -35,6 +37,8 @@ from memsave.plan import (
 )
 from memsave.plan.calibrate_engines import FAMILIES, train_step
 from memsave.plan.cost import collective_counts
+from memsave.plan.memory import layer_constants
+from memsave.plan.search import candidates
 from tests.harness import run_ranks
 from tests.toy import hf_llama
 
@@ -90,7 +94,7 @@ def test_layer_constants_match_the_measured_gpt() -> None:
     assert est.activations == pytest.approx(cfg.n_layer * per_layer + logits, rel=0.05)
 
 
-def test_specs_count_every_parameter() -> None:
+def test_specs_count_every_parameter(tmp_path: Path) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     for tie in (True, False):
@@ -116,6 +120,32 @@ def test_specs_count_every_parameter() -> None:
     assert sum(spec.stage_params(4, s) for s in range(4)) == spec.num_params
     with pytest.raises(ValueError, match="model_type = 'bert'"):
         from_hf_config({"model_type": "bert"})
+    # only the families the closed forms model: others (with an MLP width too) refused, naming what is allowed
+    small = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100}
+    for kind in ("gemma", "qwen3", "phi3", "bert"):
+        with pytest.raises(ValueError, match=f"model_type = '{kind}' is not allowed; expected one of llama, mistral, "
+                                             "qwen2 or gpt2.*MODULE:FUNCTION"):
+            from_hf_config({**small, "model_type": kind})
+    with pytest.raises(NotImplementedError, match="num_local_experts = 8: mixture-of-experts"):
+        from_hf_config({**small, "model_type": "mixtral", "num_local_experts": 8})
+    with pytest.raises(ValueError, match="'intermediate_size' is missing"):
+        from_hf_config({k: v for k, v in small.items() if k != "intermediate_size"})
+    with pytest.raises(ValueError, match="hidden_size = '64' is not allowed"):
+        from_hf_config({**small, "hidden_size": "64"})
+    with pytest.raises(ValueError, match="num_attention_heads = 3 does not divide hidden_size = 64"):
+        from_hf_config({**small, "num_attention_heads": 3, "num_key_value_heads": 3})
+    listed = tmp_path / "config.json"
+    listed.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="holds a list"):
+        from_hf_config(listed)
+    # a head width of its own (head_dim): counted, and the KV activations' width taken from it
+    wide = LlamaConfig(**{k: v for k, v in small.items() if k != "model_type"}, head_dim=32)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in LlamaForCausalLM(wide).parameters())
+    spec = from_hf_config(wide.to_dict())
+    assert spec.head_dim == 32 and spec.num_params == n and from_hf_config(small).head_dim == 16
+    assert layer_constants(spec, 4, "none") != layer_constants(dataclasses.replace(spec, head_dim=0), 4, "none")
 
 
 def test_model_states_equal_the_estimator() -> None:
@@ -159,6 +189,23 @@ def test_plan_70b_on_1024_devices() -> None:
         plan(spec, VENDOR["h100"], world=8, global_batch=8, seq=4096, budget=budget / 1.001 / 1.05)
 
 
+def test_search_meshes_and_why_none() -> None:
+    """Sequence parallelism only where the sequence splits over the tp ranks (the run refuses it otherwise); tp
+    groups within a node (tp divides the devices per node); with no mesh to price, the rule each one breaks."""
+    spec = from_gpt(gpt_config("small", dropout=0.0))  # 4 heads, 4 layers
+
+    def meshes(world: int, seq: int, per_node: int = 8) -> set[tuple[int, bool]]:
+        return {(c.tp, c.sequence) for c in candidates(spec, world, world, gpus_per_node=per_node,
+                                                       precisions=("fp32",), offloads=("none",), seq=seq)}
+
+    assert meshes(2, 63) == {(1, False), (2, False)} and meshes(2, 64) == {(1, False), (2, True)}
+    assert {tp for tp, _ in meshes(12, 64, per_node=6)} == {1, 2}  # tp 4 would span nodes of 6
+    assert {tp for tp, _ in meshes(4, 64, per_node=6)} == {1, 2, 4}  # one node holds the whole world
+    with pytest.raises(PlanError, match=r"could be priced: .*dp5 tp1 pp1: dp 5 does not divide the global batch 4; "
+                                        "dp1 tp1 pp5: pp 5 > the 4 layers; dp1 tp5 pp1: tp 5 does not divide the 4 heads"):
+        plan(spec, CPU, world=5, global_batch=4, seq=64, budget=2**30)
+
+
 def _model(kind: str) -> torch.nn.Module:
     if kind == "llama":
         model = hf_llama(tied=True, n_layer=4)
@@ -193,7 +240,26 @@ def _run_choice(kind: str, c: Candidate, seq: int, steps: int) -> dict[str, Any]
     return {"peak": peak, "calls": kinds}
 
 
-def _measure(cases: list[tuple[str, dict[str, Any], int]]) -> list[dict[str, Any]]:
+def _auto_agrees() -> None:
+    """profile="auto" on 2 ranks: ranks given different budgets, or a budget refused on one rank, raise the same
+    ValueError on every rank (before rank 0 chooses; they waited for ever, or followed rank 0); an error in rank 0's
+    choice is raised on every rank too (all before any estimate: cheap)."""
+    mesh = memsave.init()
+    model = GPT(gpt_config("tiny", dropout=0.0))
+    batch = TokenBatches(seq_len=16, batch_size=2).batch(0)
+    for budgets, match in ((["1GiB", "2GiB"], r"different budgets \(rank 0: budget = '1GiB', rank 1: budget = '2GiB'\)"),
+                           (["1GiB", 0], "on rank 1, budget = 0 is not allowed")):
+        with pytest.raises(ValueError, match=match):
+            memsave.wrap(model, torch.optim.AdamW(model.parameters()), "auto", budget=budgets[mesh.rank],
+                         example_inputs=batch)
+    flat = torch.nn.Linear(4, 4)  # no blocks: rank 0's from_module raises
+    with pytest.raises(ValueError, match="no repeated blocks"):
+        memsave.wrap(flat, torch.optim.AdamW(flat.parameters()), "auto", budget="1GiB", example_inputs=torch.ones(2, 4))
+
+
+def _measure(cases: list[tuple[str, dict[str, Any], int]], auto: bool = False) -> list[dict[str, Any]]:
+    if auto:
+        _auto_agrees()
     return [_run_choice(kind, Candidate(**c), seq, 2) for kind, c, seq in cases]
 
 
@@ -235,7 +301,7 @@ def test_the_choice_fits_when_run() -> None:
                     for _, p in chosen}) == len(chosen)
     cases = [("gpt", dataclasses.asdict(p.candidate), 64) for _, p in gpt]
     cases += [("llama", dataclasses.asdict(p.candidate), 32) for _, p in llama]
-    results = run_ranks(_measure, 2, cases, timeout=300)
+    results = run_ranks(_measure, 2, cases, True, timeout=300)
     with torch.device("meta"):
         specs = [from_gpt(gpt_config("small", dropout=0.0))] * len(gpt) + [from_module(_model("llama"))] * len(llama)
     for (budget, p), spec, *per_rank in zip(gpt + llama, specs, *results):
@@ -273,10 +339,13 @@ def test_cli_plan_write_explain(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "configurations considered" in text and "binding constraint of the choice: device memory" in text
     prof = memsave.load_profile(out)
     assert prof.description.startswith("memsave plan: ")
+    # the demo command in the profile's comment runs what was planned (size, sequence, processes)
+    assert f"(memsave demo --profile {out} --size tiny --nproc 2 --seq-len 32 --batch-size" in out.read_text()
     ranked = json.loads((tmp_path / "plan.json").read_text())["ranked"]
     # each candidate's memory is its own estimate: schedules of one mesh differ (a cache keyed without them didn't)
     fields = {f.name for f in dataclasses.fields(Candidate)}
     piped = [r for r in ranked if r["pp"] > 1]
+    assert {r["memory_source"] for r in ranked} == {"memsave.estimate"}  # each figure says where it comes from
     assert len({r["schedule"] for r in piped}) > 1, [r["config"] for r in ranked]
     with torch.device("meta"):
         meta = GPT(gpt_config("tiny"))
@@ -286,9 +355,21 @@ def test_cli_plan_write_explain(tmp_path: Path, capsys: pytest.CaptureFixture[st
         want = exact_peak(meta, c, _rows({"input_ids": ids, "labels": ids}, c.micro_batch), device="cpu")
         assert r["peak"] == pytest.approx(sum(v for k, v in want.items() if not k.startswith("offload")))
     assert main([*args, "--explain", "zero3"]) == 0
-    assert "zero3: dp2 zero3" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    # the verdict keeps the search's headroom (5% of memsave.estimate's figure) and says so
+    assert "zero3: dp2 zero3" in text and "fits: " in text and "+ 5% headroom (of an exact figure" in text
     assert main([*args[:-4], "--device-memory", "10KiB", "--hardware", str(hw)]) == 1
-    assert "the smallest that would fit needs" in capsys.readouterr().out
+    # the smallest budget named is memsave.estimate's (1.181 MiB + 5%), not a closed form over 1.5x (1.5 MiB)
+    assert "the smallest that would fit needs 1.3 MiB per device (exact, memsave.estimate" in capsys.readouterr().out
+    # flag values the plan cannot use are refused naming the flag, before the header
+    for bad, flag in ((["--device-memory", "0B"], "--device-memory '0B'"), (["--gpus-per-node", "0"], "--gpus-per-node 0"),
+                      (["--top", "-1"], "--top -1"), (["--explain", "zero3", "--micro-batches", "0"], "--micro-batches 0"),
+                      (["--explain", "zero3", "--micro-batch", "0"], "--micro-batch 0"),
+                      (["--explain", "zero3", "--world", "3", "--parallel.tp=2"], "tp 2 x pp 1 does not divide --world 3"),
+                      (["--explain", "zero3", "--world", "3", "--parallel.tp=3"], "tp 3 does not divide the model's 2")):
+        assert main([*args, *bad]) == 2, bad
+        captured = capsys.readouterr()
+        assert flag in captured.err and "memsave plan: gpt:tiny" not in captured.out, (bad, captured)
     assert main([*args, "--device-memory", "lots"]) == 2
     assert main(["plan", "--model", str(tmp_path / "missing.json")]) == 2
 
@@ -302,6 +383,8 @@ def test_wrap_auto_profile() -> None:
     batch = data.batch(0)
     ddp = memsave.estimate(model, "ddp", batch=batch, device="cpu").peak_total
     for bad, match in (({"example_inputs": batch}, "needs budget="), ({"budget": "1GiB"}, "needs example_inputs"),
+                       ({"budget": "lots", "example_inputs": batch}, "budget = 'lots' is not allowed"),
+                       ({"budget": 0, "example_inputs": batch}, "budget = 0 is not allowed"),
                        ({"budget": "1B", "example_inputs": batch}, "nothing fits")):
         m = GPT(gpt_config("tiny", dropout=0.0))
         with pytest.raises(ValueError, match=match):
@@ -309,7 +392,24 @@ def test_wrap_auto_profile() -> None:
     with pytest.raises(ValueError, match="only allowed with profile"):
         memsave.wrap(model, torch.optim.AdamW(model.parameters()), "ddp", budget="1GiB")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    wrapped, opt = memsave.wrap(model, opt, "auto", budget=int(ddp * 0.9), example_inputs=batch)
+    # the choice is logged (rank 0) with its predicted peak; the example batch is not passed on to the recompute
+    # policy, which warned that it was ignored; one rank: no ZeRO stage that only shards over itself
+    logged: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("memsave")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    memsave_logging._warned -= {m for m in memsave_logging._warned if "example_inputs=" in m}
+    try:
+        wrapped, opt = memsave.wrap(model, opt, "auto", budget=int(ddp * 0.9), example_inputs=batch)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    chosen = [m for m in logged if m.startswith('profile = "auto": dp1 zero0 ')]
+    assert chosen and "predicted peak" in chosen[0], logged
+    assert not any("example_inputs=" in m for m in logged), logged
     tracker = MemoryTracker(wrapped, opt)
     for i in range(2):
         opt.backward(wrapped(**data.batch(i)).loss)
@@ -342,6 +442,16 @@ def test_calibrate_caches_and_hardware_files(tmp_path: Path, monkeypatch: pytest
         load_hardware(bad)
     with pytest.raises(ValueError, match="--hardware 'tpu-v9' is not allowed"):
         load_hardware("tpu-v9")
+    # each value checked, naming the key (a zero rate was a ZeroDivisionError in the pricing); sizes as strings
+    rates = tmp_path / "rates.json"
+    for change, match in (({"device": "tpu"}, "device = 'tpu' is not allowed"), ({"mem_bw": 0}, "mem_bw = 0 is not"),
+                          ({"flops": {"fp32": 0}}, r"flops.fp32 = 0 is not"), ({"memory": "lots"}, "memory = 'lots'"),
+                          ({"efficiency": 2}, r"efficiency = 2 is not allowed; expected a number in \(0, 1\]")):
+        rates.write_text(json.dumps({**dataclasses.asdict(CPU), **change}))
+        with pytest.raises(ValueError, match=match):
+            load_hardware(rates)
+    rates.write_text(json.dumps({**dataclasses.asdict(CPU), "memory": "16GiB"}))
+    assert load_hardware(rates).memory == 16 * 2**30
     assert all("vendor data sheet" in h.source and "assumption" in h.source for h in VENDOR.values())
 
 

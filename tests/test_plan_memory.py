@@ -163,23 +163,85 @@ def test_closed_forms_equal_the_estimator_on_hf_llama(tied: bool) -> None:
         assert p.host == pytest.approx(exact.get("offload_host", 0), rel=0.02), c.label()
 
 
+def _sdpa_saved(device: str, wrap: bool, heads_kv: int, dtype: torch.dtype, **kw: Any) -> int:
+    """Bytes one ``F.scaled_dot_product_attention`` call keeps for backward beyond its q, k and v, on ``device``
+    (``wrap``: under memsave.estimate's kernel choice for a CPU target)."""
+    from memsave.estimate_activations import _fused_attention_on_meta
+
+    q, k, v = (torch.zeros(2, h, 64, 16, dtype=dtype, device=device, requires_grad=True) for h in (4, heads_kv,
+                                                                                                    heads_kv))
+    inputs = {t.untyped_storage()._cdata for t in (q, k, v)}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage()._cdata not in inputs:
+            kept[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return t
+
+    if isinstance(kw.get("attn_mask"), torch.Tensor):
+        kw["attn_mask"] = kw["attn_mask"].to(device)
+    with (_fused_attention_on_meta("cpu") if wrap else torch.enable_grad()), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=heads_kv < 4, **kw)
+    return sum(kept.values())
+
+
 def test_grouped_query_flash_attention_keeps_no_scores() -> None:
     """On a CUDA device memsave.estimate runs grouped-query sdpa calls in bf16 as the flash kernel does (no
     attention matrix kept): a Llama layer's saved bytes grow with the sequence, not with its square. In fp32 no
     fused kernel takes grouped queries (flash needs 16-bit inputs, the memory-efficient kernel no GQA; measured on
-    an H100: the estimate was 17% under the tracker), so the math kernel's scores are kept."""
+    an H100: the estimate was 17% under the tracker), so the math kernel's scores are kept. On a CPU (torch's
+    use_flash_attention_cpp) flash takes grouped queries in any dtype and masks (keeping the mask, a boolean one
+    converted to the query's dtype), and dropout runs the math path: each call's kept bytes equal a real CPU
+    call's (the estimate of a Hugging Face Llama with grouped KV heads was 2.3x the tracker at 1,024 tokens, and
+    GPT-2's with dropout 0.1 half of it)."""
     import memsave
 
     meta, _ = _llama(False)
-    per_token: dict[str, list[float]] = {"bf16": [], "fp32": []}
-    for compute in per_token:
+    per_token: dict[tuple[str, str], list[float]] = {(d, c): [] for d in ("cuda", "cpu") for c in ("bf16", "fp32")}
+    for device, compute in per_token:
         prof = memsave.load_profile("ddp", (f'precision.compute="{compute}"',))
         for seq in (64, 256):
             ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
-            est = memsave.estimate(meta, prof, batch={"input_ids": ids, "use_cache": True}, device="cuda")
-            per_token[compute].append(est.activations / seq)
-    assert per_token["bf16"][1] == pytest.approx(per_token["bf16"][0], rel=1e-3)
-    assert per_token["fp32"][1] > 1.1 * per_token["fp32"][0]
+            est = memsave.estimate(meta, prof, batch={"input_ids": ids, "use_cache": True}, device=device)
+            per_token[device, compute].append(est.activations / seq)
+    for key in (("cuda", "bf16"), ("cpu", "bf16"), ("cpu", "fp32")):
+        assert per_token[key][1] == pytest.approx(per_token[key][0], rel=1e-3), key
+    assert per_token["cuda", "fp32"][1] > 1.1 * per_token["cuda", "fp32"][0]
+    mask = torch.ones(64, 64, dtype=torch.bool).tril()
+    for kv, kw in ((2, dict(is_causal=True)), (2, dict(attn_mask=mask[None, None])), (4, dict(attn_mask=mask)),
+                   (4, dict(dropout_p=0.1, is_causal=True)), (2, dict(dropout_p=0.1))):
+        for dtype in (torch.float32, torch.bfloat16):
+            real = _sdpa_saved("cpu", False, kv, dtype, **kw)
+            assert _sdpa_saved("meta", True, kv, dtype, **kw) == real, (kv, kw, dtype)
+            assert (real > 3 * 2 * 4 * 64 * 64) == ("dropout_p" in kw), (kv, kw, dtype)  # the scores, or none
+
+
+def test_closed_forms_equal_the_estimator_on_hf_gpt2() -> None:
+    """Hugging Face GPT-2 from its config.json gets its own layer constants (LayerActivations.for_gpt2: gelu_new's
+    intermediates, the key/value cache's copies): with dropout on a CPU the math kernel's three fp32 attention
+    matrices (sdpa's flash kernel takes no dropout there; the plan chose a candidate at 17.3 MiB whose run peaked
+    at 49.3), on CUDA the flash kernel's. Memory's own reference GPT keeps its constants (the tests above)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    seq, rows = 64, 2
+    ids = torch.zeros(rows, seq, dtype=torch.long, device="meta")
+    for pdrop, cases in ((0.1, (("cpu", "fp32", "none"), ("cpu", "bf16", "selective"), ("cuda", "bf16", "none"))),
+                         (0.0, (("cpu", "fp32", "none"), ("cuda", "fp32", "selective")))):
+        config = GPT2Config(n_embd=96, n_layer=2, n_head=6, vocab_size=128, n_positions=seq, bos_token_id=0,
+                            eos_token_id=0, resid_pdrop=pdrop, embd_pdrop=pdrop, attn_pdrop=pdrop)
+        spec = from_hf_config(config.to_dict())
+        assert (spec.family, spec.intermediate, spec.dropout) == ("gpt2", 384, pdrop > 0)
+        with torch.device("meta"):
+            meta = GPT2LMHeadModel._from_config(config, attn_implementation="sdpa")
+        for device, precision, recompute in cases:
+            c = Candidate(dp=1, tp=1, pp=1, stage=0, precision=precision, recompute=recompute, offload="none",
+                          micro_batch=rows, micro_batches=1)
+            exact = exact_peak(meta, c, {"input_ids": ids, "labels": ids, "use_cache": True}, device=device)
+            want = sum(v for k, v in exact.items() if k not in (*OFF_DEVICE, "transient"))
+            p = price(spec, c, GPU if device == "cuda" else dataclasses.replace(CPU, flops=GPU.flops), seq)
+            err = (p.peak - p.device.get("transient", 0)) / want - 1
+            assert -UNDER <= err <= OVER, f"{pdrop} {device} {c.label()}: {err:+.1%}"
 
 
 def test_the_cuda_allocators_transients_are_added_where_they_happen(monkeypatch: pytest.MonkeyPatch) -> None:

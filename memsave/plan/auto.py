@@ -11,11 +11,13 @@ fp32 as the model was built. Rank 0 decides and every rank takes its choice, so 
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from typing import Any
 
 import torch
 from torch import nn
 
+from memsave._logging import get_logger
 from memsave.config import Profile
 from memsave.dist import Mesh, all_gather_object
 from memsave.estimate_activations import activations_cached
@@ -35,30 +37,77 @@ def _optimizer_name(optimizer: torch.optim.Optimizer) -> str:
     return name if name in ("adamw", "adam", "sgd", "adafactor") else "adamw"
 
 
+def _budget(budget: Any) -> tuple[float | None, str | None]:
+    """``budget=`` as bytes, or why it is not allowed: (value, None) or (None, the error)."""
+    if budget is None:
+        return None, ('profile = "auto" needs budget= (bytes per rank, e.g. "16GiB"); allowed: an int or a size '
+                      'string in B, KiB, MiB, GiB or TiB')
+    try:
+        if isinstance(budget, bool) or not isinstance(budget, (str, int, float)):
+            raise ValueError("expected an int or a size string")
+        limit = float(parse_size(budget) if isinstance(budget, str) else budget)
+    except ValueError as exc:
+        return None, f"budget = {budget!r} is not allowed: {exc}"
+    if not limit > 0:
+        return None, f"budget = {budget!r} is not allowed; expected a positive size"
+    return limit, None
+
+
+def _sendable(error: Exception) -> Exception:
+    """``error`` as it can travel to the other ranks: itself when it pickles, else a RuntimeError naming it."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
 def auto_profile(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh, *, budget: str | int | None,
                  example_inputs: Any) -> Profile:
     """The profile ``wrap(profile="auto")`` trains with (module docstring); ``ValueError`` without a budget or
-    example inputs, :class:`memsave.plan.PlanError` (naming the smallest budget that would fit) when none fits."""
-    if budget is None:
-        raise ValueError('profile = "auto" needs budget= (bytes per rank, e.g. "16GiB"); allowed: an int or a size '
-                         'string in B, KiB, MiB, GiB or TiB')
-    limit = float(parse_size(budget) if isinstance(budget, str) else budget)
-    if not limit > 0:
-        raise ValueError(f"budget = {budget!r} is not allowed; expected a positive size")
-    if example_inputs is None:
-        raise ValueError('profile = "auto" needs example_inputs= (one micro-batch like the training ones) to '
-                         "measure the activations of each candidate")
+    example inputs, or (on every rank) when a rank's budget is not allowed or the ranks' budgets differ;
+    :class:`memsave.plan.PlanError` (naming the smallest budget that would fit) when none fits."""
+    limit, error = _budget(budget)
+    if error is None and example_inputs is None:
+        error = ('profile = "auto" needs example_inputs= (one micro-batch like the training ones) to measure the '
+                 "activations of each candidate")
+    # every rank's budget is checked before rank 0 chooses: one rank's error raised alone would leave the others
+    # waiting in the choice's all-gather for ever
+    gathered = all_gather_object((limit, error, repr(budget)))
+    if len(gathered) == 1 and error is not None:
+        raise ValueError(error)
+    bad = [f"on rank {r}, {e}" for r, (_, e, _) in enumerate(gathered) if e]
+    if bad:
+        raise ValueError('profile = "auto": ' + "; ".join(bad))
+    if len({v for v, _, _ in gathered}) > 1:
+        raise ValueError('profile = "auto": the ranks were given different budgets ('
+                         + ", ".join(f"rank {r}: budget = {text}" for r, (_, _, text) in enumerate(gathered))
+                         + "); every rank must pass the same budget=")
+    assert limit is not None
     tp, pp = mesh.degree("tp"), mesh.degree("pp")
     if pp > 1:
         raise NotImplementedError('profile = "auto" under [parallel] pp > 1 is not implemented: the estimator does '
                                   "not model pipeline stages yet; run `memsave plan` and pass its profile")
-    choice: tuple[Candidate, dict[str, int]] | str | None = None
+    choice: tuple[Candidate, dict[str, int]] | str | Exception | None = None
+    failed: Exception | None = None
     if mesh.rank == 0:
-        choice = _choose(model, optimizer, mesh, tp, limit, example_inputs)
+        try:
+            choice = _choose(model, optimizer, mesh, tp, limit, example_inputs)
+        except Exception as exc:  # sent to every rank: raised on rank 0 alone, the others would wait for ever
+            failed, choice = exc, _sendable(exc)
     choice = all_gather_object(choice)[0]
+    if failed is not None:
+        raise failed
+    if isinstance(choice, Exception):
+        choice.add_note('raised on rank 0 while it chose the profile (profile = "auto")')
+        raise choice
     if isinstance(choice, str):
         raise PlanError(choice)
     assert choice is not None
+    if mesh.rank == 0:
+        peak = sum(v for k, v in choice[1].items() if k not in OFF_DEVICE)
+        get_logger().info('profile = "auto": %s, predicted peak %s per rank (memsave.estimate) of budget %s',
+                          choice[0].label(), format_bytes(int(peak)), format_bytes(int(limit)))
     return to_profile(choice[0], name="auto")
 
 
@@ -80,6 +129,8 @@ def _choose(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh, tp: 
         for off in offloads:
             if (off != "none" and stage == 0) or (off == "optimizer+params" and stage != 3):
                 continue
+            if dp == 1 and stage and (off == "none" or stage not in (1, 3)):
+                continue  # one rank: a stage only to offload, as memsave.plan.search.candidates
             for rec in ("none", "selective", "full"):
                 c = Candidate(dp=dp, tp=tp, pp=1, stage=stage, precision="fp32", recompute=rec, offload=off,
                               micro_batch=rows, micro_batches=1, optimizer=_optimizer_name(optimizer))

@@ -93,7 +93,8 @@ class Priced:
     def to_dict(self) -> dict[str, Any]:
         return {"config": self.candidate.label(), **dataclasses.asdict(self.candidate), "device": self.device,
                 "peak": self.peak, "host": self.host, "disk": self.disk, "time": self.time,
-                "step_time": self.step_time, "bottleneck": self.bottleneck}
+                "step_time": self.step_time, "bottleneck": self.bottleneck,
+                "memory_source": "memsave.estimate" if self.exact else "closed forms"}
 
 
 def price(spec: ModelSpec, c: Candidate, hw: Hardware, seq: int, *, gpus_per_node: int = 8) -> Priced:

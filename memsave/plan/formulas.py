@@ -76,6 +76,33 @@ class LayerActivations:
         replicated = (3 * elem if selective else 8 + 4 * elem) + 2 * elem * head_dim / h
         return cls(split=split, replicated=replicated, scores=0.0, layer_input=float(elem))
 
+    @classmethod
+    def for_gpt2(cls, elem: int, h: int, intermediate: int, heads: int, *, dropout: bool, math_attention: bool,
+                 selective: bool = False) -> LayerActivations:
+        """A Hugging Face GPT-2 layer (Conv1D projections, ``gelu_new``, its key/value cache on by default) per
+        token as memsave.estimate measures it (fitted over 7 shapes, exact; checked in tests/test_plan_memory.py).
+        Fused attention (flash: no dropout, or a CUDA device): split by tp, the qkv output, the cache's K and V
+        copies and the attention output (``6e h``), the kernel's fp32 log-sum-exp (4 per head) and gelu_new's five
+        ``I``-wide intermediates (``5e I``; selective: the matmul output ``e I``, and no log-sum-exp with dropout);
+        replicated, the two residual inputs and the two norm outputs (``4e h``), each norm's fp32 mean and rstd
+        (16), the two residual dropout masks in the compute dtype (``2e h``). ``math_attention`` (dropout on a
+        CPU: sdpa's math path, in fp32 whatever the compute dtype): the scaled Q, K and V in fp32 and the cache's
+        copies beside them (16 per ``h``) for the fused kernel's, and three fp32 ``a s^2`` matrices (softmax,
+        dropout mask, dropped scores; selective keeps one). Full recomputation keeps the layer's input and the
+        cache's K and V (``3e h``)."""
+        e = float(elem)
+        ffn = (1 if selective else 5) * e * intermediate / h
+        lse = 4.0 * heads / h
+        if math_attention:
+            if selective:
+                return cls(split=5 * e + 4 + ffn, replicated=3 * e, scores=4.0, layer_input=3 * e)
+            return cls(split=e + 16 + ffn, replicated=6 * e + 16 / h, scores=12.0, layer_input=3 * e)
+        if selective:
+            return cls(split=5 * e + (0.0 if dropout else e + lse) + ffn, replicated=3 * e, scores=0.0,
+                       layer_input=3 * e)
+        return cls(split=6 * e + lse + ffn, replicated=(6 * e if dropout else 4 * e) + 16 / h, scores=0.0,
+                   layer_input=3 * e)
+
 
 def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, sequence: bool = False,
                            recompute: str = "none", consts: LayerActivations = LayerActivations()) -> float:

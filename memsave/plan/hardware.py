@@ -102,7 +102,7 @@ VENDOR: dict[str, Hardware] = {
 
 def load_hardware(spec: str | Path) -> Hardware:
     """A :data:`VENDOR` name (``a100``, ``h100``, ``h200``), ``local`` (this machine, calibrated or from the cache),
-    or a TOML/JSON file with :class:`Hardware`'s keys."""
+    or a TOML/JSON file with :class:`Hardware`'s keys (each value checked: ValueError naming the key)."""
     if str(spec).lower() in VENDOR:
         return VENDOR[str(spec).lower()]
     if str(spec) == "local":
@@ -111,17 +111,70 @@ def load_hardware(spec: str | Path) -> Hardware:
     if not path.is_file():
         raise ValueError(f"--hardware {spec!r} is not allowed; expected one of {sorted(VENDOR)}, local, or a "
                          ".toml/.json file")
-    data = tomllib.loads(path.read_text()) if path.suffix == ".toml" else json.loads(path.read_text())
+    try:
+        data = tomllib.loads(path.read_text()) if path.suffix == ".toml" else json.loads(path.read_text())
+    except ValueError as exc:  # TOMLDecodeError, JSONDecodeError
+        raise ValueError(f"{path}: not valid {'TOML' if path.suffix == '.toml' else 'JSON'} ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: holds a {type(data).__name__}, not a table of Hardware's keys")
     fields = {f.name for f in dataclasses.fields(Hardware)}
     unknown = sorted(set(data) - fields)
     if unknown:
         raise ValueError(f"{path}: unknown key(s) {unknown}; allowed are {sorted(fields)}")
     data.setdefault("name", path.stem)
     data.setdefault("source", f"given in {path}")
-    try:
-        return Hardware(**data)
-    except TypeError as exc:
-        raise ValueError(f"{path}: {exc}") from None
+    missing = sorted(f.name for f in dataclasses.fields(Hardware) if f.name not in data
+                     and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+    if missing:
+        raise ValueError(f"{path}: missing key(s) {missing}")
+    return Hardware(**_checked(data, path))
+
+
+_LIMITS = {**dict.fromkeys(("memory", "mem_bw", "intra_bw", "inter_bw", "host_bw", "disk_bw"), (None, False)),
+           **dict.fromkeys(("host_memory", "latency", "layer_overhead", "step_bw"), (None, True)),  # 0: none
+           "efficiency": (1.0, False), "bw_efficiency": (1.0, False), "overlap": (1.0, True)}  # (at most, 0 allowed)
+
+
+def _checked(data: dict[str, Any], path: Path) -> dict[str, Any]:
+    """A rates file's values checked (ValueError naming the key and the value) and converted: sizes in
+    ``memory`` and ``host_memory`` may be strings ("80GiB")."""
+    from memsave.recompute.policy import parse_size  # layer 1
+
+    def number(key: str, value: Any, low: float = 0.0, high: float | None = None, zero: bool = False) -> float:
+        if key in ("memory", "host_memory") and isinstance(value, str):
+            try:
+                value = parse_size(value)
+            except ValueError:
+                pass  # refused below, naming the key
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                value > low or (zero and value == 0)) or (high is not None and value > high):
+            want = (("a number >= 0" if zero else "a positive number") if high is None else
+                    f"a number in {'[' if zero else '('}{low:g}, {high:g}]")
+            raise ValueError(f"{path}: {key} = {value!r} is not allowed; expected {want}"
+                             + (' (or a size such as "80GiB")' if "memory" in key else ""))
+        return float(value)
+
+    out = dict(data)
+    for key in ("name", "source", "device"):
+        if not isinstance(out[key], str) or (key == "device" and out[key] not in ("cpu", "cuda")):
+            raise ValueError(f"{path}: {key} = {out[key]!r} is not allowed; expected "
+                             + ('"cpu" or "cuda"' if key == "device" else "a string"))
+    for key, (high, zero) in _LIMITS.items():
+        if key in out:
+            out[key] = number(key, out[key], 0.0, high, zero)
+    flops = out["flops"]
+    if not isinstance(flops, dict) or "fp32" not in flops or not set(flops) <= {"fp32", "bf16", "fp16"}:
+        raise ValueError(f"{path}: flops = {flops!r} is not allowed; expected a table of FLOP/s per compute dtype "
+                         "(fp32, bf16, fp16), fp32 included")
+    out["flops"] = {k: number(f"flops.{k}", v) for k, v in flops.items()}
+    for key, size in (("collectives", 2), ("engine", 3)):  # [latency, bandwidth]; [per step, per byte, stretch]
+        table = out.get(key, {})
+        if not isinstance(table, dict) or not all(isinstance(v, (list, tuple)) and len(v) == size
+                                                  for v in table.values()):
+            raise ValueError(f"{path}: {key} = {table!r} is not allowed; expected {size} numbers per entry")
+        out[key] = {k: tuple(number(f"{key}.{k}", x, zero=not (key == "collectives" and i == 1))
+                             for i, x in enumerate(v)) for k, v in table.items()}
+    return out
 
 
 def _cache_file(device: str) -> Path:

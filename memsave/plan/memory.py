@@ -11,9 +11,10 @@ tests check it against the estimator on a grid of candidates (tests/test_plan_me
 - gradient accumulation (``micro_batches > 1``, or a pipeline): from the first backward on, every parameter's
   full gradient in ``p.grad`` (stage 0: beside its buckets);
 - activations: Korthikanti et al.'s per-layer bytes with the model's own constants (dtype, dropout, a fused
-  attention kernel) times the stage's layers; under a pipeline times the micro-batches the schedule holds at
-  once, before and after its first backward (:func:`flights`: 1F1B ``p - stage``, GPipe ``m``); on the last
-  stage the head's and the loss's per micro-batch and the logits at the end of a forward;
+  attention kernel; Hugging Face GPT-2 with dropout on a CPU: the math kernel's scores) times the stage's
+  layers; under a pipeline times the micro-batches the schedule holds at once, before and after its first
+  backward (:func:`flights`: 1F1B ``p - stage``, GPipe ``m``); on the last stage the head's and the loss's per
+  micro-batch and the logits at the end of a forward;
 - the points the peak is taken at: the end of forward; the backward walk unit by unit at stages 1-3 (the
   activations left, the reduced gradients so far, two reduce-scatters' staging in flight, at stage 3 the unit
   gathered and the next one's gather in flight; under full recomputation the unit's activations rebuilt); the
@@ -42,13 +43,18 @@ _STATE = {"adamw": 8.0, "adam": 8.0, "sgd": 4.0}  # bytes per parameter (Adafact
 _OFFLOAD = OffloadConfig()  # the [offload] defaults the planner's profiles keep (prefetch, chunk_mb)
 
 
-def layer_constants(spec: ModelSpec, elem: int, recompute: str) -> LayerActivations:
+def layer_constants(spec: ModelSpec, elem: int, recompute: str, device_type: str = "cuda") -> LayerActivations:
     """A layer's activation constants for ``spec``'s family under ``recompute`` (full: as none, the layer's
-    input is what :func:`layer_activation_bytes` keeps), with a fused attention kernel."""
+    input is what :func:`layer_activation_bytes` keeps) on a ``device_type`` device: a fused attention kernel,
+    but for Hugging Face GPT-2 with dropout on a CPU, whose flash kernel takes no dropout (the math one runs)."""
     if spec.family == "llama":
-        kv_dim = spec.kv_heads * (spec.hidden // max(spec.heads, 1))
+        kv_dim = spec.kv_heads * (spec.head_dim or spec.hidden // max(spec.heads, 1))
         return LayerActivations.for_llama(elem, spec.hidden, spec.intermediate, kv_dim, spec.heads,
                                           selective=recompute == "selective")
+    if spec.family == "gpt2":
+        return LayerActivations.for_gpt2(elem, spec.hidden, spec.intermediate or 4 * spec.hidden, spec.heads,
+                                         dropout=spec.dropout, math_attention=spec.dropout and device_type == "cpu",
+                                         selective=recompute == "selective")
     if recompute == "selective":  # memsave's: the matmuls' and the fused attention's outputs are kept
         return LayerActivations(split=8 * elem, replicated=3 * elem, scores=0.0, layer_input=elem)
     return LayerActivations.for_model(elem, spec.dropout, fused_attention=True)
@@ -95,12 +101,12 @@ def device_bytes(spec: ModelSpec, c: Candidate, seq: int,
     memory model])."""
     elem = ELEM[c.precision]
     mixed = c.precision != "fp32"
-    consts = layer_constants(spec, elem, "none")
+    consts = layer_constants(spec, elem, "none", device_type)
     full_layer = layer_activation_bytes(seq, c.micro_batch, spec.hidden, spec.heads, c.tp, sequence=c.sequence,
                                         consts=consts)
     layer_act = layer_activation_bytes(seq, c.micro_batch, spec.hidden, spec.heads, c.tp, sequence=c.sequence,
                                        recompute="full" if c.recompute == "full" else "none",
-                                       consts=layer_constants(spec, elem, c.recompute))
+                                       consts=layer_constants(spec, elem, c.recompute, device_type))
     if device_type == "cuda" and not mixed and spec.kv_heads and spec.kv_heads < spec.heads:
         # grouped-query attention in fp32 on CUDA: no fused kernel takes it, the math one keeps its fp32 scores
         # and the keys and values repeated to every query head

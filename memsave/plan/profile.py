@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from memsave.config import Profile
+from memsave.models import GPT_SIZES
 from memsave.plan.cost import Candidate
 
 __all__ = ["exact_peak", "to_profile", "to_toml"]
@@ -55,12 +56,19 @@ def _value(v: Any) -> str:
     return repr(v)
 
 
-def to_toml(c: Candidate, *, why: str = "", offload_path: str | Path | None = None) -> str:
+def to_toml(c: Candidate, *, why: str = "", offload_path: str | Path | None = None, seq: int | None = None,
+            model: str | None = None, path: str | Path | None = None) -> str:
+    """The profile's TOML. ``seq``, ``model`` (``memsave plan --model``) and ``path`` (where it is written) complete
+    the comment's ``memsave demo`` command (the reference GPT only: its size, sequence length and processes,
+    which the plan assumed)."""
     lines = [f"# written by memsave plan: {c.label()}"]
     lines += [f"# {line}" for line in why.splitlines() if line]
+    size = model.split(":", 1)[1] if model and model.startswith("gpt:") else None
+    demo = (f"memsave demo --profile {path or 'PROFILE.toml'} --size {size} --nproc {c.dp * c.tp * c.pp} "
+            + (f"--seq-len {seq} " if seq else "") + f"--batch-size {c.micro_batch} --micro-batches {c.micro_batches}")
     lines += [f"# batch: {c.micro_batch} rows per micro-batch on each of {c.dp} data-parallel ranks, "
-              f"{c.micro_batches} micro-batches per step (memsave demo --batch-size {c.micro_batch} "
-              f"--micro-batches {c.micro_batches})",
+              f"{c.micro_batches} micro-batches per step" + (f", {seq} tokens per row" if seq else "")
+              + (f" ({demo})" if size in GPT_SIZES else ""),
               f'description = {_value("memsave plan: " + c.label())}']
     for section, keys in _sections(c, offload_path).items():
         if keys:

@@ -47,6 +47,7 @@ class ModelSpec:
     family: str = "gpt"  # the layer's activations: "gpt" (Korthikanti et al.'s) or "llama" (RMSNorm, SwiGLU, GQA)
     intermediate: int = 0  # llama: the MLP's width
     kv_heads: int = 0  # llama: key/value heads (grouped-query attention)
+    head_dim: int = 0  # llama: each head's width when the config gives one (0: hidden // heads)
     module: nn.Module | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
@@ -88,39 +89,77 @@ def from_gpt(cfg: GPTConfig, name: str = "gpt") -> ModelSpec:
                      tied=cfg.tie_weights, dropout=cfg.dropout > 0)
 
 
+_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")  # a mixture-of-experts model's keys
+
+
+def _get(cfg: dict[str, Any], key: str, kind: type | tuple[type, ...] = int, default: Any = ..., *,
+         positive: bool = True) -> Any:
+    """``cfg[key]`` checked: missing (without a default) or of the wrong type -> ValueError naming the key."""
+    if key not in cfg or cfg[key] is None:
+        if default is ...:
+            raise ValueError(f"config.json: {key!r} is missing; a {cfg.get('model_type')!r} config needs it")
+        return default
+    value = cfg[key]
+    if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind) or (
+            positive and not isinstance(value, bool) and cfg[key] <= 0):
+        want = "a positive integer" if kind is int else "true or false" if kind is bool else "a number"
+        raise ValueError(f"config.json: {key} = {value!r} is not allowed; expected {want}")
+    return value
+
+
 def from_hf_config(config: dict[str, Any] | str | Path, name: str | None = None) -> ModelSpec:
     """A Hugging Face ``config.json`` (a dict or its path), weights never read: Llama-family keys (``llama``,
-    ``mistral``, ``qwen2``: RMSNorm, SwiGLU MLP, grouped KV heads, rotary positions) or GPT-2's."""
+    ``mistral``, ``qwen2``: RMSNorm, SwiGLU MLP, grouped KV heads, rotary positions) or GPT-2's. Any other
+    ``model_type`` (and a mixture-of-experts config) is refused: plan it as ``MODULE:FUNCTION`` built on the meta
+    device. Missing keys and values of the wrong type are refused naming the key."""
     cfg = json.loads(Path(config).read_text()) if not isinstance(config, dict) else config
+    if not isinstance(cfg, dict):
+        raise ValueError(f"config.json holds a {type(cfg).__name__}, not a JSON object of a model's settings")
     kind = cfg.get("model_type", "")
     label = name or kind or "hf"
+    experts = [k for k in _EXPERTS if cfg.get(k)]
+    if experts:
+        raise NotImplementedError(f"config.json model_type = {kind!r} has {experts[0]} = {cfg[experts[0]]!r}: "
+                                  "mixture-of-experts models are not planned from config.json (the closed forms "
+                                  "count one MLP per layer); give the model as MODULE:FUNCTION")
     if kind == "gpt2":
-        h, layers, vocab = cfg["n_embd"], cfg["n_layer"], cfg["vocab_size"]
-        ffn = cfg.get("n_inner") or 4 * h
+        h, layers, vocab = _get(cfg, "n_embd"), _get(cfg, "n_layer"), _get(cfg, "vocab_size")
+        heads, positions = _get(cfg, "n_head"), _get(cfg, "n_positions", default=1024)
+        if h % heads:
+            raise ValueError(f"config.json: n_head = {heads} does not divide n_embd = {h}")
+        ffn = _get(cfg, "n_inner", default=4 * h)
+        tied = _get(cfg, "tie_word_embeddings", bool, True)
         split = 3 * h * h + 3 * h + h * h + h * ffn + ffn + ffn * h
         replicated = 4 * h + h + h  # two LayerNorms (weight + bias), c_proj's two biases
-        return ModelSpec(name=label, layers=layers, hidden=h, heads=cfg["n_head"], vocab=vocab,
-                         max_seq=cfg.get("n_positions", 1024), layer_params=split + replicated, layer_split=split,
-                         embed_params=vocab * h + cfg.get("n_positions", 1024) * h,
-                         head_params=0 if cfg.get("tie_word_embeddings", True) else vocab * h, final_params=2 * h,
-                         tied=cfg.get("tie_word_embeddings", True), dropout=cfg.get("resid_pdrop", 0.0) > 0)
-    if kind in _LLAMA or "intermediate_size" in cfg:
-        h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-        heads = cfg["num_attention_heads"]
-        kv = cfg.get("num_key_value_heads") or heads
-        head_dim = cfg.get("head_dim") or h // heads
-        ffn = cfg["intermediate_size"]
-        attn_bias = int(bool(cfg.get("attention_bias", kind == "qwen2")))
-        q, kvd = heads * head_dim, kv * head_dim
-        split = h * q + 2 * h * kvd + q * h + attn_bias * (q + 2 * kvd) + 3 * h * ffn
-        tied = bool(cfg.get("tie_word_embeddings", False))
-        return ModelSpec(name=label, layers=layers, hidden=h, heads=heads, vocab=vocab,
-                         max_seq=cfg.get("max_position_embeddings", 4096), layer_params=split + 2 * h,
-                         layer_split=split, embed_params=vocab * h, head_params=0 if tied else vocab * h,
-                         final_params=h, tied=tied, dropout=cfg.get("attention_dropout", 0.0) > 0,
-                         family="llama", intermediate=ffn, kv_heads=kv)
-    raise ValueError(f"config.json model_type = {kind!r} is not allowed; expected llama, mistral, qwen2 or gpt2 "
-                     "(or give the model as MODULE:FUNCTION)")
+        return ModelSpec(name=label, layers=layers, hidden=h, heads=heads, vocab=vocab, max_seq=positions,
+                         layer_params=split + replicated, layer_split=split, embed_params=vocab * h + positions * h,
+                         head_params=0 if tied else vocab * h, final_params=2 * h, tied=tied,
+                         dropout=_get(cfg, "resid_pdrop", (int, float), 0.0, positive=False) > 0,
+                         family="gpt2", intermediate=ffn)  # its own layer constants (LayerActivations.for_gpt2)
+    if kind not in _LLAMA:
+        raise ValueError(f"config.json model_type = {kind!r} is not allowed; expected one of {', '.join(_LLAMA)} "
+                         "or gpt2 (any other model: give it as MODULE:FUNCTION, built on the meta device)")
+    h, layers, vocab = _get(cfg, "hidden_size"), _get(cfg, "num_hidden_layers"), _get(cfg, "vocab_size")
+    heads = _get(cfg, "num_attention_heads")
+    kv = _get(cfg, "num_key_value_heads", default=heads)
+    given = _get(cfg, "head_dim", default=0)
+    if not given and h % heads:
+        raise ValueError(f"config.json: num_attention_heads = {heads} does not divide hidden_size = {h} "
+                         "(and there is no head_dim)")
+    if heads % kv:
+        raise ValueError(f"config.json: num_key_value_heads = {kv} does not divide num_attention_heads = {heads}")
+    head_dim = given or h // heads
+    ffn = _get(cfg, "intermediate_size")
+    attn_bias = int(_get(cfg, "attention_bias", bool, kind == "qwen2"))
+    q, kvd = heads * head_dim, kv * head_dim
+    split = h * q + 2 * h * kvd + q * h + attn_bias * (q + 2 * kvd) + 3 * h * ffn
+    tied = _get(cfg, "tie_word_embeddings", bool, False)
+    return ModelSpec(name=label, layers=layers, hidden=h, heads=heads, vocab=vocab,
+                     max_seq=_get(cfg, "max_position_embeddings", default=4096), layer_params=split + 2 * h,
+                     layer_split=split, embed_params=vocab * h, head_params=0 if tied else vocab * h,
+                     final_params=h, tied=tied,
+                     dropout=_get(cfg, "attention_dropout", (int, float), 0.0, positive=False) > 0,
+                     family="llama", intermediate=ffn, kv_heads=kv, head_dim=head_dim)
 
 
 def from_module(model: nn.Module, name: str | None = None) -> ModelSpec:
@@ -165,4 +204,5 @@ def from_module(model: nn.Module, name: str | None = None) -> ModelSpec:
                      max_seq=0, layer_params=max(counts), layer_split=split, embed_params=before, head_params=after,
                      final_params=0, tied=tied, module=model, family="llama" if llama else "gpt",
                      intermediate=int(getattr(config, "intermediate_size", 0) or 0) if llama else 0,
-                     kv_heads=int(getattr(config, "num_key_value_heads", 0) or heads) if llama else 0)
+                     kv_heads=int(getattr(config, "num_key_value_heads", 0) or heads) if llama else 0,
+                     head_dim=int(getattr(config, "head_dim", 0) or 0) if llama else 0)
