@@ -131,7 +131,7 @@ def test_an_optimizer_that_was_already_wrapped_is_refused() -> None:
             memsave.wrap(model, used, "zero2")
     over_first = torch.optim.SGD(first.parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"optimizer param_groups\[0\] holds parameter 'embed\.weight' of another "
-                                         r"model, which memsave\.wrap already wrapped \(MemsaveToyLM\); build the "
+                                         r"model, which memsave\.wrap already wrapped \(ToyLM\); build the "
                                          r"optimizer over this model's parameters\(\)"):
         memsave.wrap(model, over_first, "ddp")
     _assert_unchanged(model, before)
