@@ -131,6 +131,8 @@ def _cases(world: int, path: str) -> str:
     _logging.get_logger().addHandler(handler)
     # one rank (no row split) at stage 3 only: every stage's offload runs on 2 ranks, over row shards
     for stage, prec in itertools.product((1, 2, 3) if world > 1 else (3,), ((), BF16, FP16)):
+        if prec == FP16 and stage != 3:  # (fp16 runs through torch's slow CPU matmuls: its loss-scale skips with
+            continue  # offload are checked at stage 3, the mixed-precision offload path at every stage in bf16)
         ref = _train(stage, prec, mesh, path)
         if prec == FP16:
             assert any(ref["skipped"]) and not all(ref["skipped"]), ref["skipped"]

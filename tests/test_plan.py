@@ -425,7 +425,7 @@ def test_calibrate_caches_and_hardware_files(tmp_path: Path, monkeypatch: pytest
     from memsave.plan import VENDOR, calibrate, load_hardware
 
     monkeypatch.setenv("MEMSAVE_CACHE_DIR", str(tmp_path / "cache"))
-    hw = calibrate(folder=tmp_path, collectives=False)
+    hw = calibrate(folder=tmp_path, collectives=False, engine_rounds=1, engine_steps=1)
     assert all(v > 0 for v in (hw.flops["fp32"], hw.mem_bw, hw.disk_bw, hw.memory)) and 0 < hw.efficiency <= 1
     assert "measured by memsave calibrate" in hw.source
     assert not (tmp_path / "cache").exists()  # no bus bandwidth measured: not cached
