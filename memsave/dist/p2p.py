@@ -73,20 +73,11 @@ def _peer_failure() -> str | None:
 class _Pending:
     """One posted send or receive, waited for by polling (so a peer's failure is seen: see the module note)."""
 
-    __slots__ = ("kind", "peer", "started", "tensor", "where", "work")
+    __slots__ = ("kind", "peer", "tensor", "where", "work")
 
     def __init__(self, work: Any, tensor: torch.Tensor, kind: str, peer: int) -> None:
         self.work, self.tensor, self.kind, self.peer = work, tensor, kind, peer
         self.where = _doing[0]
-        self.started: tuple[threading.Event, list[BaseException]] | None = None
-
-    def start(self) -> None:
-        """[Note: waits started at the post] Hand the wait to a helper thread now, so that a message that arrives
-        while this rank computes is complete by the time the rank needs it: the rank's own wait then finds it
-        done, with no wake-up of a thread on its critical path (torch's schedules wait in their main thread, so
-        they pay none; a wait handed over only when the rank needs the message paid two)."""
-        if self.work is not None and self.started is None:
-            self.started = _Waiter.get("wait").submit(self.work.wait)
 
     def wait(self, poll_s: float) -> torch.Tensor:
         if self.work is None:
@@ -110,33 +101,27 @@ class _Pending:
         """Gloo's send/recv work completes only inside ``wait()`` (``is_completed()`` stays False until then, and a
         ``wait(timeout)`` that expires closes the connection), so a helper thread waits while this one watches the
         store for a failed peer."""
-        self.start()
-        assert self.started is not None
-        done, error = self.started
+        done, error = _Waiter.get("wait").submit(self.work.wait)
         while not done.wait(poll_s):
             failed = _peer_failure()
             if failed is not None:
-                _Waiter.abandon("wait")  # its thread stays blocked in this wait; later waits get new ones
+                _Waiter.abandon("wait")  # its thread stays blocked in this wait; later waits get a new one
                 raise PeerFailed(f"memsave: pipeline stopped: {failed}")
         if error:
             raise error[0]
 
 
 class _Waiter:
-    """Long-lived helper threads that run the ``work.wait()`` handed to them. "wait" (receives and sends waited
-    for): a wait goes to an idle thread, or a new one if none is idle, so it never queues behind another wait
-    and waits may start in any order ([Note: waits started at the post]); the threads stay for the next step
-    (before, a thread per wait cost about a tenth of a step's CPU at 4 m waits per rank and step). "free" (freed
-    sends): one thread, in order."""
+    """One long-lived helper thread that runs ``work.wait()`` for the waits handed to it, in order (a rank waits
+    for one message at a time). Before, each wait started a thread of its own: in ``memsave bench --pp`` about a
+    tenth of a pipeline step's CPU time at 4 m waits per rank and step (interleaved) against torch's."""
 
-    _current: dict[str, _Waiter] = {}
+    _current: dict[str, _Waiter] = {}  # "wait": receives and sends waited for; "free": freed sends
 
     def __init__(self, name: str) -> None:
-        self._pool = name != "free"
-        self._idle: list[queue.SimpleQueue[Any]] = []
-        self._lock = threading.Lock()
-        self._threads: list[queue.SimpleQueue[Any]] = []
-        self._name = name
+        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], threading.Event, list[BaseException]]] = (
+            queue.SimpleQueue())
+        threading.Thread(target=self._run, daemon=True, name=f"memsave-p2p-{name}").start()
 
     @classmethod
     def get(cls, name: str) -> _Waiter:
@@ -147,43 +132,21 @@ class _Waiter:
 
     @classmethod
     def abandon(cls, name: str) -> None:
-        """Forget ``name``'s threads (some may stay blocked in a wait that never ends); idle ones end."""
-        waiter = cls._current.pop(name, None)
-        if waiter is not None:
-            with waiter._lock:
-                idle, waiter._idle = waiter._idle, []
-            for q in idle:
-                q.put(None)
+        cls._current.pop(name, None)
 
     def submit(self, fn: Callable[[], Any]) -> tuple[threading.Event, list[BaseException]]:
-        """Run ``fn`` (a wait) in a helper thread; the event is set when it returned or raised (the error)."""
+        """Run ``fn`` (a wait) in the helper thread; the event is set when it returned or raised (the error)."""
         done, error = threading.Event(), []  # type: tuple[threading.Event, list[BaseException]]
-        with self._lock:
-            if self._pool:
-                q = self._idle.pop() if self._idle else None
-            else:
-                q = self._threads[0] if self._threads else None
-        if q is None:
-            q = queue.SimpleQueue()
-            self._threads.append(q)
-            threading.Thread(target=self._run, args=(q,), daemon=True,
-                             name=f"memsave-p2p-{self._name}-{len(self._threads)}").start()
-        q.put((fn, done, error))
+        self._queue.put((fn, done, error))
         return done, error
 
-    def _run(self, q: queue.SimpleQueue[Any]) -> None:
+    def _run(self) -> None:
         while True:
-            item = q.get()
-            if item is None:
-                return
-            fn, done, error = item
+            fn, done, error = self._queue.get()
             try:
                 fn()
             except BaseException as exc:  # handed to the caller
                 error.append(exc)
-            if self._pool:  # idle before the caller hears: its next wait finds this thread
-                with self._lock:
-                    self._idle.append(q)
             done.set()
 
 
@@ -232,10 +195,7 @@ class P2P:
         tensor = torch.empty(tuple(shape), dtype=dtype, device=self.device)
         _check_device("pp_recv", None, tensor)
         COMM_STATS.add(count_as, _nbytes(tensor))
-        pending = _Pending(dist.irecv(tensor, src=peer, tag=tag), tensor, "pp_recv", peer)
-        if self.poll_s > 0:
-            pending.start()  # [Note: waits started at the post]
-        return pending
+        return _Pending(dist.irecv(tensor, src=peer, tag=tag), tensor, "pp_recv", peer)
 
     def wait(self, pending: _Pending) -> torch.Tensor:
         return pending.wait(self.poll_s)
