@@ -278,7 +278,7 @@ def export_and_load_weights(root: Path) -> str:
         (root / "hf").mkdir()  # a folder: FOLDER/model.safetensors, where from_pretrained looks
         assert main(["export", str(root / "to-export"), str(root / "hf")]) == 0
         assert load_file(root / "hf" / "model.safetensors").keys() == exported.keys()
-        with pytest.raises(ValueError, match="the folder .*missing.* does not exist"):
+        with pytest.raises(ValueError, match=r"the folder .*missing.* does not exist"):
             memsave.checkpoint.export(root / "to-export", root / "missing" / "model.safetensors")
     _barrier()
     return "ok"
