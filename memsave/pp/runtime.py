@@ -34,7 +34,7 @@ from memsave import dist as mdist
 from memsave.dist.p2p import P2P, PeerFailed, announce_failure, arrive, set_failure_scope
 from memsave.pp.message_order import evaluation_schedule
 from memsave.pp.probe import CallKey, Layout, Probe
-from memsave.pp.runtime_messages import Messages, is_grad_dtype
+from memsave.pp.runtime_messages import AUTOCAST_HINT, Messages, is_grad_dtype
 from memsave.pp.schedule import Action, Schedule
 from memsave.pp.split import StageSplit
 from memsave.pp.split_backward import WeightPass, backward_input
@@ -199,11 +199,7 @@ class StageRunner(Messages):
                 bad = [r for r, d in enumerate(digests) if d != digests[0]]
                 autocast = torch.is_autocast_enabled(self.device.type)
                 raise RuntimeError(f"pipeline probe: pp ranks {bad} found another structure of the stages' outputs "
-                                   "than pp rank 0 (" + ("under torch.autocast: the probe runs the stages other "
-                                   "ranks hold on the meta device, where autocast does not cast, so a rank's own "
-                                   "stages made other dtypes; train in the half dtype with [precision] compute = "
-                                   "\"bf16\" (or \"fp16\") instead of autocast around pipeline_step)" if autocast
-                                   else "the forward differs across ranks)"))
+                                   f"than pp rank 0 ({AUTOCAST_HINT if autocast else 'the forward differs across ranks'})")
             self.layouts[signature] = layout
             for name in {k[0] for s, k in layout.last_call.items() if s != self.n_stages - 1} - self._stops:
                 # the stop only where a stage can end: a hook keeps every call of its module off torch's fast path

@@ -64,6 +64,11 @@ def values_needed(t: torch.Tensor) -> bool:
                for v in (getattr(node, n, None) for n in _saved_names(type(node))))
 
 
+AUTOCAST_HINT = ("under torch.autocast: the probe runs the stages other ranks hold on the meta device, where "
+                 "autocast does not cast, so stages made other dtypes than it found; train in the half dtype with "
+                 "[precision] compute = \"bf16\" (or \"fp16\") instead of autocast around pipeline_step")
+
+
 class Messages:
     """The sends and receives of :class:`~memsave.pp.runtime.StageRunner` (a base class of it)."""
 
@@ -198,9 +203,7 @@ class Messages:
         want = self.layout.structure[key].tensor_meta()
         got = [(tuple(t.shape), t.dtype) for t in tensors]
         if got != want:
-            hint = (" Under torch.autocast the probe ran the stages other ranks hold on the meta device, where "
-                    "autocast does not cast: train in the half dtype with [precision] compute = \"bf16\" (or "
-                    "\"fp16\") instead of autocast around pipeline_step" if torch.is_autocast_enabled(self.device.type)
+            hint = (f" ({AUTOCAST_HINT})" if torch.is_autocast_enabled(self.device.type)
                     else " What crosses stages keeps the shapes and dtypes the first step of these inputs found")
             raise RuntimeError(f"pipeline: stage {stage} sends {key[0]}'s output (micro-batch {mb}) as {got}, but the "
                                f"probe found {want}, which the receiving stage allocates.{hint}")
