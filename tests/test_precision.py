@@ -210,6 +210,41 @@ def test_wrong_use_is_refused() -> None:
         MixedPrecisionOptimizer(opt, scaler=LossScaler())
 
 
+
+def _scaler_loop(model: nn.Module, opt: torch.optim.Optimizer, steps: int = 3) -> list[float]:
+    """The usual torch AMP loop: autocast, GradScaler, unscale_ before clipping."""
+    scaler, losses = torch.amp.GradScaler("cpu", init_scale=2.0**4), []
+    for step in range(steps):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**toy_batch(step, 4)).loss.float()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        clip = getattr(opt, "clip_grad_norm", None)
+        clip(0.5) if clip is not None else torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def test_grad_scaler_trains_under_fp32_and_is_refused_under_a_half_profile() -> None:
+    """torch's AMP loop (autocast + GradScaler) under an fp32 ZeRO-3 profile equals plain torch; on a bf16 profile
+    (which scales by itself) GradScaler is refused by name at its step, not torch's bare "No inf checks"."""
+    ref = ToyLM(seed=3)
+    want = _scaler_loop(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2))
+    model, opt = memsave.wrap(m := ToyLM(seed=3), torch.optim.AdamW(m.parameters(), lr=1e-2), "zero3")
+    assert _scaler_loop(model, opt) == pytest.approx(want, rel=1e-6)
+    got = model.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
+    half = memsave.load_profile("zero2", ["precision.compute='bf16'"])
+    model, opt = memsave.wrap(m := ToyLM(seed=3), torch.optim.AdamW(m.parameters(), lr=1e-2), half)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(NotImplementedError, match="GradScaler on a model wrapped with a bf16/fp16 profile"):
+        _scaler_loop(model, opt, 1)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing stepped
+
 # -- agreement across ranks -------------------------------------------------------------------------------------
 
 

@@ -146,6 +146,20 @@ class MemsaveOptimizer(WrappedOptimizer):
             zero.before_zero_in_place = weak_method(self.settle)
             self._settle_hook = zero.model.register_forward_hook(lambda *_: state.settle())
 
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """Read by ``torch.amp.GradScaler.step`` (its hook for optimizers that scale by themselves). Under a bf16/fp16
+        profile memsave scales and unscales the loss itself, and the scaler would find no gradients on the fp32
+        masters (torch's bare "No inf checks were recorded"): refused by name. Under fp32, GradScaler's own path."""
+        if self.mp is not None:
+            raise NotImplementedError(
+                "torch.amp.GradScaler on a model wrapped with a bf16/fp16 profile: the profile already scales the "
+                "loss and unscales the gradients into fp32 masters ([precision] loss_scale). Drop the scaler: call "
+                "loss.backward() (or optimizer.backward(loss)) and optimizer.step(); optimizer.mp.loss_scale is the "
+                "scale, optimizer.clip_grad_norm(c) clips the unscaled gradient. (GradScaler with torch.autocast "
+                "belongs to an fp32 profile.)")
+        return False
+
     # -- what the state dict and tests read ------------------------------------------------------------------
     @property
     def stepped_to_full(self) -> dict[torch.Tensor, nn.Parameter]:
