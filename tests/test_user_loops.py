@@ -56,12 +56,27 @@ def _hf_embeds_loss(model: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tenso
     return model(inputs_embeds=embeds * 1.5, labels=b["input_ids"]).loss
 
 
+def _token_mean_loss(model: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The README's global token mean: ignored labels (-100) differ per rank, so each rank's summed loss is scaled
+    by dp / the global count, and the average over dp is the single-process mean over the global batch."""
+    from memsave import dist as mdist
+
+    labels = b["labels"].masked_fill(b["input_ids"] % 3 == 0, -100)
+    logits = model(b["input_ids"], labels=b["labels"]).logits
+    loss_sum = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    n, dp = (labels != -100).sum().float(), 1
+    if len(labels) == ROWS:  # this rank's half
+        dp = mdist.group_size(None)
+        mdist.all_reduce(n, None)
+    return loss_sum * dp / n
+
+
 def _train(model: nn.Module, opt: Any, loss_fn: Callable, rank: int | None, *, zero: str = "optimizer",
            eval_mid_step: bool = False, penalty: bool = False, sgd: bool = False) -> list[float]:
     """The loop under test. ``rank=None``: the plain reference on the global batch; else rank's half under memsave."""
     losses = []
     for step in range(STEPS):
-        batch = _global_batch(step, vocab=64 if loss_fn is not _toy_loss else 32)
+        batch = _global_batch(step, vocab=32 if loss_fn in (_toy_loss, _token_mean_loss) else 64)
         b = batch if rank is None else _local(batch, rank)
         loss = loss_fn(model, b)
         if eval_mid_step:  # a metric / teacher pass between the training forward and its backward
@@ -134,6 +149,7 @@ def _equivalence_cases(world: int) -> str:
             _compare(toy, profile, _toy_loss, mesh, f"zero_grad via {zero}", zero=zero)
     _compare(toy, "zero2", _toy_loss, mesh, "model.zero_grad, SGD", zero="model", sgd=True)
     _compare(llama, "zero3", _hf_loss, mesh, "model.zero_grad, HF Llama", zero="model")
+    _compare(toy, "zero2", _token_mean_loss, mesh, "labels of -100, the global token mean")
     # 4. HF inputs_embeds: the embedding table is read outside the model's forward
     for model_fn in (llama, llama_tied):
         _compare(model_fn, "zero3", _hf_embeds_loss, mesh, "get_input_embeddings()(ids)")
