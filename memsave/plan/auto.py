@@ -106,7 +106,8 @@ def auto_profile(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh,
     assert choice is not None
     if mesh.rank == 0:
         peak = sum(v for k, v in choice[1].items() if k not in OFF_DEVICE)
-        get_logger().info('profile = "auto": %s, predicted peak %s per rank (memsave.estimate) of budget %s',
+        # shown by default (as the units' choice is): the user should see what runs, not guess
+        get_logger().warning('profile = "auto": %s, predicted peak %s per rank (memsave.estimate) of budget %s',
                           choice[0].label(), format_bytes(int(peak)), format_bytes(int(limit)))
     return to_profile(choice[0], name="auto")
 

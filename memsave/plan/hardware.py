@@ -29,6 +29,7 @@ import functools
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 import tomllib
@@ -350,6 +351,9 @@ def calibrate(*, device: str | None = None, folder: str | Path | None = None, re
         return Hardware(**data)
     import psutil
 
+    if collectives:  # the first plan on a machine would otherwise sit silent for about a minute
+        print(f"memsave calibrate: measuring this machine's rates ({device}; about a minute with the two-rank "
+              f"engine costs), once: cached in {cache}", file=sys.stderr, flush=True)
     threads = torch.get_num_threads()
     if device == "cpu":  # one rank per core, as memsave's launcher runs CPU ranks: rates of one thread
         torch.set_num_threads(1)
