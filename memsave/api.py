@@ -24,7 +24,13 @@ from memsave.dist import Mesh
 from memsave.engines import DataParallelEngine, Engine, MemsaveOptimizer
 from memsave.precision import cast_forward_inputs, cast_parameters
 from memsave.precision.nonfinite import NonfiniteGuard
-from memsave.validate import Plan, check_arguments, check_optimizer_not_wrapped, validate
+from memsave.validate import (
+    Plan,
+    check_arguments,
+    check_optimizer_not_wrapped,
+    drop_constructor_state,
+    validate,
+)
 from memsave.wrapped import MemsaveModule, swap_class
 
 __all__ = ["default_mesh", "parallelize", "wrap"]
@@ -322,6 +328,7 @@ def wrap(
     check_arguments(profile, mesh)
     profile = load_profile(profile)
     mesh = mesh if mesh is not None else default_mesh()
+    drop_constructor_state(optimizer)  # a fresh torch Adagrad ([Note: state from the constructor])
     plan = validate(profile, mesh, model, units=units, optimizer=optimizer, example_inputs=example_inputs)
     deferred = _deferred(model, plan, init_fn, optimizer)
     engine = _apply(model, plan, units, example_inputs, tp_plan, optimizer, deferred)

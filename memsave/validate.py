@@ -190,6 +190,17 @@ def check_arguments(profile: object, mesh: object) -> None:
 
 
 
+def drop_constructor_state(optimizer: torch.optim.Optimizer) -> None:
+    """[Note: state from the constructor] torch's Adagrad fills its state in ``__init__`` (``step`` 0, ``sum`` at
+    ``initial_accumulator_value``) and creates the same again at its first step where it finds none. That is not a
+    step taken, and memsave makes the optimizer step other tensors (row shards, fp32 masters, tp slices): the
+    state is dropped, so wrap's "already has state" check (a step before wrap) does not refuse a fresh Adagrad.
+    Other optimizers keep their state and that check."""
+    if isinstance(optimizer, torch.optim.Adagrad) and all(
+            float(s.get("step", 1)) == 0 for s in optimizer.state.values()):
+        optimizer.state.clear()
+
+
 def check_optimizer_not_wrapped(optimizer: torch.optim.Optimizer) -> None:
     if isinstance(optimizer, WrappedOptimizer):
         raise ValueError(
@@ -343,11 +354,14 @@ def check_offload(optimizer: torch.optim.Optimizer, off: OffloadConfig, dp_size:
     ``master_elements`` fp32 masters on this rank; None: as many as it has elements, an upper bound)."""
     name = type(optimizer).__name__
     if isinstance(optimizer, Adafactor) and (off.params != "none" or off.overlap or off.fraction != 1.0):
+        bad = {"params": (off.params, "none", '"none"'), "overlap": (off.overlap, False, "false"),
+               "fraction": (off.fraction, 1.0, "1")}
+        keys = [k for k, (v, ok, _) in bad.items() if v != ok]
         raise NotImplementedError(
-            f"[offload] optimizer = {off.optimizer!r} with memsave.optim.Adafactor and params = {off.params!r}, "
-            f"overlap = {off.overlap}, fraction = {off.fraction} is not implemented: Adafactor's statistics span "
+            f"[offload] optimizer = {off.optimizer!r} with memsave.optim.Adafactor and "
+            f"{', '.join(f'{k} = {bad[k][0]!r}' for k in keys)} is not implemented: Adafactor's statistics span "
             "every row of a shard, so it steps whole shards in one call ([Note: whole-shard offload] in "
-            'memsave/offload/whole.py); use params = "none", overlap = false and fraction = 1')
+            f"memsave/offload/whole.py); set {' and '.join(f'{k} = {bad[k][2]}' for k in keys)}")
     if name not in ELEMENTWISE and not isinstance(optimizer, Adafactor):
         raise NotImplementedError(
             f"[offload] optimizer = {off.optimizer!r} with {name} is not implemented: offload steps the state chunk "

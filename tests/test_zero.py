@@ -188,13 +188,15 @@ def _all_cases(world: int) -> str:
     rank = mesh.dp_rank
     sgd = lambda g: torch.optim.SGD(g, lr=0.05, momentum=0.9)  # noqa: E731
     adam = lambda g: torch.optim.Adam(g, lr=1e-2)  # noqa: E731
+    # Adagrad fills its state in __init__ ([Note: state from the constructor] in memsave/validate.py)
+    adagrad = lambda g: torch.optim.Adagrad(g, lr=5e-2, initial_accumulator_value=0.1)  # noqa: E731
     # 4 ranks (2 per core here) add what 2 do not: dim-0 sizes that do not divide, so padded rows, in the bytes held
     # and moved at every stage, and one trajectory through them; the rest runs on 1 and 2 ranks
     full = world < 4
     for stage in (1, 2, 3) if full else (3,):
         case_exact_trajectory(stage, rank, world, mesh)
         if full:
-            case_exact_trajectory(stage, rank, world, mesh, make_opt=sgd if stage != 2 else adam)
+            case_exact_trajectory(stage, rank, world, mesh, make_opt={1: adagrad, 2: adam, 3: sgd}[stage])
     # stage 3's schedule knobs: deeper prefetch, no prefetch, parameters kept from forward to backward
     for overrides in (("zero.prefetch=2",), ("zero.prefetch=0",), ("zero.reshard_after_forward=false",)) if full else ():
         case_exact_trajectory(3, rank, world, mesh, overrides=overrides)
