@@ -78,6 +78,21 @@ class MemsaveModule:
         for listener in self.memsave_engine.zero_grad_listeners:  # the optimizer forgets the cleared step
             listener()
 
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> Any:
+        """Probed by ``DistributedDataParallel``'s constructor (``hasattr``, which lets this error through): a wrapped
+        model wrapped again in torch's DDP (``accelerator.prepare(model)``, transformers' ``Trainer`` on several
+        processes) would sync gradients twice, and DDP's hook ran after memsave's bucket had been divided or
+        reduced: under ddp the last gradient of a bucket came out 0.5-0.7x, silently; ZeRO failed with torch's
+        internal errors. Refused by name."""
+        raise RuntimeError(
+            "torch's DistributedDataParallel around a memsave-wrapped model: memsave already synchronizes the "
+            "gradients over the data-parallel ranks (and under ZeRO holds them sharded), so a second wrapper would "
+            "average them twice. With accelerate, leave the model out of prepare: accelerator.prepare(optimizer, "
+            "dataloader, scheduler), accelerator.register_for_checkpointing(model) for save_state, and "
+            "optimizer.clip_grad_norm(c) for clipping; with transformers' Trainer see README 'Hugging Face "
+            "accelerate and Trainer'")
+
     def unshard(self) -> None:
         """ZeRO-3: gather every unit's full parameters (collective: call on every rank), e.g. to read weights
         outside the forward; :meth:`reshard` frees them again. No-op at other stages."""
@@ -99,7 +114,9 @@ class MemsaveModule:
                 continue
             probe = torch.empty(0, dtype=p.dtype, device=p.device)  # what fn does to a tensor like p, at no cost
             out = fn(probe)
-            if out is not probe:
+            # by dtype and device, not identity: .to("cpu:0") (accelerate's CPU device) copies an fp32 CPU tensor
+            # into another fp32 CPU tensor, which changes nothing
+            if (out.dtype, out.device) != (p.dtype, p.device):
                 raise NotImplementedError(
                     f"converting a model after memsave.wrap (model.to / .half / .float / .cuda ...) is not supported: "
                     f"it would replace parameter {name!r} ({p.dtype} on {p.device}) by a tensor of {out.dtype} on "

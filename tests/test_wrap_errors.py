@@ -159,6 +159,7 @@ def test_casting_or_moving_a_wrapped_model_is_refused_and_no_ops_still_work() ->
                 change(model)
         no_ops: list[Callable[[nn.Module], Any]] = [
             lambda m: m.to("cpu"), lambda m, d=dtype: m.to(torch.device("cpu"), d), lambda m: m.cpu(), lambda m: m.eval(),
+            lambda m: m.to(torch.device("cpu", 0)),  # accelerate's CPU device: a copy of a tensor, no change
             lambda m: m.train(), lambda m, d=dtype: m.bfloat16() if d == torch.bfloat16 else m.float()]
         for no_op in no_ops:  # on the reference too: .bfloat16() of a bf16 model casts its fp32 buffers, as torch's
             assert no_op(model) is model and no_op(ref_model) is ref_model
@@ -168,6 +169,27 @@ def test_casting_or_moving_a_wrapped_model_is_refused_and_no_ops_still_work() ->
             assert _step(model, opt, step) == _step(ref_model, ref_opt, step), profile
         ref = ref_model.state_dict()
         assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())
+
+
+def test_torch_ddp_around_a_wrapped_model_and_another_process_count_in_accelerate_are_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """accelerator.prepare(model) and transformers' Trainer on several processes wrap the model in torch's DDP: the
+    gradients were synced twice (under ddp a bucket's last gradient came out 0.5-0.7x, silently). And a plain
+    Accelerator() on a CPU machine counts one process where memsave runs several: its dataloader would not split
+    the data. Both refused by name; the DDP probe does not need several processes."""
+    for profile in ("ddp", "zero3"):
+        model, _ = _wrap(profile)
+        with pytest.raises(RuntimeError, match=r"DistributedDataParallel around a memsave-wrapped model.*leave the "
+                                               r"model out of prepare"):
+            nn.parallel.DistributedDataParallel(model)
+    accelerate_state = pytest.importorskip("accelerate.state")
+    monkeypatch.setitem(accelerate_state.PartialState._shared_state, "num_processes", 2)  # as under 2 ranks
+    model = ToyLM()
+    before = _state(model)
+    with pytest.raises(ValueError, match=r"accelerate counts 2 process\(es\) where memsave runs 1 rank\(s\).*"
+                                         r"Accelerator\(cpu=True\)"):
+        memsave.wrap(model, torch.optim.AdamW(model.parameters()), "zero2")
+    _assert_unchanged(model, before)
 
 
 def test_an_ignored_optimizer_section_is_said_once(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -38,7 +38,8 @@ SCALED = ("they hold the gradient times the fp16 loss scale (optimizer.mp.loss_s
           "torch.nn.utils.clip_grad_norm_(model.parameters(), ...) takes, is that many times too large and the clip "
           "would scale the scaled values")
 ADVICE = ("; clip with optimizer.clip_grad_norm(max_norm), the norm of the unscaled gradient over every rank (or "
-          "read the whole gradients with optimizer.full_grads(), a collective)")
+          "read the whole gradients with optimizer.full_grads(), a collective; transformers' Trainer and "
+          "accelerator.clip_grad_norm_ call torch's clip: README, 'Hugging Face accelerate and Trainer')")
 
 
 def _marked(args: tuple[Any, ...]) -> type[PartGrad] | None:

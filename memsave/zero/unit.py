@@ -226,7 +226,8 @@ class Unit:
                 f"zero stage 1 keeps one reduced gradient per step, and {self.names[self.trainable[j]]!r} (unit "
                 f"{self.name!r}) still holds the last one: clear gradients after each step (optimizer.zero_grad() or "
                 "model.zero_grad()); to accumulate micro-batches, run all but the last backward inside "
-                "model.no_sync(), or use stage 2"
+                "model.no_sync(), or use stage 2 (accelerate's accumulate() enters no_sync only with several "
+                "processes)"
             )
         return not fresh
 
@@ -304,7 +305,8 @@ class Unit:
         return (f"memsave ZeRO stage {self.stage}: the gradient of {self.names[i]!r} was reduced into this rank's "
                 f"optimizer shard, so {where}; clip with optimizer.clip_grad_norm(max_norm) (the global norm over "
                 "every rank), read full gradients with optimizer.full_grads() (collective), and clear them with "
-                "optimizer.zero_grad() or model.zero_grad()")
+                "optimizer.zero_grad() or model.zero_grad() (transformers' Trainer and accelerator.clip_grad_norm_ "
+                "call torch's clip: README, 'Hugging Face accelerate and Trainer')")
 
     def settle_grads(self, used: list[bool]) -> None:
         """Expose the averaged rows as the shards' ``.grad``; ``used[j]``: trainable param ``j`` got a gradient
