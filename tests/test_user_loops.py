@@ -162,7 +162,42 @@ def _equivalence_cases(world: int) -> str:
     # recompute on an unchanged HF model with use_cache at its default and an attention mask
     for profile in ("zero3-recompute", memsave.load_profile("ddp", ["recompute.policy=full"])):
         _compare(llama, profile, _hf_masked_loss, mesh, "recompute, HF use_cache default")
+    _accelerate_recipe(mesh)  # last: accelerate's state is the process's for good
     return "ok"
+
+
+def _accelerate_recipe(mesh: Any, accumulate: int = 2) -> None:
+    """README's accelerate loop (the optimizer, loader and scheduler prepared, not the model; accumulate(),
+    memsave's clip) under zero3 against plain training on the global batch; prepare(model) is refused."""
+    accelerate = pytest.importorskip("accelerate")
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=accumulate)
+    rows = [{k: v[i] for k, v in _global_batch(s).items()} for s in range(2) for i in range(2 * ROWS)]
+    collate = lambda batch: {k: torch.stack([r[k] for r in batch]) for k in batch[0]}  # noqa: E731
+    ref = ToyLM(n_blocks=3)
+    sgd = lambda ps: torch.optim.SGD([p for p in ps if p.requires_grad], lr=0.1)  # noqa: E731  (not scale-free)
+    model, memsave_opt = memsave.wrap(m := copy.deepcopy(ref), sgd(m.parameters()), "zero3", mesh=mesh)
+    ref_opt = sgd(ref.parameters())
+    for step in range(len(rows) // (2 * ROWS * accumulate)):
+        for mb in range(accumulate):
+            i = (step * accumulate + mb) * 2 * ROWS
+            (_toy_loss(ref, collate(rows[i: i + 2 * ROWS])) / accumulate).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 50.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    loader = torch.utils.data.DataLoader(rows, batch_size=ROWS, collate_fn=collate)
+    optimizer, loader = accelerator.prepare(memsave_opt, loader)
+    with pytest.raises(RuntimeError, match="DistributedDataParallel around a memsave-wrapped model"):
+        accelerator.prepare(model)
+    for batch in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(_toy_loss(model, batch))
+            if accelerator.sync_gradients:
+                memsave_opt.clip_grad_norm(50.0)  # the call path (clipping would hide a wrong scale)
+            optimizer.step()
+            optimizer.zero_grad()
+    got = model.state_dict()
+    for k, v in ref.state_dict().items():
+        assert_close_norm(got[k], v, f"accelerate recipe [zero3] {k}", 2e-5)
 
 
 def test_user_loops_match_plain_training() -> None:
