@@ -217,7 +217,58 @@ def _error_cases() -> str:
         g = gpt()
     with pytest.raises(ValueError, match=r"buffer 'pos' of module '<root>' \(GPT\)"):
         memsave.wrap(g, torch.optim.AdamW(g.parameters()), "ddp")
+    _inits_as_model_apply()
     return "ok"
+
+
+class _ScaledBlock(nn.Module):
+    """A parent whose reset_parameters rescales its child's weight after the child's own init (as GPT-2's and
+    Megatron's scaled residual inits do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+        self.gain = nn.Parameter(torch.empty(32))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.gain)
+        nn.init.normal_(self.proj.weight, std=1e-3)
+
+
+def _inits_as_model_apply() -> None:
+    """[Note: inits as model.apply runs them] Plain meta: children's inits first, then the parent's (the parent's
+    rescale was overwritten by the child's reset_parameters: std 0.07 for 0.001), and init_fn reaches modules that
+    own no tensor (GPT-2's _init_weights rescales c_proj from the attention and MLP: std 0.020 for 0.010). A model
+    built under deferred_init() with tensors made after the block (an adapter's zero B) is refused, not
+    re-initialized at random."""
+    torch.manual_seed(0)
+    eager = _ScaledBlock()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        m = _ScaledBlock()
+    m, _ = memsave.wrap(m, torch.optim.AdamW(m.parameters()), "zero3")
+    got = m.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in eager.state_dict().items())  # the same draws, in eager's order
+    if HAVE_HF:
+        from tests.toy import hf_gpt2
+
+        eager = hf_gpt2()
+        with torch.device("meta"):
+            g = hf_gpt2()
+        g, _ = memsave.wrap(g, torch.optim.AdamW(g.parameters()), "ddp", init_fn=g._init_weights)
+        for k, v in eager.state_dict().items():
+            if k.endswith(("c_proj.weight", "c_attn.weight")):  # 0.02 / sqrt(2 n_layer) and 0.02
+                assert abs(g.state_dict()[k].std() / v.std() - 1) < 0.15, (k, g.state_dict()[k].std(), v.std())
+    with memsave.deferred_init():
+        base = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+    with torch.device("meta"):  # an adapter made after the block: its zeros were never recorded
+        base.append(nn.Linear(8, 2, bias=False)).append(nn.Linear(2, 8, bias=False))
+        nn.init.zeros_(base[3].weight)
+    with pytest.raises(ValueError, match=r"2 meta tensor\(s\) were made outside memsave.deferred_init\(\), e.g. "
+                                         r"\['2.weight', '3.weight'\].*get_peft_model"):
+        memsave.wrap(base, torch.optim.AdamW(base.parameters()), "ddp")
+    assert all(p.device.type == "meta" for p in base.parameters())
 
 
 def test_errors() -> None:
