@@ -121,13 +121,14 @@ class Materializer:
         extra = Program()
         with recording(extra):
             for m in _post_order(model):
-                held = [t for t in [*m.parameters(), *m.buffers()]]
+                held = [*m.parameters(), *m.buffers()]
                 if not any(id(t) in todo for t in held) or any(t.device.type != "meta" for t in held):
                     continue
+                reset = getattr(m, "reset_parameters", None)
                 if init_fn is not None:
                     init_fn(m)
-                elif callable(getattr(m, "reset_parameters", None)):
-                    m.reset_parameters()
+                elif callable(reset):
+                    reset()
         self.ops.extend(extra.ops)
         for k, r in extra.external.items():
             if k not in self.external and not any(k in p.known for p in self.programs):
