@@ -260,6 +260,22 @@ def test_estimate_matches_the_measurement_for_every_profile(world_size: int, tmp
         assert load_report(path) == json.loads(json.dumps(rep))
 
 
+def test_report_without_a_tracker_counts_what_the_tracker_counts() -> None:
+    """``memsave.report(model, optimizer)`` with no tracker (README's first snippet) accounts the engine for the
+    model as the tracker does: it counted the model's placeholders too, one element per parameter more under
+    ZeRO-2/3."""
+    for profile in ("zero2", "zero3"):
+        model, opt = memsave.wrap(m := _gpt(), torch.optim.AdamW(m.parameters(), lr=1e-3), profile)
+        batch = TokenBatches(seq_len=32, batch_size=2).batch(0)
+        opt.backward(model(**batch).loss)
+        opt.step()  # gradients kept: every category present
+        alone = memsave.report(model, opt).to_dict()["ranks"][0]["current"]
+        tracker = MemoryTracker(model, opt)
+        tracked = memsave.report(model, opt).to_dict()["ranks"][0]["current"]
+        tracker.close()
+        assert alone == tracked and alone["grads"] > 0, (profile, alone, tracked)
+
+
 def test_zero3_gathered_parameters_are_not_activations() -> None:
     """ZeRO-3 saves views of the gathered weights for backward; they are gathered parameters (freed and
     re-gathered by the engine), never activations, and the tracker sees the gather and the reshard per unit."""

@@ -32,7 +32,7 @@ from memsave.memory.schema import (
     save_report,
     validate_report,
 )
-from memsave.memory.tracker import MemoryTracker
+from memsave.memory.tracker import MemoryTracker, accounting_holders
 from memsave.wrapped import user_class
 
 __all__ = ["MemoryReport", "RankMemory", "report"]
@@ -130,7 +130,10 @@ def _rank_entry(holders: tuple[object, ...], tracker: MemoryTracker | None, rank
         return {"rank": rank, "current": current, "peak": dict(tracker.peak),
                 "category_peak": dict(tracker.category_peak), "process": _process(tracker),
                 "phases": {k: dict(v) for k, v in tracker.phase_peaks.items()}, "timeline": list(tracker.timeline)}
-    current = dict(account(holders).bytes)
+    model = next((h for h in holders if isinstance(h, nn.Module)), None)
+    counted = (accounting_holders(model, tuple(h for h in holders if h is not model)) if model is not None
+               else list(holders))
+    current = dict(account(counted).bytes)
     return {"rank": rank, "current": current,
             "peak": {"total": in_memory_total(current), "step": 0, "phase": "idle", "unit": None,
                      "bytes": dict(current)},

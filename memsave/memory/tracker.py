@@ -42,6 +42,18 @@ _OFF_DEVICE = (MemoryCategory.OFFLOAD_HOST.value, MemoryCategory.OFFLOAD_DISK.va
 Sample = dict[str, Any]  # one timeline entry of the memsave.report/2 schema
 
 
+def accounting_holders(model: nn.Module, holders: tuple[object, ...]) -> list[object]:
+    """What to account for ``model`` and ``holders``. A memsave engine reports the model's parameters, gradients and
+    buffers by their roles (a plain module's view of a ZeRO-3 parameter would call gathered memory "params"), so it
+    stands for the model; the optimizer memsave returns reports its engine's tensors first, so then the engine is
+    not asked twice. (``memsave.report`` without a tracker counted the model too: one element per parameter more.)"""
+    engine = getattr(model, "memsave_engine", None)
+    if isinstance(engine, HoldsMemory):
+        reported = any(getattr(h, "engine", None) is engine for h in holders)
+        return [*holders] if reported else [engine, *holders]
+    return [*holders, model]
+
+
 class MemoryTracker:
     """Samples the memory of ``model`` and ``holders`` (its optimizer, ...) at every phase and unit boundary; see
     the module doc. ``timeline=False`` keeps the peaks only; ``units`` overrides the units it labels samples by
@@ -50,15 +62,7 @@ class MemoryTracker:
     def __init__(self, model: nn.Module, *holders: object, timeline: bool = True,
                  units: list[nn.Module] | None = None) -> None:
         self.model = model
-        # A memsave engine reports the model's parameters, gradients and buffers by their roles (a plain module's
-        # view of a ZeRO-3 parameter would call gathered memory "params"), so it stands for the model; the
-        # optimizer memsave returns reports its engine's tensors first, so then the engine is not asked twice.
-        engine = getattr(model, "memsave_engine", None)
-        if isinstance(engine, HoldsMemory):
-            reported = any(getattr(h, "engine", None) is engine for h in holders)
-            self.holders: list[object] = [*holders] if reported else [engine, *holders]
-        else:
-            self.holders = [*holders, model]
+        self.holders = accounting_holders(model, holders)
         self._optimizers = [h for h in holders if isinstance(h, torch.optim.Optimizer)]
         self.record_timeline = timeline
         self.counter = SavedTensorCounter()
