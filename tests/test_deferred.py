@@ -269,6 +269,11 @@ def _inits_as_model_apply() -> None:
                                          r"\['2.weight', '3.weight'\].*get_peft_model"):
         memsave.wrap(base, torch.optim.AdamW(base.parameters()), "ddp")
     assert all(p.device.type == "meta" for p in base.parameters())
+    with memsave.deferred_init():  # a tensor kept as a plain attribute: not materialized, so refused by name
+        kept = nn.Linear(4, 4)
+        kept.mask = torch.ones(4).cumsum(0)
+    with pytest.raises(ValueError, match=r"\['mask'\] is a meta tensor kept as a plain module attribute.*register_buffer"):
+        memsave.wrap(kept, torch.optim.AdamW(kept.parameters()), "ddp")
 
 
 def test_errors() -> None:

@@ -84,6 +84,13 @@ class Materializer:
                 raise NotImplementedError(
                     f"memsave.wrap: {name!r} is a meta tensor of class {type(t).__name__}; deferred initialization "
                     "materializes plain nn.Parameter and torch.Tensor only: build that module eagerly")
+        loose = [f"{mname}.{k}" if mname else k for mname, m in model.named_modules()
+                 for k, v in vars(m).items() if isinstance(v, torch.Tensor) and v.device.type == "meta"]
+        if loose:  # not a parameter or buffer: nothing would make it real, and the forward fails in torch's words
+            raise ValueError(
+                f"memsave.wrap: {loose[:3]} {'is a meta tensor' if len(loose) == 1 else 'are meta tensors'} kept as "
+                "a plain module attribute, which deferred initialization does not materialize; register it as a "
+                "buffer (self.register_buffer(name, tensor, persistent=False)) so it is made real with the model")
         keys = {storage_key(t) for _, t in self.tensors}
         self.programs = [p for p in programs() if p.known & keys]
         created = {k for p in self.programs for k in p.known - p.external.keys()}
