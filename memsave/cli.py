@@ -86,8 +86,11 @@ def _demo_rank(opts: DemoOptions, mesh: mdist.Mesh) -> dict[str, Any]:
     optimizer = build_optimizer(model.parameters(), opt_cfg)
     data = {split: TokenBatches(seq_len=cfg.seq_len, batch_size=cfg.batch_size, dp_rank=mesh.dp_rank,
                                 dp_size=mesh.dp_size, split=split, seed=cfg.seed) for split in ("train", "val")}
-    # the first micro-batch is what a "budget:<size>" recompute policy measures activations on
-    wrapped, mopt = wrap(model, optimizer, opts.profile, mesh=mesh, example_inputs=data["train"].batch(0))
+    # the first micro-batch is what a "budget:<size>" recompute policy (and a time-balanced pipeline) measures on;
+    # other profiles get none, so nothing warns that it is unused
+    measures = (opts.profile.recompute.policy.startswith("budget:") or opts.profile.parallel.balance == "time")
+    wrapped, mopt = wrap(model, optimizer, opts.profile, mesh=mesh,
+                         example_inputs=data["train"].batch(0) if measures else None)
     if mesh.is_main:
         layout = f" (dp={mesh.dp_size} x tp={mesh.degree('tp')})" if mesh.degree("tp") > 1 else ""
         if mesh.degree("pp") > 1:
@@ -268,6 +271,9 @@ def _run_demo(args: argparse.Namespace, extra: Sequence[str]) -> int:
               f"{run_dir / 'report.json'} and {run_dir / 'report.html'}")
         print(f"report directory of this run: {run_dir}")
     losses = r0["losses"]
+    if not losses:  # --resume of a run that already reached --steps
+        print(f"\nnothing to train: the checkpoint is at --steps {opts.train.steps} already", flush=True)
+        return 0
     print(f"\nloss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps (val loss {r0['eval_loss']:.4f}); "
           f"{r0['tokens_per_s']:,.0f} tokens/s over {nproc} process{'es' if nproc > 1 else ''}; training {r0['train_s']:.1f} s, "
           f"wall {wall:.1f} s", flush=True)

@@ -19,13 +19,12 @@ def add_parser(sub: Any) -> None:
                        description="Write the model of a memsave.save checkpoint to a safetensors file with the "
                        "model's own state_dict keys (a tied parameter once), one tensor at a time.")
     p.add_argument("checkpoint", type=Path, help="a committed checkpoint directory (memsave.save)")
-    p.add_argument("out", type=Path, help="the .safetensors file to write (a folder: "
-                   "FOLDER/model.safetensors)")
+    p.add_argument("out", help="the .safetensors file to write (an existing folder: FOLDER/model.safetensors)")
 
 
 def run_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
     written = export(args.checkpoint, args.out)
     numel = sum(math.prod(s) for s in written.values())
-    out = args.out / "model.safetensors" if args.out.is_dir() else args.out
+    out = Path(args.out) / "model.safetensors" if Path(args.out).is_dir() else Path(args.out)
     print(f"wrote {len(written)} tensors ({numel:,} elements) to {out}")
     return 0

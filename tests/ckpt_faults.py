@@ -280,6 +280,9 @@ def export_and_load_weights(root: Path) -> str:
         assert load_file(root / "hf" / "model.safetensors").keys() == exported.keys()
         with pytest.raises(ValueError, match=r"the folder .*missing.* does not exist"):
             memsave.checkpoint.export(root / "to-export", root / "missing" / "model.safetensors")
+        # a folder meant (a trailing slash), which does not exist: refused, not a file named so
+        assert main(["export", str(root / "to-export"), f"{root / 'newdir'}/"]) == 2
+        assert not (root / "newdir").exists()
     _barrier()
     return "ok"
 

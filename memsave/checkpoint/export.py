@@ -13,6 +13,7 @@ name, as ``save_pretrained`` writes it).
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,8 @@ def export(checkpoint: str | Path, out: str | Path) -> dict[str, tuple[int, ...]
     target = Path(out)
     if target.is_dir():
         target = target / "model.safetensors"
+    elif str(out).endswith(("/", os.sep)):  # a folder meant (Path drops the slash): it must exist
+        raise ValueError(f"export: out={str(out)!r}: the folder does not exist; create it first, or name a file")
     if not target.parent.is_dir():
         raise ValueError(f"export: out={str(out)!r}: the folder {str(target.parent)!r} does not exist; "
                          "create it first, or name a file in an existing folder")
