@@ -144,12 +144,13 @@ def _apply(model: nn.Module, plan: Plan, units: Sequence[nn.Module] | None, exam
            tp_plan: Mapping[str, str] | None = None, optimizer: torch.optim.Optimizer | None = None,
            deferred: Materializer | None = None) -> Engine:
     """The transforms of a validated plan, in the documented order."""
-    if deferred is None:
-        return _transform(model, plan, units, example_inputs, tp_plan, optimizer, None)
     try:
-        return _transform(model, plan, units, example_inputs, tp_plan, optimizer, deferred)
+        engine = _transform(model, plan, units, example_inputs, tp_plan, optimizer, deferred)
     finally:
-        deferred.finish()  # the RNG as it was at wrap
+        if deferred is not None:
+            deferred.finish()  # the RNG as it was at wrap
+    model.__dict__["memsave_profile"] = plan.profile.name  # what memsave.report names the run by when not told
+    return engine
 
 
 def _transform(model: nn.Module, plan: Plan, units: Sequence[nn.Module] | None, example_inputs: Any,

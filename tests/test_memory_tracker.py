@@ -274,6 +274,7 @@ def test_report_without_a_tracker_counts_what_the_tracker_counts() -> None:
         tracked = memsave.report(model, opt).to_dict()["ranks"][0]["current"]
         tracker.close()
         assert alone == tracked and alone["grads"] > 0, (profile, alone, tracked)
+        assert memsave.report(model, opt).to_text().startswith(f"memory report ({profile}):")  # the model's profile
 
 
 def test_zero3_gathered_parameters_are_not_activations() -> None:

@@ -158,6 +158,8 @@ def report(*holders: object, profile: str = "", name: str = "", group: mdist.Pro
     if tracker is None:
         tracker = next((t for h in holders if isinstance(t := getattr(h, "memsave_tracker", None), MemoryTracker)),
                        None)
+    if not profile:  # the wrapped model's profile
+        profile = next((str(n) for h in holders if (n := getattr(h, "memsave_profile", None))), "")
     mine = _rank_entry(holders, tracker, mdist.group_rank(None))
     ranks = sorted(mdist.all_gather_object(mine, group), key=lambda r: r["rank"])
     present: set[str] = set()
