@@ -97,6 +97,8 @@ class TrainConfig:
         if (self.save_every or self.resume == "latest") and not self.ckpt_dir:
             what = f"save_every={self.save_every}" if self.save_every else "resume='latest'"
             raise _bad("ckpt_dir", self.ckpt_dir, f"a folder: {what} needs one")
+        if self.keep_last and not self.save_every:  # nothing is saved, so nothing would ever be pruned
+            raise _bad("keep_last", self.keep_last, "0 when save_every = 0 (it prunes what save_every writes)")
         if not isinstance(self.report_dir, str):
             raise _bad("report_dir", self.report_dir, "a folder path as a string, or \"\" for none")
 

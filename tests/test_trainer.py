@@ -223,7 +223,8 @@ def test_train_config_validation() -> None:
     TrainConfig(steps=1, grad_clip=None, eval_every=0)
     for field, value in [("steps", 0), ("micro_batches", 0), ("batch_size", -1), ("log_every", 0),
                          ("eval_every", -1), ("grad_clip", 0.0), ("grad_clip", True), ("steps", 2.5),
-                         ("progress", 1), ("seed", -1), ("progress_every_s", -1.0), ("progress_every_s", True)]:
+                         ("progress", 1), ("seed", -1), ("progress_every_s", -1.0), ("progress_every_s", True),
+                         ("keep_last", 3)]:  # keep_last without save_every: nothing to prune
         with pytest.raises(ValueError, match=rf"TrainConfig\.{field}={value!r} .*expected"):
             kwargs: dict[str, Any] = {field: value}
             TrainConfig(**kwargs)
