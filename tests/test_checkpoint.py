@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import memsave
 from tests.ckpt_cases import FP32_TOL, Layout, rel, resume_run, save_run
@@ -170,6 +171,21 @@ def test_fault_cases(outcomes: dict[str, Any]) -> None:
 
     for name in ckpt_faults.CASES:
         assert _ok(outcomes, name) == "ok", name
+
+
+def test_a_folder_of_torchs_dcp_save_is_refused_with_the_route(tmp_path: Path) -> None:
+    """memsave.load of a folder torch's own dcp.save wrote (no memsave manifest) names what it is and the way in,
+    not "an interrupted save"."""
+    import torch.distributed.checkpoint as dcp
+
+    from memsave.dist.dcp import CheckpointFormatError
+
+    plain = nn.Linear(4, 4)
+    dcp.save(plain.state_dict(), checkpoint_id=str(tmp_path / "torch"), no_dist=True)
+    model, opt = memsave.wrap(m := nn.Linear(4, 4), torch.optim.AdamW(m.parameters()), "ddp")
+    with pytest.raises(CheckpointFormatError, match=r"torch.distributed.checkpoint folder without memsave's manifest"
+                                                    r".*dcp.load.*model.load_state_dict"):
+        memsave.load(tmp_path / "torch", model, opt)
 
 
 def test_read_metadata_refuses_a_pickle_that_would_run_code(tmp_path: Path) -> None:

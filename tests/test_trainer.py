@@ -219,6 +219,24 @@ def test_trainer(world: int) -> None:
                         r"00:\d\d, left 00:00", lines[-1]), lines[-1]
 
 
+def test_resume_with_a_new_learning_rate_uses_it(tmp_path: Any) -> None:
+    """A learning rate set anew for the resumed run wins over the checkpoint's, on the saved schedule's position,
+    with and without a schedule (the saved one silently replaced it)."""
+    mesh = memsave.init()
+    for schedule in (cosine_schedule(1, 4, 0.1), None):
+        ckpt = tmp_path / ("sched" if schedule else "const")
+        lrs: list[float] = []
+        for lr, steps in ((1e-3, 2), (1e-4, 4)):  # the second run resumes at step 2 with a tenth of the lr
+            model, opt = _wrapped("ddp", mesh, lambda m, lr=lr: torch.optim.AdamW(m.parameters(), lr=lr))
+            cfg = TrainConfig(steps=steps, batch_size=2, seq_len=SEQ, ckpt_dir=str(ckpt), save_every=2, log_every=1,
+                              resume="latest", progress=False, track_memory=False)
+            Trainer(model, opt, mesh=mesh, train_data=_data(mesh, 2), config=cfg, lr_schedule=schedule,
+                    on_log=lambda r, lrs=lrs: lrs.append(r.lr)).fit()
+        want = [1e-3 * schedule(s) for s in (0, 1)] + [1e-4 * schedule(s) for s in (2, 3)] if schedule else (
+            [1e-3, 1e-3, 1e-4, 1e-4])
+        assert lrs == pytest.approx(want, rel=1e-9), (schedule, lrs, want)
+
+
 def test_train_config_validation() -> None:
     TrainConfig(steps=1, grad_clip=None, eval_every=0)
     for field, value in [("steps", 0), ("micro_batches", 0), ("batch_size", -1), ("log_every", 0),

@@ -88,6 +88,12 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     try:
         manifest = json.loads(where.read_text())
     except FileNotFoundError:
+        if (Path(path) / ".metadata").is_file():  # written by torch.distributed.checkpoint, not by memsave.save
+            raise CheckpointFormatError(
+                f"{path}: a torch.distributed.checkpoint folder without memsave's manifest {where.name}: written "
+                "by torch's dcp.save (then load it into the plain model and optimizer with dcp.load and hand their "
+                "state_dict()s to model.load_state_dict / optimizer.load_state_dict after memsave.wrap), or a "
+                "memsave.save interrupted before its commit") from None
         raise CheckpointFormatError(f"{where}: missing, so {path} is not a committed memsave checkpoint "
                                     "(an interrupted save never writes it)") from None
     except (OSError, ValueError) as exc:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from memsave._logging import get_logger
 from memsave.checkpoint.api import load, save
 from memsave.checkpoint.commit import latest
 
@@ -34,6 +35,7 @@ def resume_trainer(trainer: Any) -> Path | None:
     path = latest(cfg.ckpt_dir) if cfg.resume == "latest" else Path(cfg.resume)
     if path is None:
         return None
+    configured = [float(v) for v in trainer.initial_lrs]  # the optimizer's lr as built for this run
     extra = load(path, trainer.model, trainer.optimizer).extra
     if "data_position" not in extra:
         raise ValueError(f"resume={str(path)!r}: the checkpoint has no trainer state (saved by memsave.save "
@@ -43,5 +45,15 @@ def resume_trainer(trainer: Any) -> Path | None:
                          f"multiple of micro_batches={cfg.micro_batches}; resume with micro_batches="
                          f"{extra['micro_batches']}")
     trainer.step = extra["data_position"] // cfg.micro_batches
-    trainer.initial_lrs = [float(v) for v in extra["initial_lrs"]]
+    saved = [float(v) for v in extra["initial_lrs"]]
+    # a learning rate set anew for the resumed run wins over the checkpoint's (it was silently replaced by the
+    # saved one); the schedule's position comes from the checkpoint either way
+    trainer.initial_lrs = configured if configured != saved and len(configured) == len(saved) else saved
+    if trainer.initial_lrs is configured:
+        if trainer.lr_schedule is None:  # no schedule sets it each step: the loaded groups keep the saved lr
+            for group, lr in zip(trainer.optimizer.param_groups, configured):
+                group["lr"] = lr
+        get_logger().warning("resume=%r: the optimizer's lr %s differs from the checkpoint's %s; the resumed run "
+                             "uses %s on the schedule from step %d", str(path), configured, saved, configured,
+                             trainer.step)
     return path
