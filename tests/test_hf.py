@@ -103,3 +103,17 @@ def _cases() -> str:
 
 def test_hf_gpt2_and_sequential_match_ddp_bitwise_on_two_ranks() -> None:
     assert run_ranks(_cases, 2, timeout=120) == ["ok", "ok"]
+
+
+def test_save_pretrained_of_a_tied_model_under_zero3_writes_the_tie_once(tmp_path: Path) -> None:
+    """ZeRO-3's gathered state dict gives a tied weight's names one tensor, as a plain model's shares one storage:
+    with two copies Hugging Face's save_pretrained could not see the tie and wrote lm_head.weight as well."""
+    from safetensors import safe_open
+
+    keys = {}
+    for profile in ("ddp", "zero3"):
+        model, _ = memsave.wrap(m := hf_gpt2(), torch.optim.AdamW(m.parameters()), profile)
+        model.save_pretrained(tmp_path / profile)
+        with safe_open(str(tmp_path / profile / "model.safetensors"), "pt") as f:
+            keys[profile] = set(f.keys())
+    assert keys["zero3"] == keys["ddp"] and "lm_head.weight" not in keys["zero3"], keys["zero3"] ^ keys["ddp"]

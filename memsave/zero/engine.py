@@ -320,9 +320,16 @@ class ZeroEngine:
         self.unshard()
 
     def _post_state_dict(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> dict:
+        # one copy per gathered tensor: a tied weight's names share it, as in a plain model's state dict (two
+        # copies hid the tie from Hugging Face's save_pretrained, which wrote the weight twice)
+        copies: dict[tuple[Any, ...], torch.Tensor] = {}
+        full = self._full_ptrs()
         for key, value in state_dict.items():
-            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in self._full_ptrs():
-                state_dict[key] = value.detach().clone()
+            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in full:
+                where = (value.data_ptr(), tuple(value.shape), value.stride(), value.dtype)
+                if where not in copies:
+                    copies[where] = value.detach().clone()
+                state_dict[key] = copies[where]
         for u in self.units:
             u.reshard()
         return state_dict
