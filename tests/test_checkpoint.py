@@ -173,6 +173,7 @@ def test_fault_cases(outcomes: dict[str, Any]) -> None:
         assert _ok(outcomes, name) == "ok", name
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in one process, as meant
 def test_a_folder_of_torchs_dcp_save_is_refused_with_the_route(tmp_path: Path) -> None:
     """memsave.load of a folder torch's own dcp.save wrote (no memsave manifest) names what it is and the way in,
     not "an interrupted save"."""
