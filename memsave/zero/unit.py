@@ -225,9 +225,8 @@ class Unit:
             raise NotImplementedError(
                 f"zero stage 1 keeps one reduced gradient per step, and {self.names[self.trainable[j]]!r} (unit "
                 f"{self.name!r}) still holds the last one: clear gradients after each step (optimizer.zero_grad() or "
-                "model.zero_grad()); to accumulate micro-batches, run all but the last backward inside "
-                "model.no_sync(), or use stage 2 (accelerate's accumulate() enters no_sync only with several "
-                "processes)"
+                "model.zero_grad()); to accumulate micro-batches, run all but the last backward inside model.no_sync()"
+                ", or use stage 2 (accelerate's accumulate() enters no_sync only with several processes)"
             )
         return not fresh
 
