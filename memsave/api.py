@@ -329,7 +329,6 @@ def wrap(
     check_arguments(profile, mesh)
     profile = load_profile(profile)
     mesh = mesh if mesh is not None else default_mesh()
-    mdist.check_accelerate_world(mesh.world_size)  # [Note: accelerate's process count]
     drop_constructor_state(optimizer)  # a fresh torch Adagrad ([Note: state from the constructor])
     plan = validate(profile, mesh, model, units=units, optimizer=optimizer, example_inputs=example_inputs)
     deferred = _deferred(model, plan, init_fn, optimizer)

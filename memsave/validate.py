@@ -23,7 +23,7 @@ from torch import nn
 
 from memsave._logging import get_logger, warn_once
 from memsave.config import OffloadConfig, OptimizerConfig, Profile, list_presets
-from memsave.dist import Mesh
+from memsave.dist import Mesh, check_accelerate_world
 from memsave.models.units import default_units
 from memsave.offload import check_disk_path
 from memsave.offload.chunks import MASTER_BYTES
@@ -56,6 +56,7 @@ def validate(profile: Profile, mesh: Mesh, model: nn.Module, *, units: Sequence[
              optimizer: torch.optim.Optimizer | None = None, example_inputs: Any = None) -> Plan:
     """Check ``profile`` against ``mesh``, ``model``, this device and (from ``wrap``) ``optimizer``; return the
     :class:`Plan` the transforms follow. Raises before anything is changed."""
+    check_accelerate_world(mesh.world_size)  # [Note: accelerate's process count] (wrap and parallelize)
     check_parallel(profile, mesh, optimizer)
     check_profile(profile)
     check_model(model, profile)
@@ -187,7 +188,6 @@ def check_arguments(profile: object, mesh: object) -> None:
             f"{type(mesh).__name__}; build it with mesh = memsave.init() (it reads the launcher's environment, or "
             "takes the process group you initialized) and pass that"
         )
-
 
 
 def drop_constructor_state(optimizer: torch.optim.Optimizer) -> None:

@@ -183,12 +183,15 @@ def test_torch_ddp_around_a_wrapped_model_and_another_process_count_in_accelerat
                                                r"model out of prepare"):
             nn.parallel.DistributedDataParallel(model)
     accelerate_state = pytest.importorskip("accelerate.state")
+    mesh = memsave.init()  # built before: wrap and parallelize check again (an Accelerator made after init)
     monkeypatch.setitem(accelerate_state.PartialState._shared_state, "num_processes", 2)  # as under 2 ranks
     model = ToyLM()
     before = _state(model)
     with pytest.raises(ValueError, match=r"accelerate counts 2 process\(es\) where memsave runs 1 rank\(s\).*"
                                          r"Accelerator\(cpu=True\)"):
-        memsave.wrap(model, torch.optim.AdamW(model.parameters()), "zero2")
+        memsave.wrap(model, torch.optim.AdamW(model.parameters()), "zero2", mesh=mesh)
+    with pytest.raises(ValueError, match=r"accelerate counts 2 process\(es\)"):  # parallelize validates alike
+        memsave.parallelize(model, profile="zero2", mesh=mesh)
     _assert_unchanged(model, before)
 
 

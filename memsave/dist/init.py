@@ -161,7 +161,8 @@ def check_accelerate_world(world: int) -> None:
     runs ``world`` ranks: its dataloader then gives every rank the whole batch while memsave averages the
     gradients over the ranks, another training than the user planned, with no error (a review measured
     parameters 0.8 relative off a single-process run). Refused where accelerate's state exists and disagrees
-    (checked by ``init`` and ``wrap``; accelerate is never imported here)."""
+    (checked by ``init`` and by ``validate`` for ``wrap`` and ``parallelize``; accelerate is never
+    imported here)."""
     state = sys.modules.get("accelerate.state")
     shared = getattr(getattr(state, "PartialState", None), "_shared_state", None) or {}
     counted = shared.get("num_processes")
