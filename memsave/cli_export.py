@@ -25,6 +25,7 @@ def add_parser(sub: Any) -> None:
 def run_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
     written = export(args.checkpoint, args.out)
     numel = sum(math.prod(s) for s in written.values())
-    out = Path(args.out) / "model.safetensors" if Path(args.out).is_dir() else Path(args.out)
+    out = Path(args.out)
+    out = out / "model.safetensors" if out.is_dir() else out
     print(f"wrote {len(written)} tensors ({numel:,} elements) to {out}")
     return 0

@@ -48,8 +48,9 @@ def resume_trainer(trainer: Any) -> Path | None:
     saved = [float(v) for v in extra["initial_lrs"]]
     # a learning rate set anew for the resumed run wins over the checkpoint's (it was silently replaced by the
     # saved one); the schedule's position comes from the checkpoint either way
-    trainer.initial_lrs = configured if configured != saved and len(configured) == len(saved) else saved
-    if trainer.initial_lrs is configured:
+    changed = configured != saved and len(configured) == len(saved)
+    trainer.initial_lrs = configured if changed else saved
+    if changed:
         if trainer.lr_schedule is None:  # no schedule sets it each step: the loaded groups keep the saved lr
             for group, lr in zip(trainer.optimizer.param_groups, configured):
                 group["lr"] = lr
