@@ -104,9 +104,11 @@ def test_readme_keeps_the_commands_ci_runs() -> None:
     """.ci/run installs the project the way README says and runs README's test command."""
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
-    assert 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -q' in readme
+    command = "python -m pytest -q -n 2 --dist loadfile"
+    assert f'pip install torch==2.13.0 && pip install -e ".[test]" && {command}\n' in readme
+    assert f"```bash\n{command}\n```" in readme
     assert "pip install -q torch==2.13.0" in ci and 'pip install -q -e ".[test]"' in ci
     # README's test command, perhaps with reporting flags only (-rs: skip reasons in CI's summary)
-    assert re.search(r"\npython -m pytest -q( -r\w+)?\n", ci + "\n"), ci
+    assert re.search(r"\npython -m pytest -q -n 2 --dist loadfile( -r\w+)?\n", ci + "\n"), ci
     for doc in ("docs/profiles.md", "docs/benchmarks.md"):
         assert f"]({doc})" in readme, f"README does not link {doc}"

@@ -111,7 +111,9 @@ def test_a_failed_transfer_surfaces_in_the_next_forward(tmp_path: Path, monkeypa
     with pytest.raises(OSError, match=r"offload: (writing|reading) .*/unit\d\.state failed: injected"):
         model(**toy_batch(3, 2))
     undone, done = _piece_agrees(opt, before, after, state_before, state_after)
-    assert undone > 0 and done > 0
+    assert undone > 0
+    if kind == "write":  # chunks 0 and 1 were written; a failed read may come before any chunk stepped (prefetch)
+        assert done > 0
     faults.arm("", -1)
     _resumes(model, opt, ref_model, ref_opt, before, state_before, after)
     opt.close()
