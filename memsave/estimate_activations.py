@@ -90,10 +90,23 @@ def _run_forward(model: nn.Module, batch: Any) -> Callable[[], Any]:
                 raise
             raise ValueError(
                 f"the estimate runs {type(model).__name__}'s forward on the meta device, where a tensor has no values, "
-                f"and the forward read one ({exc}). Hugging Face models do so without a cache: with eager attention put "
-                "\"attention_mask\" in the example batch; with sdpa (the default) that mask is read too, put "
-                "\"use_cache\": True instead (the estimate only)") from exc
+                f"and the forward read one ({exc}). Hugging Face models read a padded \"attention_mask\" under sdpa "
+                "(an all-ones one is left out here, as they leave it out at run time): estimate with a batch of the "
+                "same shape without it; some versions read the position ids without a mask and a cache: then put "
+                "\"use_cache\": True in the example batch (the estimate only)") from exc
     return run
+
+
+def _without_ones_mask(model: nn.Module, batch: Any) -> Any:
+    """``batch`` without an all-ones ``attention_mask`` (a tokenizer's output for unpadded rows) where the model is a
+    Hugging Face one under sdpa: it reads the mask's values to leave it out (a meta copy has none), and without it
+    runs the same causal kernel; so its memory is the same."""
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if (attn != "sdpa" or not isinstance(mask, torch.Tensor) or mask.is_meta
+            or not bool((mask == 1).all())):
+        return batch
+    return {k: v for k, v in batch.items() if k != "attention_mask"}
 
 
 def _to_meta(batch: Any) -> Any:
@@ -200,7 +213,7 @@ def measure_activations(meta: nn.Module, modules: list[nn.Module], prof: Profile
     from memsave import recompute
     from memsave.recompute.measure import measure_saved_bytes
 
-    forward = _run_forward(meta, _to_meta(batch))
+    forward = _run_forward(meta, _to_meta(_without_ones_mask(meta, batch)))
     outputs: dict[int, int] = {}
 
     def run() -> Any:

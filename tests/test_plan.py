@@ -466,24 +466,30 @@ def test_calibrate_caches_and_hardware_files(tmp_path: Path, monkeypatch: pytest
 
 def test_estimate_of_a_forward_that_reads_values_says_what_to_pass() -> None:
     """HF Llama without a cache and without an attention mask looks at its position ids' values (packed
-    sequences), which the meta device does not have: a ValueError saying to pass the mask (under sdpa, which reads
-    the mask too, a cache), and with it the estimate runs."""
+    sequences), which the meta device does not have: a ValueError saying to pass a cache, and with the mask (eager) or
+    the cache the estimate runs. Under sdpa (Hugging Face's default) the model reads the mask's values too: an
+    all-ones mask (a tokenizer's unpadded rows) is left out, as the model leaves it out at run time, so the estimate
+    equals the one without it; a padded mask says to estimate without it."""
     with torch.device("meta"):
         model = hf_llama(tied=True, n_layer=2)
     model.config.use_cache = False
     ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
-    with pytest.raises(ValueError, match='with eager attention put "attention_mask" in the example batch'):
+    with pytest.raises(ValueError, match='then put "use_cache": True in the example batch'):
         memsave.estimate(model, "ddp", batch={"input_ids": ids, "labels": ids}, device="cpu")
     est = memsave.estimate(model, "ddp", batch={"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)},
                            device="cpu")
     assert est.activations > 0
-    # sdpa (Hugging Face's default) reads the mask's values as well: the message says to ask for a cache
     model.config._attn_implementation = "sdpa"
-    with pytest.raises(ValueError, match='put "use_cache": True instead'):
-        memsave.estimate(model, "ddp", batch={"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)},
-                         device="cuda")
-    est = memsave.estimate(model, "ddp", batch={"input_ids": ids, "labels": ids, "use_cache": True}, device="cuda")
-    assert est.activations > 0
+    real = torch.zeros(2, 16, dtype=torch.long)
+    cached = memsave.estimate(model, "ddp", batch={"input_ids": ids, "labels": ids, "use_cache": True}, device="cuda")
+    ones = memsave.estimate(model, "ddp", batch={"input_ids": real, "labels": real, "use_cache": True,
+                                                 "attention_mask": torch.ones_like(real)}, device="cuda")
+    assert cached.activations > 0 and ones.bytes == cached.bytes
+    padded = torch.ones_like(real)
+    padded[0, -3:] = 0
+    with pytest.raises(ValueError, match='padded "attention_mask" under sdpa .*without it'):
+        memsave.estimate(model, "ddp", batch={"input_ids": real, "labels": real, "use_cache": True,
+                                              "attention_mask": padded}, device="cuda")
 
 
 def test_engine_fit_is_exact_and_never_negative() -> None:
