@@ -21,7 +21,6 @@ backward until after it, and the gather of the unit before it is in flight (its 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
@@ -32,6 +31,7 @@ import torch
 from torch import nn
 
 from memsave.config import Profile, load_profile
+from memsave.deferred.meta import meta_copy
 from memsave.dist.placement import Placement, Shard
 from memsave.estimate_activations import activations, sequence_parallel
 from memsave.estimate_cuda import allocator_extra
@@ -91,17 +91,6 @@ class Estimate:
             out["stages"] = [{"pp_rank": e.pp_rank, "bytes": {k: int(v) for k, v in e.bytes.items() if v},
                               "peak_total": int(e.peak_total)} for e in self.stages]
         return out
-
-
-def meta_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers live on the meta device (no data is copied); a model
-    already on the meta device is copied the same way, so the caller's model is never changed."""
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(model, memo)
 
 
 def _cast(meta: nn.Module, prof: Profile) -> nn.Module:

@@ -45,6 +45,18 @@ def llama(tie: bool, n_layer: int = 4) -> nn.Module:
     return LlamaForCausalLM(cfg)
 
 
+def opt() -> nn.Module:
+    """An unchanged Hugging Face OPTForCausalLM: its decoder registers ``final_layer_norm`` before ``layers`` and
+    calls it after them (the split learns the call order from a meta run on the model's dummy inputs)."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    cfg = OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=4, ffn_dim=64, num_attention_heads=4,
+                    max_position_embeddings=32, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0,
+                    enable_bias=False)  # (k_proj's bias has a zero gradient: Adam steps it on rounding noise alone)
+    torch.manual_seed(0)
+    return OPTForCausalLM(cfg)
+
+
 def sequential() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.GELU(),
@@ -116,6 +128,7 @@ KINDS = {
     "gpt-untied": Kind(lambda: gpt(False), lm_data, True),
     "llama": Kind(lambda: llama(True), lm_data, True),
     "llama-untied": Kind(lambda: llama(False), lm_data, True),
+    "opt": Kind(opt, lm_data, True),
     "seq": Kind(sequential, dense_data, False),
     "unet": Kind(unet, dense_data, False),
 }

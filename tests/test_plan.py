@@ -487,7 +487,7 @@ def test_estimate_of_a_forward_that_reads_values_says_what_to_pass() -> None:
     assert cached.activations > 0 and ones.bytes == cached.bytes
     padded = torch.ones_like(real)
     padded[0, -3:] = 0
-    with pytest.raises(ValueError, match='padded "attention_mask" under sdpa .*without it'):
+    with pytest.raises(ValueError, match=r'padded "attention_mask" under sdpa .*without it'):
         memsave.estimate(model, "ddp", batch={"input_ids": real, "labels": real, "use_cache": True,
                                               "attention_mask": padded}, device="cuda")
 

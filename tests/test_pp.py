@@ -262,6 +262,7 @@ PP2_CASES: dict[str, Case] = {
     "llama-tied-1f1b": _train("llama"),
     "llama-untied-gpipe": _train("llama-untied", schedule="gpipe"),
     "sequential-1f1b": _train("seq"),
+    "opt-zero1-zero-bubble": _train("opt", base="zero1", schedule="zero-bubble"),  # final_layer_norm on the last
     "gpt-virtual-2": _train("gpt", schedule="interleaved", virtual=2, hand="looped"),
     "gpt-interleaved-2": _train("gpt", schedule="interleaved", virtual=2),  # memsave.pp.interleaved
     # ZeRO-3 with virtual stages: a rank's earlier stage's blocks pass the received activation through in the forward
@@ -530,6 +531,13 @@ def test_split_assigns_embeddings_first_and_head_last() -> None:
     assert gpt_split.atoms_of(0) == ["wte", "wpe", "blocks.0"] and gpt_split.atoms_of(3) == ["blocks.3", "ln_f",
                                                                                            "lm_head"]
     assert plan_split(pc.sequential(), 2).atoms == ("0", "2", "4", "6")  # the parameterless children run everywhere
+    # OPT registers final_layer_norm before its layers and calls it after them: it goes where it runs, and a split
+    # point names the atoms in that order
+    opt = pc.opt()
+    assert [n for n, _ in opt.model.decoder.named_children()].index("final_layer_norm") == 2
+    for split in (plan_split(opt, 2), plan_split(opt, 2, ["model.decoder.layers.3"])):
+        assert split.atoms[-2:] == ("model.decoder.final_layer_norm", "lm_head")
+        assert split.stage_of["model.decoder.final_layer_norm"] == 1 and split.stage_of["model.decoder.layers.0"] == 0
 
 
 def test_strip_keeps_this_stage_and_the_tie() -> None:

@@ -180,9 +180,10 @@ class Probe:
             if stage_of[k] < seen:
                 raise NotImplementedError(
                     f"pipeline split: the forward calls {k[0]!r} (stage {stage_of[k]}) after a module of stage {seen}; "
-                    "stages must run in order, so a module cannot be called again after later stages began (a "
-                    "module reused at two places of the forward): give [parallel] split points that keep its "
-                    "calls on one stage, or build the model so")
+                    "stages must run in order. Either the module runs at two places of the forward (give [parallel] "
+                    "split points that keep its calls on one stage), or it is registered on the other side of the "
+                    "layer list than the forward calls it, which memsave learns only for a Hugging Face model (run "
+                    "once on its dummy_inputs): register it after the list if it runs after it, before if before")
             seen = stage_of[k]
         missing = [s for s in range(n_stages) if s not in set(stage_of[k] for k in self.order)]
         if missing:

@@ -5,7 +5,11 @@ children of an ``nn.Sequential`` root, or the list Hugging Face's ``base_model_p
 module with parameters beside the path from the root to that list (a decoder's embeddings before it, its final
 norm and head after it). Each atom belongs to one stage, in registration order: the blocks are divided into
 ``n_stages`` contiguous runs (or cut where ``split`` says), the atoms registered before the first block go to the
-first stage, those after the last block to the last. Modules without parameters (rotary embeddings, dropout,
+first stage, those after the last block to the last. Where the forward calls an atom on the other side of the
+blocks than it is registered (OPT's decoder registers ``final_layer_norm`` before ``layers``), the call order wins:
+a Hugging Face model is run once on a meta copy with its ``dummy_inputs`` to learn it (:func:`_call_order`); any
+other model keeps the registration order, and the stage runner's probe refuses a forward that then runs out of
+stage order. Modules without parameters (rotary embeddings, dropout,
 activation functions) are no atom: they run on every stage, as does the user's own ``forward`` code between the
 atoms (the stage runner in memsave/pp/runtime.py runs the whole forward on every rank).
 
@@ -35,7 +39,7 @@ __all__ = ["StageSplit", "load_takes_whole_model", "plan_split", "strip_atoms"]
 class StageSplit:
     """Which stage owns each atom ([Note: atoms]).
 
-    atoms: qualified module names of the atoms, in registration order.
+    atoms: qualified module names of the atoms, in registration order (call order beside the blocks).
     stage_of: atom name -> its (virtual) stage.
     n_stages: number of stages (``pp * virtual``).
     blocks: the atoms that are blocks of the layer list (the rest are before or after it).
@@ -125,11 +129,56 @@ def _atoms(model: nn.Module, owner: str) -> tuple[list[str], list[str]]:
     return atoms, blocks
 
 
+def _call_order(model: nn.Module, atoms: Sequence[str]) -> list[str] | None:
+    """The atoms in the order a forward first calls them, from one run of a meta copy of a Hugging Face model on its
+    own ``dummy_inputs`` (no data, nothing of the model changed); None for any other model, or where that run
+    fails (a forward that reads values): then the registration order stands ([Note: atoms])."""
+    try:
+        dummy = model.dummy_inputs if callable(getattr(model, "get_input_embeddings", None)) else None
+    except Exception:  # (a model class whose dummy inputs do not apply to it)
+        return None
+    if not isinstance(dummy, dict) or not all(isinstance(v, torch.Tensor) for v in dummy.values()):
+        return None
+    from memsave.deferred.meta import meta_copy  # layer 1
+
+    copy = meta_copy(model)
+    order: list[str] = []
+    for name in atoms:
+        copy.get_submodule(name).register_forward_pre_hook(
+            lambda *_, name=name: None if name in order else order.append(name))
+    try:
+        with torch.no_grad():
+            copy(**{k: v.to("meta") for k, v in dummy.items()})
+    except Exception:  # (values read on meta, inputs this model does not take): the registration order
+        return None
+    return order
+
+
+def _by_call_order(atoms: list[str], blocks: list[str], order: Sequence[str] | None) -> list[str]:
+    """``atoms`` with those beside the blocks that the forward calls on the other side of the blocks than they are
+    registered moved there (to the front or the end, in call order)."""
+    if not order or not blocks or blocks[0] not in order or blocks[-1] not in order:
+        return atoms
+    at = {name: i for i, name in enumerate(order)}
+    first, last = at[blocks[0]], at[blocks[-1]]
+    lo, hi = atoms.index(blocks[0]), atoms.index(blocks[-1])
+    to_front = [a for a in atoms[hi + 1:] if a in at and at[a] < first]
+    to_end = [a for a in atoms[:lo] if a in at and at[a] > last]
+    if not to_front and not to_end:
+        return atoms
+    head = [a for a in atoms[:lo] if a not in to_end] + to_front
+    tail = [a for a in atoms[hi + 1:] if a not in to_front] + to_end
+    never = len(order)  # (an atom the run did not call keeps its place after those it did)
+    return (sorted(head, key=lambda a: at.get(a, never)) + atoms[lo:hi + 1]
+            + sorted(tail, key=lambda a: at.get(a, never)))
+
+
 def plan_split(model: nn.Module, n_stages: int, split: Sequence[str] = ()) -> StageSplit:
     """Assign every atom of ``model`` to one of ``n_stages`` stages ([Note: atoms]); ``split``: the names of the
     atoms where stages 1, 2, ... begin (``n_stages - 1`` of them), else the blocks are divided evenly by count."""
     owner, rule = _layer_list(model)
     atoms, blocks = _atoms(model, owner)
+    atoms = _by_call_order(atoms, blocks, _call_order(model, atoms))
     if split:
         rule = "split"
         if len(split) != n_stages - 1:
