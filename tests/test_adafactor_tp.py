@@ -85,8 +85,29 @@ def _train(profile_name: str, vocab: int, foreach: bool, kwargs: dict) -> tuple[
         total = loss.detach().clone()
         mdist.all_reduce(total, mesh.dp_group)
         losses.append(total.item() / dp)
+    _rank0_state_loads_everywhere(model, opt)
     return losses, {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}  # (tensors would share
     # memory with the exiting child)
+
+
+def _rank0_state_loads_everywhere(model: torch.nn.Module, opt: Any) -> None:
+    """optimizer.state_dict() holds whole tensors over tp, the factored statistics too (row_var (..., rows, 1),
+    col_var (..., 1, cols) of the whole parameter), so rank 0's file (README's torch.save recipe) loads on every
+    rank, each cutting its own slices back (before, every tp rank took rank 0's row_var / col_var slices: 7.8e-3
+    off after two more steps, no error)."""
+    from memsave import dist as mdist
+
+    whole = {n: tuple(v.shape) for n, v in model.state_dict().items()}
+    osd = opt.state_dict()
+    for i, name in enumerate(n for n, _ in model.named_parameters()):
+        shape = whole[name]
+        for key, v in osd["state"][i].items():
+            want = {"row_var": (*shape[:-1], 1), "col_var": (*shape[:-2], 1, shape[-1]), "step": ()}.get(key, shape)
+            assert tuple(v.shape) == want, (name, key, tuple(v.shape), want)
+    opt.load_state_dict(mdist.all_gather_object(osd)[0])
+    again = opt.state_dict()
+    for i, st in osd["state"].items():
+        assert all(torch.equal(v, again["state"][i][k]) for k, v in st.items()), i
 
 
 def _cases(profile_name: str) -> list:

@@ -6,9 +6,10 @@ so it loads under another engine, stage or dp size. Which entries are gathered o
 rows on load follows each stepped tensor's placement: ``dp=Shard(0)`` rows are gathered (a collective over dp),
 replicated tensors are taken as they are. Under tensor parallelism the per-element state (and the fp32 masters)
 of a parameter tp cuts is gathered whole over ``tp`` too, as ``model.state_dict()`` holds it, and each rank cuts
-its slice on load (a state dict of this rank's slices loads as it is). So a state dict saved on one rank loads
-on every rank, and into a plain optimizer; before, rank 0's file held its own slices, which the other tp rank
-loaded as its own with no error. (Adafactor's factored statistics under tp stay this rank's.)
+its slice on load (a state dict of this rank's slices loads as it is); Adafactor's factored statistics likewise
+along the dims they follow the parameter ([Note: factored statistics over tp] below). So a state dict saved on
+one rank loads on every rank, and into a plain optimizer; before, rank 0's file held its own slices, which the
+other tp rank loaded as its own with no error.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memsave import dist as mdist
-from memsave.optim import Adafactor
 from memsave.tp import TPParam, cut_tp, gather_tp, tp_param
 from memsave.zero.rows import RowSharding
 
@@ -35,26 +35,40 @@ def _sharded(opt: MemsaveOptimizer, t: torch.Tensor) -> bool:
 
 def _tp_cut(opt: MemsaveOptimizer, t: torch.Tensor) -> TPParam | None:
     """The tp layout of the parameter of ``t`` (a stepped tensor or its master), where tp cuts it (else None)."""
-    if isinstance(opt.optimizer, Adafactor):
-        return None
     lay = tp_param(opt.full_of(t))
     return lay if lay is not None and lay.dim is not None else None
 
 
+# [Note: factored statistics over tp] Adafactor's factored statistics: the dim each is a mean over (size 1
+# there). Along the other dims they follow the parameter, so tp cuts them with it; along that one they are whole
+# (reduced over tp: [Note: Adafactor under row sharding] in memsave/optim/adafactor.py), the same on every tp rank.
+_MEAN_OVER = {"row_var": -1, "col_var": -2}
+
+
+def _cut_with(key: str, value: Any, shape: tuple[int, ...], dim: int) -> bool:
+    """Whether the state entry ``value`` of a parameter of ``shape`` (this rank's or the whole) is cut with it along
+    ``dim``: per-element entries, and Adafactor's factored statistics along a dim they are not a mean over."""
+    if not isinstance(value, torch.Tensor) or key == "step" or value.ndim != len(shape):
+        return False
+    if tuple(value.shape) == tuple(shape):
+        return True
+    over = _MEAN_OVER.get(key)
+    return over is not None and dim != value.ndim + over and value.shape[dim] == shape[dim]
+
+
 def _whole_over_tp(opt: MemsaveOptimizer, t: torch.Tensor, value: Any, key: str = "") -> Any:
-    """``value`` (an entry of ``t``'s state, whole over dp) gathered whole over tp where it is per element."""
+    """``value`` (an entry of ``t``'s state, whole over dp) gathered whole over tp where it is cut with ``t``."""
     lay = _tp_cut(opt, t)
-    full = opt.full_of(t)
-    if lay is None or not isinstance(value, torch.Tensor) or key == "step" or value.shape != full.shape:
+    if lay is None or not _cut_with(key, value, tuple(opt.full_of(t).shape), lay.dim):  # type: ignore[arg-type]
         return value
     assert lay.dim is not None
     return gather_tp(value, lay.dim, opt.engine.mesh.group("tp"), blocks=lay.blocks, full=lay.full_shape[lay.dim])
 
 
-def _slice_over_tp(opt: MemsaveOptimizer, t: torch.Tensor, value: Any) -> Any:
+def _slice_over_tp(opt: MemsaveOptimizer, t: torch.Tensor, value: Any, key: str = "") -> Any:
     """``value`` (an entry of a state dict for ``t``) cut to this tp rank's slice where it is whole over tp."""
     lay = _tp_cut(opt, t)
-    if lay is None or not isinstance(value, torch.Tensor) or tuple(value.shape) != lay.full_shape:
+    if lay is None or not _cut_with(key, value, lay.full_shape, lay.dim):  # type: ignore[arg-type]
         return value
     mesh = opt.engine.mesh
     return cut_tp(value, lay, mesh.degree("tp"), mesh.axis_rank("tp"))
@@ -106,7 +120,7 @@ def load_state_dict(opt: MemsaveOptimizer, sd: dict[str, Any]) -> None:
         full = opt.full_of(s)
         out = {}
         for key, value in state.items():
-            value = _slice_over_tp(opt, s, value) if key != "step" else value
+            value = _slice_over_tp(opt, s, value, key)
             if _sharded(opt, s) and rows.is_per_element(inner, key, value, full, full):
                 out[key] = rows.own_rows(value.to(s.device), full).clone()
             else:  # never alias the caller's tensors (e.g. Adam's step, which is incremented in place)
