@@ -116,12 +116,15 @@ def _sharded(vocab: int = 9, pad: int = 1) -> tuple[torch.Tensor, torch.Tensor, 
 
 
 def test_sharded_logits_stay_sharded_through_a_model_s_loss_code() -> None:
-    """float(), view(-1, vocab), flatten(0, 1), slicing that keeps the vocabulary and F.cross_entropy work on this
-    rank's columns (the [tokens, vocab] logits are never built)."""
+    """float(), view(-1, vocab) (or the width the logits report), flatten(0, 1), slicing that keeps the vocabulary and
+    F.cross_entropy work on this rank's columns (the [tokens, vocab] logits are never built)."""
     full, _, logits = _sharded()
     target = torch.tensor([0, 8, -100, 4, 4, 1])
     for shaped in (logits.double().view(-1, 9), logits.flatten(0, 1), logits.contiguous().reshape(-1, 9),
-                   logits[:, :, :].flatten(0, 1), logits.detach().flatten(0, 1)):
+                   logits[:, :, :].flatten(0, 1), logits.detach().flatten(0, 1),
+                   # the classic HF idiom: the width the logits report is this rank's (before, the whole logits were
+                   # gathered and viewed with it: a "batch_size (120) to match target (60)" error at tp = 2)
+                   logits.view(-1, logits.size(-1)), logits.reshape(-1, logits.shape[-1])):
         assert isinstance(shaped, ShardedLogits) and shaped.shape == (6, 10), type(shaped)
         loss = F.cross_entropy(shaped, target, label_smoothing=0.1)
         assert type(loss) is torch.Tensor

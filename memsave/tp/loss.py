@@ -215,8 +215,8 @@ def _local_layout(name: str, args: Any, shard: VocabShard) -> tuple[Any, ...] | 
         shape = list(shape)
         if shape and shape[-1] == shard.vocab and ndim >= 1:
             return (*shape[:-1], shard.local),
-        if shape and shape[-1] == shard.local and shard.local != shard.vocab:
-            return None  # ambiguous: the caller's sizes are local ones; gather rather than guess
+        if shape and shape[-1] == shard.local and ndim >= 1:  # the width the logits report (``size(-1)``,
+            return (*shape[:-1], shard.local),  # ``shape[-1]``: this rank's): the classic view(-1, logits.size(-1))
         return None
     if name == "flatten":
         start = args[1] if len(args) > 1 else 0
