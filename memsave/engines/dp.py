@@ -128,6 +128,7 @@ class DataParallelEngine:
             listener(None)
 
     def _check_trainable(self, module: nn.Module, args: Any) -> None:
+        mdist.doing(self.agreement.step, "forward")  # (tp's collectives inside it name it when they fail)
         # it has no bucket: each rank would step it with its own local gradient
         check_still_frozen(self._frozen, "its gradient would never be averaged over ranks, so the replicas would "
                                          "diverge")
