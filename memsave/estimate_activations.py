@@ -178,30 +178,35 @@ def _fused_attention_on_meta(device_type: str) -> Iterator[None]:
 
 
 def activations(meta: nn.Module, modules: list[nn.Module], prof: Profile, batch: Any, device_type: str,
-                sequence_tp: int = 1) -> tuple[int, list[int], int, str, int]:
+                sequence_tp: int = 1) -> tuple[int, list[int], int, str, int, int]:
     """Saved bytes of one forward of the meta model under the recompute policy: total, per unit, the bytes of the
     forward's outputs that backward does not keep (the logits beside the log-softmax cross-entropy saves), a
-    note, and the elements of the largest floating output (the logits). ``sequence_tp``: under full
+    note, the elements of the largest floating output (the logits), and the bytes saved outside every unit before
+    the first one ran (an embedding's input, a vision model's patch convolution's: kept until the end of backward,
+    [Note: the estimated peak] in memsave/estimator.py). ``sequence_tp``: under full
     recomputation with sequence parallelism over that many ranks, a unit keeps 1/tp of the hidden states it is
     called with (its positional inputs: sequence-sharded), the rest of what it keeps as is (a Llama layer's
     rotary tables and mask, which no rank shards)."""
-    total, per_unit, output_bytes, note, logits = reuse(
+    total, per_unit, output_bytes, note, logits, first = reuse(
         "activations", meta, modules, prof, batch, device_type, sequence_tp,
         lambda: _activations(meta, modules, prof, batch, device_type, sequence_tp))
-    return total, list(per_unit), output_bytes, note, logits
+    return total, list(per_unit), output_bytes, note, logits, first
 
 
 def _activations(meta: nn.Module, modules: list[nn.Module], prof: Profile, batch: Any, device_type: str,
-                 sequence_tp: int) -> tuple[int, list[int], int, str, int]:
+                 sequence_tp: int) -> tuple[int, list[int], int, str, int, int]:
     saved, output_bytes, scale, note, logits = measure_activations(meta, modules, prof, batch, device_type)
     per_unit, total = list(saved.units), saved.total
+    in_units = {k for keys in saved._unit_keys for k in keys}
+    at = saved._outside_at or {}
+    first = sum(n for k, n in (saved._outside_keys or {}).items() if at.get(k) == 0 and k not in in_units)
     if sequence_tp > 1 and prof.recompute.policy == "full":
         for i, keys in enumerate(saved._unit_keys):
             sharded = sum(n for k, n in saved._positional_keys[i].items() if k in keys)
             others = sharded - -(-sharded // sequence_tp)  # the other ranks' share of the hidden states
             per_unit[i] -= others
             total -= others
-    return int(total * scale), per_unit, output_bytes, note, logits
+    return int(total * scale), per_unit, output_bytes, note, logits, first
 
 
 def measure_activations(meta: nn.Module, modules: list[nn.Module], prof: Profile, batch: Any, device_type: str,
@@ -258,6 +263,6 @@ def sequence_parallel(whole: nn.Module, unit_names: list[str], prof: Profile, ba
     Under recomputation a unit also keeps inputs no rank shards (a Llama layer's rotary tables and mask: 1/tp of
     them was 11% under), so :func:`memsave.estimate` keeps the figure without sequence parallelism there."""
     by_name = dict(whole.named_modules())
-    _, full, _, _, _ = activations(whole, [by_name[n] for n in unit_names], prof, batch, device_type)
+    _, full, _, _, _, _ = activations(whole, [by_name[n] for n in unit_names], prof, batch, device_type)
     shares = [-(-f // tp) for f in full]
     return acts - sum(per_unit) + sum(shares), shares

@@ -15,8 +15,10 @@ hold their saved bytes; after it, its own are freed, its gradients exist (stage 
 until the step; stages 2-3: only the persistent shard) and its reduce-scatter is in flight, with staging of
 N x C elements in the reduce dtype (stage 1: plus a fresh output chunk), at most two at a time as in
 ``memsave/zero/engine.py``. At stage 3 the root stays gathered throughout, a unit is gathered from before its
-backward until after it, and the gather of the unit before it is in flight (its staging buffer) with
-``prefetch`` on. The largest total of these points is the estimated peak.
+backward until after it (its reduce-scatter is launched before it is freed: the point after it holds both), and
+the gather of the unit before it is in flight (its staging buffer) with ``prefetch`` on. What the root saved before
+the first unit ran (an embedding's indices, a vision model's patch convolution's pixels) is held at every point
+of backward. The largest total of these points is the estimated peak.
 """
 
 from __future__ import annotations
@@ -268,10 +270,10 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
     notes.insert(1, said)
     if tp_note:
         notes.append(tp_note)
-    acts, per_unit, outputs, logits = 0, [0] * len(modules), 0, 0
+    acts, per_unit, outputs, logits, first = 0, [0] * len(modules), 0, 0, 0
     if batch is not None:
         sp = tp if tp > 1 and prof.parallel.sequence else 1
-        acts, per_unit, outputs, note, logits = activations(meta, modules, prof, batch, device_type, sp)
+        acts, per_unit, outputs, note, logits, first = activations(meta, modules, prof, batch, device_type, sp)
         notes.append(note)
         if sp > 1 and prof.recompute.policy == "none":  # the blocks once more, whole
             names = {id(m): n for n, m in meta.named_modules()}
@@ -282,7 +284,7 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
             notes.append("sequence parallelism under recomputation: each unit's hidden-state input 1/tp (full "
                          "recomputation), the rest as without it, an upper bound")
     points: dict[str, int] = {}
-    best = peak_bytes(held, states, prof, per_unit, acts + outputs, micro_batches, notes, points=points)
+    best = peak_bytes(held, states, prof, per_unit, acts + outputs, micro_batches, notes, points=points, kept=first)
     best = {k: int(v) for k, v in best.items() if v}
     transient = 0
     if device_type == "cuda":  # [Note: the allocator's peak]
@@ -315,9 +317,10 @@ def held_states(meta: nn.Module, groups: list[list[nn.Parameter]], prof: Profile
 
 def peak_bytes(held: dict[str, int], states: dict[str, Any], prof: Profile, per_unit: list[int], forward_end: int,
                micro_batches: int, notes: list[str], *, gathered: int | None = None,
-               points: dict[str, int] | None = None) -> dict[str, int]:
+               points: dict[str, int] | None = None, kept: int = 0) -> dict[str, int]:
     """The estimated peak ([Note: the estimated peak]) from what is held (:func:`held_states`), the activations
-    per unit and at the end of forward (``forward_end``, the outputs included). ``gathered``: ZeRO-3 parameters
+    per unit and at the end of forward (``forward_end``, the outputs included; ``kept`` of them, saved before the
+    first unit, are held through backward). ``gathered``: ZeRO-3 parameters
     held gathered throughout (a pipeline stage's ``[parallel] gather = "step"``) instead of root and one unit. ``points``:
     filled with the totals at the end of forward and in the step ([Note: the allocator's peak])."""
     stage = prof.zero.stage
@@ -335,7 +338,7 @@ def peak_bytes(held: dict[str, int], states: dict[str, Any], prof: Profile, per_
     best = dict(base, activations=forward_end)  # the end of forward: the outputs are still held
     if stage >= 1:
         best = _walk_backward(best, base, states, per_unit, stage, prof.zero.prefetch, persistent_grads,
-                              gathered)
+                              gathered, kept)
     if prof.precision.compute != "fp32" and reduce_dtype_for(prof.precision) is not torch.float32:
         # the step: every reduced gradient, and its fp32 copy on the masters (made by the unscale or by
         # clip_grad_norm, dropped after the step; with fp32 reduction the gradient itself is the master's). Offloaded
@@ -350,7 +353,8 @@ def peak_bytes(held: dict[str, int], states: dict[str, Any], prof: Profile, per_
 
 
 def _walk_backward(best: dict[str, int], base: dict[str, int], states: dict[str, Any], per_unit: list[int],
-                   stage: int, prefetch: int, persistent_grads: int, gathered: int | None = None) -> dict[str, int]:
+                   stage: int, prefetch: int, persistent_grads: int, gathered: int | None = None,
+                   kept: int = 0) -> dict[str, int]:
     """The largest total over the samples of backward at stages 1-3 ([Note: the estimated peak]): before and
     after each unit's backward, in backward order (the root's head before, its embedding after the units)."""
     n_units = len(per_unit)
@@ -366,7 +370,7 @@ def _walk_backward(best: dict[str, int], base: dict[str, int], states: dict[str,
                 done.append(u)
                 grads += (grads_full[u] if stage == 1 else 0) + grads_shard[u]
             point = dict(base)
-            point["activations"] = sum(per_unit[: k if after else k + 1])
+            point["activations"] = kept + sum(per_unit[: k if after else k + 1])
             if stage == 1:  # (with micro-batches the accumulated full gradients are there throughout)
                 point["grads"] = max(base.get("grads", 0), grads)
             else:  # the reduced rows of the units done so far (beside micro-batches' accumulated full gradients)
@@ -375,7 +379,7 @@ def _walk_backward(best: dict[str, int], base: dict[str, int], states: dict[str,
             if stage == 3 and gathered is not None:  # every unit gathered for the whole step: no prefetch
                 point["params_gathered"] = gathered
             elif stage == 3:
-                point["params_gathered"] = full[0] + (0 if after else full[u])
+                point["params_gathered"] = full[0] + full[u]  # (after: freed once its reduce-scatter is launched)
                 if prefetch and k >= 1:  # the gather of the unit before it is in flight
                     comm += staging[u - 1]
             point["comm"] = base.get("comm", 0) + comm

@@ -260,6 +260,49 @@ def test_estimate_matches_the_measurement_for_every_profile(world_size: int, tmp
         assert load_report(path) == json.loads(json.dumps(rep))
 
 
+def _vit(meta: bool = False) -> torch.nn.Module:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    cfg = ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, intermediate_size=128, hidden_dropout_prob=0.0,
+                    attention_probs_dropout_prob=0.0, num_labels=5)
+    torch.manual_seed(0)
+    if meta:
+        with torch.device("meta"):
+            return ViTForImageClassification(cfg)
+    return ViTForImageClassification(cfg)
+
+
+def _vit_estimate_vs_measured() -> list[tuple[str, int, int]]:
+    mesh = memsave.init()
+    g = torch.Generator().manual_seed(mesh.dp_rank)
+    batch = {"pixel_values": torch.randn(16, 3, 16, 16, generator=g), "labels": torch.randint(0, 5, (16,), generator=g)}
+    out = []
+    for name, overrides in (("zero3", ()), ("zero3-recompute", ()), ("zero2", ('recompute.policy="full"',))):
+        profile = memsave.load_profile(name, list(overrides))
+        est = estimate(_vit(meta=True), profile, world_size=mesh.dp_size, batch=batch, device="cpu")
+        model, opt = memsave.wrap(m := _vit(), torch.optim.AdamW(m.parameters(), lr=1e-3), profile, mesh=mesh)
+        tracker = MemoryTracker(model, opt)
+        for _ in range(2):
+            opt.backward(model(**batch).loss)
+            opt.step()
+            opt.zero_grad()
+        out.append((f"{name} {' '.join(overrides)}", est.peak_total, tracker.peak["total"]))
+        tracker.close()
+    return out
+
+
+def test_estimate_of_a_vision_model_under_recomputation() -> None:
+    """A Hugging Face ViT classifier on 2 ranks: its tiny logits no longer hide the backward's peak, which under
+    recomputation holds the patch convolution's pixels (saved before the first unit, kept to the end of backward)
+    and, at stage 3, a unit still gathered while its reduce-scatter is launched. The estimate missed both: 12-20%
+    under the tracker (from a review); now within 1%."""
+    for rank_rows in run_ranks(_vit_estimate_vs_measured, 2, timeout=300):
+        for profile, est, peak in rank_rows:
+            print(profile, est, peak, f"{est / peak - 1:+.2%}")
+            assert est == pytest.approx(peak, rel=0.01), (profile, est, peak)
+
+
 def test_report_without_a_tracker_counts_what_the_tracker_counts() -> None:
     """``memsave.report(model, optimizer)`` with no tracker (README's first snippet) accounts the engine for the
     model as the tracker does: it counted the model's placeholders too, one element per parameter more under

@@ -302,7 +302,7 @@ def test_the_choice_fits_when_run() -> None:
     # GPT: from pp2 zero-bubble, to it with selective recompute, to dp2 zero2 with full recompute, to tp2, and
     # within data parallelism zero3; Llama: ddp, zero1, zero1 + selective, zero2 + full, pp2 1f1b + full
     gpt = _choices("gpt", 64, [(16 * mib, None), (11 * mib, None), (10 * mib, None), (9 * mib, None),
-                               (9.5 * mib, (1,))])
+                               (9.8 * mib, (1,))])
     llama = _choices("llama", 32, [(1400 * kib, None), (1024 * kib, None), (800 * kib, None), (600 * kib, None),
                                    (500 * kib, None)])
     for chosen in (gpt, llama):
