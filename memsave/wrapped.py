@@ -136,14 +136,12 @@ class MemsaveModule:
         weights, without memsave's engine, hooks or recomputation. At ZeRO-3 it gathers the parameters for the copy
         (a collective: deep-copy on every rank, between steps) and frees them again."""
         module = cast(nn.Module, self)
-        mesh = getattr(getattr(module, "memsave_engine", None), "mesh", None)
-        if mesh is not None and mesh.degree("tp") > 1:
+        if (mesh := getattr(getattr(module, "memsave_engine", None), "mesh", None)) and mesh.degree("tp") > 1:
             raise NotImplementedError(
-                "copy.deepcopy of a model under tensor parallelism (tp = "
-                f"{mesh.degree('tp')}) is not supported: its layers hold this rank's slices and run over the tp "
-                "group. For an EMA, keep this rank's slices (ema = [p.detach().clone() for p in "
-                "model.parameters()], updated with ema_p.lerp_(p, 1 - decay)), or build a plain model and "
-                "load model.state_dict() (whole tensors; collective: on every rank) into it")
+                f"copy.deepcopy of a model under tensor parallelism (tp = {mesh.degree('tp')}) is not supported: its "
+                "layers hold this rank's slices and run over the tp group. For an EMA, keep this rank's slices (ema = "
+                "[p.detach().clone() for p in model.parameters()], updated with ema_p.lerp_(p, 1 - decay)), or "
+                "build a plain model and load model.state_dict() (whole tensors; collective: on every rank) into it")
         forwards = _mark_left_out(module, memo)
         clone = cast(nn.Module, object.__new__(user_class(module)))
         memo[id(self)] = clone
