@@ -59,16 +59,15 @@ def _cut_with(key: str, value: Any, shape: tuple[int, ...], dim: int) -> bool:
 def _whole_over_tp(opt: MemsaveOptimizer, t: torch.Tensor, value: Any, key: str = "") -> Any:
     """``value`` (an entry of ``t``'s state, whole over dp) gathered whole over tp where it is cut with ``t``."""
     lay = _tp_cut(opt, t)
-    if lay is None or not _cut_with(key, value, tuple(opt.full_of(t).shape), lay.dim):  # type: ignore[arg-type]
+    if lay is None or lay.dim is None or not _cut_with(key, value, tuple(opt.full_of(t).shape), lay.dim):
         return value
-    assert lay.dim is not None
     return gather_tp(value, lay.dim, opt.engine.mesh.group("tp"), blocks=lay.blocks, full=lay.full_shape[lay.dim])
 
 
 def _slice_over_tp(opt: MemsaveOptimizer, t: torch.Tensor, value: Any, key: str = "") -> Any:
     """``value`` (an entry of a state dict for ``t``) cut to this tp rank's slice where it is whole over tp."""
     lay = _tp_cut(opt, t)
-    if lay is None or not _cut_with(key, value, lay.full_shape, lay.dim):  # type: ignore[arg-type]
+    if lay is None or lay.dim is None or not _cut_with(key, value, lay.full_shape, lay.dim):
         return value
     mesh = opt.engine.mesh
     return cut_tp(value, lay, mesh.degree("tp"), mesh.axis_rank("tp"))
