@@ -69,3 +69,27 @@ def _slow_rank(world: int) -> str:
 
 def test_a_collective_timeout_names_the_collective_the_phase_and_the_unit() -> None:
     assert run_ranks(_slow_rank, 2, 2, timeout=90, env={"MEMSAVE_TIMEOUT_S": "3"}) == ["ok"] * 2
+
+
+def _tp_forward_on_one_rank(world: int) -> str:
+    from memsave.models import GPT, TokenBatches, gpt_config
+
+    mesh = memsave.init(tp=2)
+    model = GPT(gpt_config("tiny", dropout=0.0))
+    model, opt = memsave.wrap(model, torch.optim.AdamW(model.parameters()), "ddp", mesh=mesh)
+    batch = TokenBatches(seq_len=16, batch_size=2).batch(0)
+    opt.backward(model(**batch).loss)
+    opt.step()
+    opt.zero_grad()
+    if mesh.rank == 0:  # an eval forward on one rank only: tp's all-reduce inside it times out, named as the forward
+        with pytest.raises(memsave.dist.CollectiveError, match=r"all_reduce over 2 ranks during step 1, forward "):
+            with torch.no_grad():
+                model(**batch)
+    else:
+        time.sleep(8)
+    return "ok"
+
+
+def test_a_tp_collective_timeout_in_a_forward_after_a_step_names_the_forward() -> None:
+    """Under ddp the engine names the forward as its phase (it said "optimizer.step()", the last phase named)."""
+    assert run_ranks(_tp_forward_on_one_rank, 2, 2, timeout=90, env={"MEMSAVE_TIMEOUT_S": "3"}) == ["ok"] * 2
