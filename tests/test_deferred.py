@@ -436,3 +436,22 @@ def test_streamed_pretrained_weights_into_a_deferred_model(tmp_path) -> None:
             f"load peak {r['peak'] / 2**20:.1f} MiB, largest file {r['largest_file'] / 2**20:.1f} MiB, model "
             f"{r['model'] / 2**20:.1f} MiB")
         print(f"load peak {r['peak'] / 2**20:.1f} MiB of a {r['model'] / 2**20:.1f} MiB model")
+
+
+@pytest.mark.skipif(not HAVE_HF, reason="needs transformers")
+def test_from_pretrained_inside_the_block_is_refused_by_name(tmp_path) -> None:
+    """Llama's ``from_pretrained`` fails inside the block in Hugging Face's own handling of meta tensors (it copies a
+    meta rotary table into a buffer it loaded on the CPU); the error names the call and the supported way, and
+    leaves nothing recorded and no meta factories behind."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from memsave.deferred import record
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    with pytest.raises(NotImplementedError, match=r"LlamaForCausalLM\.from_pretrained failed inside the block .*"
+                                                   r"from_config.*memsave\.load_weights"):
+        with memsave.deferred_init():
+            LlamaForCausalLM.from_pretrained(tmp_path)
+    assert not record._PROGRAMS and torch.empty(1).device.type == "cpu"

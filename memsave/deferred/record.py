@@ -291,6 +291,23 @@ def deferred_init() -> Iterator[Program]:
     try:
         with MetaFactories(), recording(program):
             yield program
-    except BaseException:
+    except BaseException as exc:
         release(program)  # nothing built in the block will be wrapped
+        where = _loader_in(exc.__traceback__)
+        if where is not None and isinstance(exc, Exception):
+            raise NotImplementedError(
+                f"memsave.deferred_init: {where} failed inside the block ({type(exc).__name__}: {exc}). Loading a "
+                "checkpoint inside deferred_init() is not supported: build the model from its config inside the "
+                "block (model = AutoModelForCausalLM.from_config(config)), then wrap it and stream the weights "
+                "with memsave.load_weights(model, folder)") from exc
         raise
+
+
+def _loader_in(tb: Any) -> str | None:
+    """The Hugging Face loading call a traceback passes through (``from_pretrained``), if any."""
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "from_pretrained" and "transformers" in code.co_filename:
+            return f"{tb.tb_frame.f_locals.get('cls', type(None)).__name__}.from_pretrained"
+        tb = tb.tb_next
+    return None
