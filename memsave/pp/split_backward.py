@@ -65,7 +65,7 @@ class WeightPass:
     def run(self, quiet: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext) -> None:
         """One autograd backward per group of weights (and one for the orphans); all but the last inside
         ``quiet()``: the engine's ``no_sync``, so a data-parallel engine reduces the gradients once, after the last
-        (ZeRO-1 keeps one reduced gradient per step: a reduce after each call broke it)."""
+        (one reduce per weight pass; under ZeRO-1 a reduce after each call raised, when it refused accumulating)."""
         calls: list[tuple[_Group | None, list[Any], list[Any]]] = []
         runs: list[set[int]] = []
         # in backward order (the latest intermediate first), so a unit's calls come together and each rebuild is

@@ -27,7 +27,8 @@ per parameter, as torch decides for ``.grad``: after a synchronizing backward th
 parameter arrives, the user accumulates over steps and the new rows are added; if it is gone (``zero_grad()``
 of the wrapper, the model or the inner optimizer, or ``p.grad = None`` by hand) or was zeroed in place, they
 replace the old ones. The decision is taken at the parameter's first gradient since the last reduce (before
-torch accumulates into ``.grad``) and kept through ``no_sync`` micro-batches.
+torch accumulates into ``.grad``) and kept through ``no_sync`` micro-batches. Stage 1 keeps the held full
+``.grad`` aside (``_carry``) while torch starts a new one, and adds its reduced rows after the reduce.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ class Unit:
         # [Note: gradient freshness] per trainable parameter: replace (True) or add to (False) the reduced rows
         # held; None until its first gradient since the last reduce
         self.fresh: list[bool | None] = [None] * len(self.trainable)
+        self._carry: dict[int, torch.Tensor] = {}  # stage 1: the full .grad whose reduced rows are added to
         # stage 3: what a read of a sharded parameter does (the engine gathers or raises; [Note: guarded reads])
         self.on_sharded_read: Callable[[Unit, int, str], None] | None = None
         # a pipeline step holds its stage's units gathered across its micro-batches (memsave/engines/pipeline.py):
@@ -221,13 +223,8 @@ class Unit:
         if fresh is None:
             g = self.params[self.trainable[j]].grad
             fresh = self.fresh[j] = not (is_guard(g) and not g._memsave_cleared)  # type: ignore[union-attr]
-        if not fresh and not self._sharded_grads:
-            raise NotImplementedError(
-                f"zero stage 1 keeps one reduced gradient per step, and {self.names[self.trainable[j]]!r} (unit "
-                f"{self.name!r}) still holds the last one: clear gradients after each step (optimizer.zero_grad() or "
-                "model.zero_grad()); to accumulate micro-batches, run all but the last backward inside model.no_sync()"
-                ", or use stage 2 (accelerate's accumulate() enters no_sync only with several processes)"
-            )
+            if not fresh and not self._sharded_grads:  # stage 1: the held rows are added after the reduce
+                self._carry[j] = plain(g)  # type: ignore[arg-type]
         return not fresh
 
     def before_accumulate(self, j: int) -> None:
@@ -292,10 +289,13 @@ class Unit:
                 self.flat_grad.add_(out)
         else:
             for j, i in enumerate(self.trainable):
-                p = self.params[i]
-                if p.grad is None:
+                p, held = self.params[i], self._carry.pop(j, None)
+                if p.grad is None or (held is not None and is_guard(p.grad)):
                     p.grad = torch.zeros_like(p)
-                self._own_rows(p.grad, i).copy_(self.grad_layout.shard_view(out, j, self.rank).view_as(self.shards[i]))
+                rows = self._own_rows(p.grad, i)
+                rows.copy_(self.grad_layout.shard_view(out, j, self.rank).view_as(self.shards[i]))
+                if held is not None:
+                    rows.add_(self._own_rows(held, i))
         self.fresh = [None] * len(self.trainable)
 
     def _reduced_message(self, i: int) -> str:
@@ -354,7 +354,7 @@ class Unit:
             self.flat_grad = None  # as torch frees .grad: stages 2-3 hold no gradient memory through forward
         elif self.flat_grad is not None:
             self.flat_grad.zero_()
-        self.fresh = [None] * len(self.trainable)
+        self.fresh, self._carry = [None] * len(self.trainable), {}
 
     # -- stages 1-2: after the optimizer step ----------------------------------------------------------------
     @torch.no_grad()
