@@ -72,7 +72,8 @@ def _token_mean_loss(model: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tens
 
 
 def _train(model: nn.Module, opt: Any, loss_fn: Callable, rank: int | None, *, zero: str = "optimizer",
-           eval_mid_step: bool = False, penalty: bool = False, sgd: bool = False) -> list[float]:
+           eval_mid_step: bool = False, penalty: bool = False, sgd: bool = False,
+           freeze_after: int | None = None) -> list[float]:
     """The loop under test. ``rank=None``: the plain reference on the global batch; else rank's half under memsave."""
     losses = []
     for step in range(STEPS):
@@ -94,6 +95,8 @@ def _train(model: nn.Module, opt: Any, loss_fn: Callable, rank: int | None, *, z
         if zero == "every_other":  # gradients accumulated over two steps on purpose, as plain torch allows
             if step % 2:
                 opt.zero_grad()
+        elif zero == "model_in_place":  # the reference too: a frozen parameter's zeroed gradient is still stepped
+            model.zero_grad(set_to_none=False)
         elif rank is None or zero == "optimizer":
             opt.zero_grad()
         elif zero == "model":
@@ -103,8 +106,8 @@ def _train(model: nn.Module, opt: Any, loss_fn: Callable, rank: int | None, *, z
         elif zero == "manual":
             for p in model.parameters():
                 p.grad = None
-        elif zero == "model_in_place":
-            model.zero_grad(set_to_none=False)
+        if step == freeze_after:  # a block frozen after wrap (its cleared gradients stay as they are)
+            model.blocks[1].requires_grad_(False)
         losses.append(loss.item())
     return losses
 
@@ -150,6 +153,8 @@ def _equivalence_cases(world: int) -> str:
     for profile in ("ddp", "zero1", "zero2", "zero3"):
         for zero in ("model", "inner", "manual", "model_in_place", "every_other"):
             _compare(toy, profile, _toy_loss, mesh, f"zero_grad via {zero}", zero=zero)
+        # stage 1 read a frozen parameter's cleared gradient (a guard) and raised its own "was reduced" error
+        _compare(toy, profile, _toy_loss, mesh, "frozen after wrap", zero="model_in_place", freeze_after=0)
     _compare(toy, "zero2", _toy_loss, mesh, "model.zero_grad, SGD", zero="model", sgd=True)
     _compare(llama, "zero3", _hf_loss, mesh, "model.zero_grad, HF Llama", zero="model")
     _compare(toy, "zero2", _token_mean_loss, mesh, "labels of -100, the global token mean")

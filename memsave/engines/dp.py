@@ -33,6 +33,7 @@ from torch import nn
 from memsave import dist as mdist
 from memsave.dist import Mesh
 from memsave.engines import part_grad
+from memsave.outer_backward import OuterBackward, repeated_gradient_error
 from memsave.phases import MemoryCategory
 from memsave.wrapped import check_still_frozen, sync_suspended, unscaled_backward_error
 
@@ -82,6 +83,8 @@ class DataParallelEngine:
         self._order = {p: k for k, p in enumerate(self._slot)}
         self._next_launch = 0
         self._callback_queued = False
+        self._fired: set[nn.Parameter] = set()  # whose gradient hook ran in this backward
+        self._outer = OuterBackward(self.sync_gradients)  # [Note: one sync per outer backward]
         # [Note: reduce dtype] buckets of another dtype than their parameters: which hold an averaged gradient,
         # and whether they start the next backward from zero (set_to_none) or accumulate into what they hold
         self._averaged: set[nn.Parameter] = set()
@@ -95,6 +98,7 @@ class DataParallelEngine:
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._slot]
         self._hooks.append(model.register_forward_pre_hook(self._check_trainable, prepend=True))
         self._hooks.append(model.register_load_state_dict_post_hook(self._after_load))
+        self._hooks.extend(self._outer.register(model))
         if mesh.device.type == "cpu":
             self._hooks.append(model.register_forward_hook(lambda *_: mdist.after_forward()))
 
@@ -142,19 +146,26 @@ class DataParallelEngine:
             mdist.doing(self.agreement.step, "backward (gradient bucket all-reduces)")
             self.agreement.check("backward")  # before its first all-reduce
             self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.sync_gradients)
+            self._outer.request()
         bucket, i = self._slot[param]  # type: ignore[index]
+        if param in self._fired:  # a parameter in several reentrant checkpoints: one backward each
+            if bucket.handle is not None:
+                raise repeated_gradient_error(self.param_names[param], "bucket's all-reduce")  # type: ignore[index]
+            self._adopt(bucket, i, again=True)
+            return
+        self._fired.add(param)  # type: ignore[arg-type]
         self._adopt(bucket, i)
         bucket.pending -= 1
         self._launch_ready()
 
-    def _adopt(self, bucket: _Bucket, i: int) -> None:
-        """Make the parameter's gradient a view of its bucket (copying it there once), and mark it used."""
+    def _adopt(self, bucket: _Bucket, i: int, again: bool = False) -> None:
+        """Make the parameter's gradient a view of its bucket (copying it there once), and mark it used.
+        ``again``: its second gradient in this backward, added to what the bucket holds."""
         p = bucket.params[i]
         view = bucket.view(i)
         if view.dtype != p.dtype:  # [Note: reduce dtype]
             if p.grad is not None:
-                view.copy_(p.grad) if self._fresh else view.add_(p.grad)
+                view.copy_(p.grad) if self._fresh and not again else view.add_(p.grad)
                 p.grad = None
                 self._used[self._order[p]] = 1
             elif self._fresh:
@@ -185,6 +196,7 @@ class DataParallelEngine:
         autograd engine calls it after a backward; a rank whose backward reached none of its parameters calls it
         (after the agreement check) so that its peers' all-reduces are matched."""
         self._callback_queued = False
+        self._fired.clear()
         for bucket in self.buckets[self._next_launch :]:
             for i in range(len(bucket.params)):
                 self._adopt(bucket, i)  # idempotent for those whose hook already ran

@@ -31,6 +31,7 @@ from memsave.models.units import (  # layer 0: the estimator reads the same grou
     default_units,
     unit_parameters,
 )
+from memsave.outer_backward import OuterBackward, repeated_gradient_error
 from memsave.phases import MemoryCategory
 from memsave.wrapped import check_still_frozen, sync_suspended, unscaled_backward_error
 from memsave.zero.schedule import Stage3Schedule
@@ -81,6 +82,8 @@ class ZeroEngine:
         self._next_reduce = 0
         self._inflight: list[Unit] = []  # launched reduce-scatters not yet waited on, oldest first
         self._callback_queued = False
+        self._fired: set[nn.Parameter] = set()  # whose gradient hook ran in this backward
+        self._outer = OuterBackward(self.sync_gradients)  # [Note: one sync per outer backward]
         self.num_syncs = 0
         self.schedule = Stage3Schedule(self) if self.stage == 3 else None
         self.loss_scaled = False  # fp16: gradients must come from optimizer.backward (a scaled loss)
@@ -135,6 +138,7 @@ class ZeroEngine:
         self._hooks.append(self.model._register_load_state_dict_pre_hook(self._pre_load_state_dict))
         self._hooks.append(self.model.register_load_state_dict_post_hook(self._post_load_state_dict))
         self._hooks.append(self.model.register_forward_pre_hook(self._check_trainable, prepend=True))  # runs first
+        self._hooks.extend(self._outer.register(self.model))
 
     def _make_before_accumulate(self, p: nn.Parameter) -> Callable[[torch.Tensor], None]:
         unit, j = self._trainable_slot[p]
@@ -229,13 +233,19 @@ class ZeroEngine:
             if self.require_grad_sync:
                 self.agreement.check("backward")  # before its first reduce-scatter
             self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.sync_gradients)
+            self._outer.request()
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if self.loss_scaled and not self.in_scaled_backward:
             raise unscaled_backward_error()
         self.queue_sync()
         unit = self._unit_of[param]  # type: ignore[index]
+        if param in self._fired:  # a parameter in several reentrant checkpoints: one backward each
+            if unit in self._backward_order[: self._next_reduce]:
+                name = next(n for n, q in zip(unit.names, unit.params, strict=True) if q is param)
+                raise repeated_gradient_error(name, "unit's reduce-scatter")
+            return
+        self._fired.add(param)  # type: ignore[arg-type]
         unit.pending -= 1
         if unit.pending == 0:
             self._ready.add(unit.index)
@@ -263,6 +273,7 @@ class ZeroEngine:
         autograd engine calls it after a backward; a rank whose backward reached none of its parameters calls it
         (after the agreement check) so that its peers' reduce-scatters are matched."""
         self._callback_queued = False
+        self._fired.clear()
         if self.schedule is not None:
             self.schedule.begin_backward()
             self.schedule.before_reduces()

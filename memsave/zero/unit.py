@@ -290,7 +290,7 @@ class Unit:
         else:
             for j, i in enumerate(self.trainable):
                 p, held = self.params[i], self._carry.pop(j, None)
-                if p.grad is None or (held is not None and is_guard(p.grad)):
+                if p.grad is None or is_guard(p.grad):  # none yet, or a guard: a cleared one, or one carried
                     p.grad = torch.zeros_like(p)
                 rows = self._own_rows(p.grad, i)
                 rows.copy_(self.grad_layout.shard_view(out, j, self.rank).view_as(self.shards[i]))
