@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn.modules.module import _WrappedHook
 
 from memsave.phases import MemoryCategory
+from memsave.state_view import ParamStateAttribute
 
 __all__ = [
     "MemsaveModule",
@@ -340,13 +341,8 @@ class WrappedOptimizer(torch.optim.Optimizer, abc.ABC):
     def defaults(self, value: dict[str, Any]) -> None:
         self.optimizer.defaults = value
 
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.optimizer.state = value
+    # keyed by the model's parameters ([Note: state by parameter] in memsave/state_view.py); the raw: optimizer.state
+    state = ParamStateAttribute()  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.optimizer!r})"
