@@ -211,6 +211,8 @@ def _offloaded_rects(t: Target, opt: MemsaveOptimizer) -> list[Rect]:
 
 def optimizer_rects(t: Target, opt: MemsaveOptimizer) -> list[Rect]:
     """Save: the rectangles of this rank's optimizer state and fp32 masters."""
+    if opt.mp is not None:  # [Note: edits between steps] in memsave/precision/edits.py
+        opt.mp.edits.sync()
     if opt.offloaded is not None:
         return _offloaded_rects(t, opt)
     inner = opt.optimizer

@@ -30,6 +30,7 @@ from memsave.optim import Adafactor
 from memsave.optim.adafactor_shard import layout_of
 from memsave.phases import MemoryCategory
 from memsave.precision import LossScaler, MixedPrecisionOptimizer
+from memsave.precision.edits import holder
 from memsave.precision.nonfinite import NonfiniteGuard
 from memsave.precision.optimizer import follow
 from memsave.tp import tp_param
@@ -98,7 +99,7 @@ class MemsaveOptimizer(WrappedOptimizer):
         host_masters = offload is not None and offload.optimizer in ("cpu", "disk") and engine.mesh.device.type == "cuda"
         self.mp = (MixedPrecisionOptimizer(optimizer, scaler=scaler, group=self.agree_over, grad_of=engine.grad_of,
                                            master_device=torch.device("cpu") if host_masters else None,
-                                           nonfinite=self.nonfinite)
+                                           nonfinite=self.nonfinite, param_of=lambda s: holder(s, self._full_of[s]))
                    if mixed_precision or scaler is not None else None)
         # what the optimizer steps (a stepped tensor, or its master) -> the full parameter
         self._opt_full: dict[torch.Tensor, nn.Parameter] = ({m: self._full_of[s] for m, s in self.mp.pairs} if self.mp is not None
@@ -122,6 +123,8 @@ class MemsaveOptimizer(WrappedOptimizer):
         self._settle_hook: Any = None
         if offload is not None and offload.optimizer != "none":
             self._attach_offload(offload)
+            if self.mp is not None and self.offloaded is not None:  # the masters live in the state's chunks
+                self.mp.edits.refresh_all = weak_method(self._refresh_masters)
 
     def _attach_offload(self, offload: OffloadConfig) -> None:
         """``[offload] optimizer``: the state of this rank's shards streamed from its tier (memsave/zero/offload.py);
@@ -282,6 +285,7 @@ class MemsaveOptimizer(WrappedOptimizer):
                 new = rows.get(s, s).detach()
                 own[m] = follow(own[m], new) if m in own else new.float()
         self.offloaded.load_local_state(states, own)
+        self.mp.edits.mark()
 
     def _step(self) -> None:
         agreement = self.engine.agreement
@@ -308,6 +312,8 @@ class MemsaveOptimizer(WrappedOptimizer):
         if offloaded is not None and self.engine.mesh.device.type == "cpu":
             mdist.after_forward()  # the host policy's trim: the chunks' transients go back to the OS too
         self.engine.after_step()
+        if self.mp is not None:
+            self.mp.edits.mark()  # (ZeRO-1/2 wrote the gathered rows through .data)
 
     def _forget_derived(self) -> None:
         """[Note: what a step derives from its gradients] Clipping computes, from this step's gradients, the fp32
@@ -340,6 +346,8 @@ class MemsaveOptimizer(WrappedOptimizer):
     # -- state dicts ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The full optimizer state, in the plain optimizer's format (collective under ZeRO: call on every rank)."""
+        if self.mp is not None:  # [Note: edits between steps] the masters saved hold the edits since the step
+            self.mp.edits.sync()
         return _state.state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

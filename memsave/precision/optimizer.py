@@ -27,17 +27,12 @@ from torch import nn
 
 from memsave import dist as mdist
 from memsave.phases import MemoryCategory
+from memsave.precision.edits import EditWatch, follow
 from memsave.precision.nonfinite import NonfiniteGuard
 from memsave.precision.scaler import LossScaler
 from memsave.wrapped import WrappedOptimizer
 
-__all__ = ["MixedPrecisionOptimizer"]
-
-
-def follow(master: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """``master`` where it still rounds to the low-precision ``p``, else ``p`` in fp32 (see ``refresh_masters``)."""
-    low = p.to(master.device)  # a master on the host (offload's host step) follows a parameter on the device
-    return torch.where(master.to(p.dtype) == low, master, low.float())
+__all__ = ["MixedPrecisionOptimizer", "follow"]
 
 
 def _own_grad(p: torch.Tensor) -> torch.Tensor | None:
@@ -60,12 +55,16 @@ class MixedPrecisionOptimizer(WrappedOptimizer):
     grad_of: where a model parameter's gradient is read (default ``p.grad``); engines that keep gradients
         in another dtype than the parameter (fp32 reduction of bf16 gradients) hand them over here. An fp32
         gradient becomes the master's ``.grad`` without a copy (and is unscaled in place).
+    param_of: the model parameter whose storage holds a stepped tensor's values (default: the tensor itself), or
+        None where none does (ZeRO-3's shard): in-place edits of that parameter between steps reach the master
+        ([Note: edits between steps] in memsave/precision/edits.py).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, scaler: LossScaler | None = None,
                  group: mdist.AgreeOver = None,
                  grad_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
-                 master_device: torch.device | None = None, nonfinite: NonfiniteGuard | None = None) -> None:
+                 master_device: torch.device | None = None, nonfinite: NonfiniteGuard | None = None,
+                 param_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> None:
         super().__init__(optimizer)
         self.nonfinite = nonfinite if nonfinite is not None else NonfiniteGuard()
         if optimizer.state:
@@ -86,6 +85,9 @@ class MixedPrecisionOptimizer(WrappedOptimizer):
                 self._pairs.append((master, p))
                 masters.append(master)
             g["params"] = masters
+        # [Note: edits between steps] (the stepped tensor's values are the model parameter's, or its rows)
+        watched = [(m, p, param_of(p) if param_of is not None else p) for m, p in self._pairs if m is not p]
+        self.edits = EditWatch([(m, p, full) for m, p, full in watched if full is not None])
         self._checked: bool | None = None  # overflow found in this step's gradients (None: not checked yet)
         self.last_step_skipped = False
 
@@ -145,10 +147,12 @@ class MixedPrecisionOptimizer(WrappedOptimizer):
 
     def step_masters(self, step: Callable[[], None] | None = None) -> None:
         """Unscale, check, step the masters and cast them into the parameters; ``step`` (offload: it streams the
-        masters with the optimizer state) does both of the latter itself. With no loss scale there is nothing to
+        masters with the optimizer state) does both of the latter itself. First the masters of parameters edited
+        in place since the last step follow the edits ([Note: edits between steps]). With no loss scale there is nothing to
         unscale or check, so ``step`` gets no fp32 gradient copies: it casts the model's gradients chunk by chunk
         ([Note: offloaded masters] in memsave/offload/state.py); ``clip_grad_norm`` still makes them (it needs
         every gradient at once)."""
+        self.edits.sync()
         if step is not None and self.scaler is None and self._checked is None:  # check the model's gradients
             self._checked = self.nonfinite.found([self._grad_of(p) for _, p in self._pairs], self.group)
         overflow = self.unscale()
@@ -163,6 +167,7 @@ class MixedPrecisionOptimizer(WrappedOptimizer):
                 for master, p in self._pairs:
                     if master is not p:
                         p.copy_(master)
+        self.edits.mark()
         for master, p in self._pairs:
             if master is not p:
                 master.grad = None  # the fp32 gradients live from unscaling to the step only
@@ -193,6 +198,7 @@ class MixedPrecisionOptimizer(WrappedOptimizer):
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict (so a plain optimizer loads it), plus ``master_params`` (fp32, in
         param-group order) and ``loss_scaler``."""
+        self.edits.sync()  # the masters saved hold the model's edits since the last step
         return {**self.optimizer.state_dict(),
                         "master_params": [m.detach().clone() for m, _ in self._pairs],
                 "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None}
@@ -219,6 +225,7 @@ class MixedPrecisionOptimizer(WrappedOptimizer):
         for master, p in self._pairs:
             if master is not p:
                 master.copy_(follow(master, p))
+        self.edits.mark()
 
     @torch.no_grad()
     def load_masters(self, masters: list[torch.Tensor]) -> None:
@@ -227,6 +234,7 @@ class MixedPrecisionOptimizer(WrappedOptimizer):
             master.copy_(saved)
             if master is not p:
                 p.copy_(master)
+        self.edits.mark()
 
     def master_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:
         """The fp32 masters that are copies (and their gradients while they exist)."""
