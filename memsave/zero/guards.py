@@ -24,6 +24,7 @@ gradient" ([Note: gradient freshness] in memsave/zero/unit.py).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -68,6 +69,19 @@ def _passes(func: Any) -> bool:
     return name in _META_METHODS
 
 
+COMPILE_MESSAGE = (
+    "memsave ZeRO-3 under torch.compile: dynamo traced memsave's gather hooks around a sharded parameter. Compile "
+    "each block before memsave.wrap, replacing it (model.layers[i] = torch.compile(model.layers[i])), so the hooks "
+    "stay outside the compiled code; compiling the whole model, model.compile() or block.compile() is not "
+    "supported at stage 3 (README, 'torch.compile')")
+
+
+def _under_dynamo() -> bool:
+    """Whether dynamo is tracing (it describes a parameter it meets by calling its methods: ``is_conj``, ...)."""
+    guards = sys.modules.get("torch._guards")
+    return guards is not None and guards.TracingContext.try_get() is not None
+
+
 def _run_plain(func: Callable[..., Any], args: tuple, kwargs: dict | None) -> Any:
     with DisableTorchFunctionSubclass():
         return func(*args, **(kwargs or {}))
@@ -89,6 +103,8 @@ class ShardedParameter(nn.Parameter):
         if not _passes(func):
             for a in args:
                 if isinstance(a, ShardedParameter):
+                    if _under_dynamo():
+                        raise NotImplementedError(COMPILE_MESSAGE)
                     a._memsave_guard(_describe(func)[1] or str(func))
                     break
         return _run_plain(func, args, kwargs)
