@@ -60,6 +60,23 @@ _TRANSITIONS: dict[TrainingState, tuple[TrainingState, ...]] = {
 }
 
 
+
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _replayed(unit: Unit) -> bool:
+    """[Note: replayed by torch's checkpoint] Whether this forward of ``unit`` is the user's non-reentrant
+    ``torch.utils.checkpoint`` replaying it inside the backward to rebuild saved tensors (under torch's
+    ``_recomputation_hook``). Its graph is never differentiated, so a post-backward watch on its inputs would never
+    close and keep the unit gathered to the end of backward: every block, with one checkpoint per block. (A
+    reentrant checkpoint's replay is differentiated, in a backward of its own: it is watched as a forward.)"""
+    if torch._C._current_graph_task_id() == -1:
+        return False
+    if _top_hooks is None:  # a torch without the query: a unit already gathered in backward is being replayed
+        return unit.state is UnitState.UNSHARDED
+    top = _top_hooks(True)
+    return top is not None and getattr(top[0], "__qualname__", "").startswith("_recomputation_hook.")
+
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's forward inputs; its backward runs once all their gradients were computed
     ([Note: post-backward])."""
@@ -150,6 +167,7 @@ class Stage3Schedule:
             if self.passes_through is not None and self.passes_through(unit):
                 return None
             k = unit.index
+            replay = _replayed(unit)
             mdist.doing(self.engine.agreement.step, "forward", unit.name)
             with record_function("memsave::zero3::pre_forward"):
                 self._issue_forward_through(k + self.prefetch)
@@ -158,7 +176,7 @@ class Stage3Schedule:
                         self._settle_skipped(self.units[j])
                 unit.unshard_wait()
                 self.forward.ran.add(k)
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() and not replay:
                 return self._watch_inputs(unit, args, kwargs)
             return None
         return hook
