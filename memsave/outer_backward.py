@@ -45,8 +45,9 @@ class OuterBackward:
         self._asked = False
 
     def register(self, model: nn.Module) -> list[Any]:
-        return [model.register_forward_pre_hook(lambda *_: self.forget()),
-                model.register_forward_hook(self._hook_outputs)]
+        eager = torch.compiler.disable  # (under torch.compile: run, not traced)
+        return [model.register_forward_pre_hook(eager(lambda *_: self.forget())),
+                model.register_forward_hook(eager(self._hook_outputs))]
 
     def forget(self) -> None:
         """A forward outside any backward: a callback still recorded was dropped with a backward that raised (a

@@ -216,7 +216,8 @@ def check_optimizer_not_wrapped(optimizer: torch.optim.Optimizer) -> None:
 
 
 def check_model(model: nn.Module, profile: Profile) -> None:
-    """What no engine can train: sparse gradients anywhere; nothing trainable under plain data parallelism."""
+    """What no engine can train: sparse gradients anywhere; nothing trainable under plain data parallelism;
+    torch.compile's wrapper under ZeRO-3."""
     for name, m in model.named_modules():
         if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse and m.weight.requires_grad:
             raise NotImplementedError(
@@ -224,6 +225,12 @@ def check_model(model: nn.Module, profile: Profile) -> None:
                 f"{(name + '.' if name else '') + 'weight'!r} is a sparse tensor, which memsave's gradient buckets "
                 "and ZeRO shards do not hold; construct it with sparse=False (the default)"
             )
+    if profile.zero.stage == 3 and hasattr(model, "_orig_mod") and hasattr(model, "_torchdynamo_orig_callable"):
+        raise NotImplementedError(
+            f"profile {profile.name!r} (zero.stage = 3): the model is torch.compile's wrapper (OptimizedModule), "
+            "whose root hooks would run outside the model memsave shards; wrap the model itself, then compile it: "
+            "model, opt = memsave.wrap(model, opt, ...); model.compile() (or torch.compile(model))"
+        )
     if profile.zero.stage == 0 and not any(p.requires_grad for p in model.parameters()):
         raise ValueError(
             f"profile {profile.name!r} (zero.stage = 0): model {type(model).__name__} has no trainable parameters "

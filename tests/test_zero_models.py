@@ -124,13 +124,6 @@ def _errors() -> str:
     twice = opt.full_grads()
     for k, v in once.items():
         assert torch.allclose(twice[k], 2 * v, rtol=1e-6, atol=1e-7), k
-    # torch.compile of the whole model under stage 3: dynamo meets a sharded parameter; named (it said "read
-    # (is_conj) while its unit is sharded ... read it inside the forward", advice for another mistake)
-    m = copy.deepcopy(model)
-    m, opt = memsave.wrap(m, torch.optim.SGD(m.parameters(), lr=0.1), "zero3", mesh=mesh)
-    m.compile(backend="eager")
-    with pytest.raises(Exception, match=r"ZeRO-3 under torch\.compile.*before memsave\.wrap"):
-        m(**batch)
     return "ok"
 
 

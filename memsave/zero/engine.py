@@ -137,7 +137,8 @@ class ZeroEngine:
             self._hooks.append(self.model._register_state_dict_hook(self._post_state_dict))
         self._hooks.append(self.model._register_load_state_dict_pre_hook(self._pre_load_state_dict))
         self._hooks.append(self.model.register_load_state_dict_post_hook(self._post_load_state_dict))
-        self._hooks.append(self.model.register_forward_pre_hook(self._check_trainable, prepend=True))  # runs first
+        check = torch.compiler.disable(self._check_trainable)  # [Note: hooks outside compiled code]
+        self._hooks.append(self.model.register_forward_pre_hook(check, prepend=True))  # runs first
         self._hooks.extend(self._outer.register(self.model))
 
     def _make_before_accumulate(self, p: nn.Parameter) -> Callable[[torch.Tensor], None]:

@@ -70,10 +70,9 @@ def _passes(func: Any) -> bool:
 
 
 COMPILE_MESSAGE = (
-    "memsave ZeRO-3 under torch.compile: dynamo traced memsave's gather hooks around a sharded parameter. Compile "
-    "each block before memsave.wrap, replacing it (model.layers[i] = torch.compile(model.layers[i])), so the hooks "
-    "stay outside the compiled code; compiling the whole model, model.compile() or block.compile() is not "
-    "supported at stage 3 (README, 'torch.compile')")
+    "memsave ZeRO-3 under torch.compile: dynamo met a sharded parameter outside its unit's forward. Compile after "
+    "memsave.wrap (model.compile(), torch.compile(model) or each block's compile()), and read parameters inside the "
+    "forward of the module that owns them (README, 'torch.compile')")
 
 
 def _under_dynamo() -> bool:

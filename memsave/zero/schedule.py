@@ -128,13 +128,19 @@ class Stage3Schedule:
         self.state = state
 
     def register(self, model: nn.Module) -> list[Any]:
-        hooks = [model.register_forward_pre_hook(self._root_pre_forward, prepend=True),
-                 model.register_forward_hook(self._root_post_forward)]
+        """[Note: hooks outside compiled code] The gather, free and watch hooks run eagerly under
+        ``torch.compile``: dynamo breaks the graph around each (``torch.compiler.disable``) instead of tracing
+        into them, where it met sharded parameters and failed. So the whole model, ``model.compile()`` and
+        each block's ``compile()`` work after ``wrap``: a unit's forward is traced with its parameters
+        gathered (a graph per distinct block), and the units are freed as in eager mode."""
+        eager = torch.compiler.disable
+        hooks = [model.register_forward_pre_hook(eager(self._root_pre_forward), prepend=True),
+                 model.register_forward_hook(eager(self._root_post_forward))]
         for u in self.units[1:]:
-            hooks.append(u.module.register_forward_pre_hook(self._make_pre_forward(u), with_kwargs=True))
-            hooks.append(u.module.register_forward_hook(self._make_post_forward(u)))
+            hooks.append(u.module.register_forward_pre_hook(eager(self._make_pre_forward(u)), with_kwargs=True))
+            hooks.append(u.module.register_forward_hook(eager(self._make_post_forward(u))))
         for m in self._root_owners(model):
-            hooks.append(m.register_forward_pre_hook(self._gather_root_on_access))
+            hooks.append(m.register_forward_pre_hook(eager(self._gather_root_on_access)))
         return hooks
 
     # -- forward -------------------------------------------------------------------------------------------
