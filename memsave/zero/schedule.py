@@ -226,7 +226,11 @@ class Stage3Schedule:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if self.passes_through is not None and self.passes_through(unit):
                 return
-            if not self._keep_for_backward(unit) and not (self.nested and unit.index in self.nested[-1][-1]):
+            # a forward inside the backward is the user's checkpoint recomputing the unit, whose backward runs
+            # next: it stays gathered for it (a reentrant region gathered it again), as FSDP2 keeps it
+            recomputing = torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
+            if (not self._keep_for_backward(unit) and not recomputing
+                    and not (self.nested and unit.index in self.nested[-1][-1])):
                 unit.reshard()
             if torch.is_grad_enabled():
                 hooked = False
