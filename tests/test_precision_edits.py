@@ -137,3 +137,26 @@ def test_edits_reach_masters(world: int, tmp_path: object) -> None:
                 assert refreshed == 0, f"{where}: {refreshed} masters refreshed without an edit"
             elif edit == "clamp":  # every watched parameter, after every step but the last (read by state_dict)
                 assert refreshed == watched * (STEPS - 1), f"{where}: {refreshed} refreshes, {watched} watched"
+
+
+def test_reads_between_steps_keep_only_what_the_user_holds() -> None:
+    """``p.data`` read every forward (or in a loop that never steps) keeps no tensor per read, and an edit
+    through a temporary or a kept ``.data`` is still seen after many later reads."""
+    from memsave.precision.edits import _HANDED, EditWatch
+
+    p = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.bfloat16))
+    watch = EditWatch([(p.detach().float(), p, p)])
+    for _ in range(1000):
+        p.data.sum()
+    assert len(p.__dict__[_HANDED]) <= 1 and watch.edited() == []
+    p.data.clamp_(-0.1, 0.1)  # through a temporary, then many reads
+    for _ in range(100):
+        p.data.sum()
+    assert watch.edited() == [0]
+    watch.mark()
+    kept = p.data
+    for _ in range(100):
+        p.data.sum()
+    assert len(p.__dict__[_HANDED]) <= 2 and watch.edited() == []
+    kept.mul_(0.5)  # a tensor taken before the reads, written after them
+    assert watch.edited() == [0]

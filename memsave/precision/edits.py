@@ -16,7 +16,10 @@ What "may have been written" means, without a pass over the weights each step:
 - writes through ``p.data`` do *not* bump ``p``'s counter: ``.data`` is a new tensor whose counter starts at 0.
   So each watched parameter's class becomes :class:`WatchedParameter`, an ``nn.Parameter`` whose ``data``
   property keeps the tensors it hands out until the next mark: one whose counter moved was written (a read, as
-  memsave's checkpoint layout does, refreshes nothing); setting ``p.data`` counts as an edit. The class defines
+  memsave's checkpoint layout does, refreshes nothing); setting ``p.data`` counts as an edit. Each hand-out
+  first settles the ones kept: a written one is noted and let go, and so is one no one else holds any more
+  (it can no longer be written), so reads between steps (``.data`` read every forward, or a loop that never
+  steps) keep only the tensors the user still holds, not one per read. The class defines
   no ``__torch_function__``, so torch never calls into Python on the compute path; pickling
   (``torch.save(model)``) and ``copy.deepcopy`` give plain Parameters.
 
@@ -32,14 +35,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import sys
+
 import torch
 from torch import nn
 
 __all__ = ["EditWatch", "WatchedParameter", "follow", "holder"]
 
 _DATA: Any = torch._C.TensorBase.__dict__["data"]  # the getset descriptor behind ``Tensor.data``
-_HANDED = "_memsave_data_handed"  # the ``.data`` tensors handed out since the last mark
-_SET = "_memsave_data_set"  # ``.data`` was set since the last mark
+_HANDED = "_memsave_data_handed"  # the ``.data`` tensors handed out since the last mark, still held elsewhere
+_SET = "_memsave_data_set"  # ``.data`` was set, or a handed-out tensor written, since the last mark
 
 
 def follow(master: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -56,7 +61,10 @@ class WatchedParameter(nn.Parameter):
     @property  # type: ignore[override]
     def data(self) -> torch.Tensor:
         t = _DATA.__get__(self)
-        self.__dict__.setdefault(_HANDED, []).append(t)
+        handed = self.__dict__.setdefault(_HANDED, [])
+        if handed:
+            _settle(self.__dict__, handed)
+        handed.append(t)
         return t
 
     @data.setter
@@ -70,6 +78,17 @@ class WatchedParameter(nn.Parameter):
             result.__class__ = nn.Parameter  # type: ignore[assignment]
             _forget(result)
         return result
+
+
+def _settle(d: dict, handed: list[torch.Tensor]) -> None:
+    """Let go of the handed-out tensors that were written (noting it) or that no one else holds any more."""
+    kept = []
+    for t in handed:
+        if t._version:
+            d[_SET] = True
+        elif sys.getrefcount(t) > 3:  # held elsewhere too (here: the list, ``t`` and the call's argument)
+            kept.append(t)
+    handed[:] = kept
 
 
 def _forget(p: torch.Tensor) -> None:
