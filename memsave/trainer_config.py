@@ -5,6 +5,7 @@ result are memsave/trainer.py."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Protocol
@@ -101,6 +102,22 @@ class TrainConfig:
             raise _bad("keep_last", self.keep_last, "0 when save_every = 0 (it prunes what save_every writes)")
         if not isinstance(self.report_dir, str):
             raise _bad("report_dir", self.report_dir, "a folder path as a string, or \"\" for none")
+
+
+def _checked_init(init: Callable[..., None]) -> Callable[..., None]:
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+
+    @functools.wraps(init)  # keeps the dataclass's signature for help() and editors
+    def __init__(self: TrainConfig, **kwargs: object) -> None:
+        for key in kwargs:
+            if key not in names:
+                raise ValueError(f"TrainConfig has no key {key!r} (given {kwargs[key]!r}); allowed: {', '.join(names)}")
+        init(self, **kwargs)
+
+    return __init__
+
+
+TrainConfig.__init__ = _checked_init(TrainConfig.__init__)  # type: ignore[method-assign]  # an unknown key names itself
 
 
 def cosine_schedule(warmup_steps: int, total_steps: int, min_ratio: float) -> Callable[[int], float]:

@@ -246,6 +246,8 @@ def test_train_config_validation() -> None:
         with pytest.raises(ValueError, match=rf"TrainConfig\.{field}={value!r} .*expected"):
             kwargs: dict[str, Any] = {field: value}
             TrainConfig(**kwargs)
+    with pytest.raises(ValueError, match=r"TrainConfig has no key 'grad_accum' \(given 4\); allowed: steps, micro_b"):
+        TrainConfig(steps=2, grad_accum=4)  # type: ignore[call-arg]
 
 
 def test_cosine_schedule() -> None:

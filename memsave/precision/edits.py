@@ -32,10 +32,9 @@ of their own (an ``nn.Parameter`` subclass) keep it and are compared every step 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
-
-import sys
 
 import torch
 from torch import nn
