@@ -81,8 +81,8 @@ def _tp_forward_on_one_rank(world: int) -> str:
     opt.backward(model(**batch).loss)
     opt.step()
     opt.zero_grad()
-    if mesh.rank == 0:  # an eval forward on one rank only: tp's all-reduce inside it times out, named as the forward
-        with pytest.raises(memsave.dist.CollectiveError, match=r"all_reduce over 2 ranks during step 1, forward "):
+    if mesh.rank == 0:  # an eval forward on one rank only: the forward's check times out, named as the forward
+        with pytest.raises(memsave.dist.CollectiveError, match=r"all_gather over 2 ranks during step 1, forward "):
             with torch.no_grad():
                 model(**batch)
     else:
@@ -93,3 +93,39 @@ def _tp_forward_on_one_rank(world: int) -> str:
 def test_a_tp_collective_timeout_in_a_forward_after_a_step_names_the_forward() -> None:
     """Under ddp the engine names the forward as its phase (it said "optimizer.step()", the last phase named)."""
     assert run_ranks(_tp_forward_on_one_rank, 2, 2, timeout=90, env={"MEMSAVE_TIMEOUT_S": "3"}) == ["ok"] * 2
+
+
+def _tp_eval_on_one_rank(world: int) -> list[str]:
+    """A rank-0-only evaluation under tp = 2 (a sample printed by the main process): named on both ranks at once.
+    Before, its all-reduces paired with rank 1's next training forward (computing with rank 1's activations), and
+    rank 0's own training forward then with rank 1's backward, until two sizes differed (here gloo aborted rank 1
+    on a size mismatch in the second step)."""
+    from memsave.models import GPT, TokenBatches, gpt_config
+
+    mesh = memsave.init(tp=2)
+    batch = TokenBatches(seq_len=16, batch_size=2).batch(0)
+    seen = []
+    for profile in ("ddp", "zero2", "zero3"):
+        torch.manual_seed(0)
+        model = GPT(gpt_config("tiny", dropout=0.0))
+        model, opt = memsave.wrap(model, torch.optim.AdamW(model.parameters()), profile, mesh=mesh)
+        with torch.no_grad():  # on every rank: legal
+            model.eval()
+            model(**batch)
+            model.train()
+        opt.backward(model(**batch).loss)
+        opt.step()
+        opt.zero_grad()
+        other = "rank 1 at step 1 (forward)" if mesh.rank == 0 else "rank 0 at step 1 (forward without autograd)"
+        with pytest.raises(RuntimeError, match=rf"control flow diverged .* {re.escape(other)} .*synced_gpus=True"):
+            if mesh.rank == 0:
+                with torch.no_grad():
+                    model(**batch)
+            else:
+                model(**batch)
+        seen.append(profile)
+    return seen
+
+
+def test_an_evaluation_on_one_tp_rank_is_named_before_it_computes() -> None:
+    assert run_ranks(_tp_eval_on_one_rank, 2, 2, timeout=120) == [["ddp", "zero2", "zero3"]] * 2

@@ -9,17 +9,26 @@ whatever else is in flight) and raises on every rank when they differ, naming ea
 "rank 1 is at step 4 (backward), rank 0 at step 4 (optimizer)". It costs one all-gather of two integers per
 phase; a phase that does not communicate (a forward under plain data parallelism or ZeRO-1/2, a ``no_sync``
 backward) is not checked, so a rank-0-only evaluation pass there stays legal.
+
+The group spans the ``dp`` and ``tp`` axes: under tensor parallelism every forward communicates over ``tp``, so
+there each forward is checked too (:meth:`Agreement.watch_forwards`). A forward without autograd (an
+evaluation, ``generate()``) is a phase of its own: on one rank only, it would pair its all-reduces with the
+peers' next training forward and compute with their activations, then pair that forward with their backward
+until two sizes differ (gloo then aborts the process); checked, it raises on every rank before its first
+all-reduce.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 
-from memsave.dist.collectives import ProcessGroup, all_gather_into, group_rank, group_size
+from memsave.dist.collectives import ProcessGroup, all_gather_into, doing, group_rank, group_size
 
 __all__ = ["Agreement"]
 
-PHASES = ("forward", "backward", "optimizer")
+PHASES = ("forward", "backward", "optimizer", "forward without autograd")
 
 
 class Agreement:
@@ -33,6 +42,8 @@ class Agreement:
     def check(self, phase: str) -> None:
         if self.size <= 1:
             return
+        if phase == "forward" and not torch.is_grad_enabled():
+            phase = "forward without autograd"
         mine = torch.tensor([self.step, PHASES.index(phase)], dtype=torch.int64, device=self.device)
         every = torch.empty(2 * self.size, dtype=torch.int64, device=self.device)
         all_gather_into(every, mine, self.group, count_as="control")
@@ -41,8 +52,22 @@ class Agreement:
             return
         me = group_rank(self.group)
         others = ", ".join(f"rank {r} at step {s} ({PHASES[p]})" for r, (s, p) in enumerate(seen) if r != me)
+        evaluating = PHASES.index("forward without autograd") in {p for _, p in seen}
+        hint = ("; an evaluation or generate() must run on every rank of the group (HF generate: synced_gpus=True, "
+                "so that a rank that finished keeps taking part)") if evaluating else ""
         raise RuntimeError(
             f"memsave: control flow diverged across ranks: rank {me} is at step {self.step} ({phase}), {others} "
-            "(ranks of the data-parallel group, which must run the same forward, backward and optimizer.step() "
-            "calls in the same order: look for a condition on the rank, or data of different length per rank)"
+            "(ranks of the data-parallel and tensor-parallel groups, which must run the same forward, backward and "
+            "optimizer.step() calls in the same order: look for a condition on the rank, or data of different "
+            f"length per rank{hint})"
         )
+
+    def watch_forwards(self, model: nn.Module) -> RemovableHandle:
+        """Check every forward of ``model`` (under tensor parallelism, where every forward communicates)."""
+
+        @torch.compiler.disable  # (under torch.compile: run between the compiled pieces, not traced)
+        def check(module: nn.Module, args: object) -> None:
+            doing(self.step, "forward")
+            self.check("forward")
+
+        return model.register_forward_pre_hook(check, prepend=True)

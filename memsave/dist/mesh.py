@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 
 import torch
 import torch.distributed as dist
@@ -86,17 +87,21 @@ class Mesh:
         """The groups of ``axes`` that have more than one rank (what a placement's reduction runs over)."""
         return [self.group(a) for a in axes if self.degree(a) > 1]
 
-    def new_group(self, axis: str) -> dist.ProcessGroup:
-        """A *fresh* process group over the same ranks as ``axis``: its own ordered stream of collectives.
+    def new_group(self, axis: str, *more: str) -> dist.ProcessGroup:
+        """A *fresh* process group over the same ranks as ``axis`` (with ``more`` axes: the ranks that differ from
+        this one only along those): its own ordered stream of collectives.
 
         Collective over the whole world (every rank creates every slice's group, as ``new_group`` requires).
         ZeRO uses one for reduce-scatters beside the axis group for all-gathers, so the two kinds never have
         to interleave in the same order on every rank.
         """
-        self._check_axis(axis)
+        axes = (axis, *more)
+        for a in axes:
+            self._check_axis(a)
         ranks = self.device_mesh.mesh
-        dim = AXES.index(axis)
-        slices = ranks.movedim(dim, -1).reshape(-1, ranks.size(dim)).tolist()
+        dims = sorted(AXES.index(a) for a in axes)
+        inner = ranks.movedim(dims, list(range(ranks.dim() - len(dims), ranks.dim())))
+        slices = inner.reshape(-1, math.prod(ranks.size(d) for d in dims)).tolist()
         mine = None
         timeout = self._default_timeout()
         for members in slices:

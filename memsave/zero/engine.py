@@ -57,7 +57,7 @@ class ZeroEngine:
         self.group, self.dp_size = mesh.dp_group, mesh.dp_size
         self.reduce_dtype = reduce_dtype  # None: the parameters' own dtype ([Note: reduce dtype] in unit.py)
         self.reduce_group = mesh.new_group("dp")
-        self.agreement = mdist.Agreement(mesh.new_group("dp"), mesh.device)  # [Note: control-flow agreement]
+        self.agreement = mdist.Agreement(mesh.new_group("dp", "tp"), mesh.device)  # [Note: control-flow agreement]
         self.require_grad_sync = True
         # before_unit(params): called with each unit's parameters just before the unit takes them (deferred
         # initialization materializes them there: [Note: materialization] in memsave/deferred/materialize.py)
@@ -131,6 +131,8 @@ class ZeroEngine:
             self._hooks.append(p.register_hook(self._make_before_accumulate(p)))
         if self.mesh.device.type == "cpu":
             self._hooks.append(self.model.register_forward_hook(lambda *_: mdist.after_forward()))
+        if self.schedule is None and self.mesh.degree("tp") > 1 and self.mesh.degree("pp") == 1:
+            self._hooks.append(self.agreement.watch_forwards(self.model))  # stage 3 checks in its root hook
         if self.schedule is not None:
             self._hooks.extend(self.schedule.register(self.model))
             self._hooks.append(self.model.register_state_dict_pre_hook(self._pre_state_dict))
