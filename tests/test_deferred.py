@@ -440,18 +440,24 @@ def test_streamed_pretrained_weights_into_a_deferred_model(tmp_path) -> None:
 
 @pytest.mark.skipif(not HAVE_HF, reason="needs transformers")
 def test_from_pretrained_inside_the_block_is_refused_by_name(tmp_path) -> None:
-    """Llama's ``from_pretrained`` fails inside the block in Hugging Face's own handling of meta tensors (it copies a
-    meta rotary table into a buffer it loaded on the CPU); the error names the call and the supported way, and
-    leaves nothing recorded and no meta factories behind."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """``from_pretrained`` inside the block: GPT-2's loaded its weights eagerly (nothing deferred, no error), Llama's
+    failed in Hugging Face's handling of a meta rotary table. Both are refused at the call, naming it and the
+    supported way, leaving nothing recorded, no meta factories and the loader as it was."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
     from memsave.deferred import record
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
-    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
-    with pytest.raises(NotImplementedError, match=r"LlamaForCausalLM\.from_pretrained failed inside the block .*"
-                                                   r"from_config.*memsave\.load_weights"):
-        with memsave.deferred_init():
-            LlamaForCausalLM.from_pretrained(tmp_path)
-    assert not record._PROGRAMS and torch.empty(1).device.type == "cpu"
+    loader = PreTrainedModel.__dict__["from_pretrained"]
+    for name, model_cls, cfg in [
+        ("llama", LlamaForCausalLM, LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)),
+        ("gpt2", GPT2LMHeadModel, GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=2, n_head=2)),
+    ]:
+        model_cls(cfg).save_pretrained(tmp_path / name)
+        with pytest.raises(NotImplementedError, match=rf"{model_cls.__name__}\.from_pretrained inside the block .*"
+                                                       r"from_config.*memsave\.load_weights"):
+            with memsave.deferred_init():
+                model_cls.from_pretrained(tmp_path / name)
+        assert not record._PROGRAMS and torch.empty(1).device.type == "cpu"
+        assert PreTrainedModel.__dict__["from_pretrained"] is loader
+        assert next(model_cls.from_pretrained(tmp_path / name).parameters()).device.type == "cpu"  # outside: loads

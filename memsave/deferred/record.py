@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -289,7 +290,7 @@ def deferred_init() -> Iterator[Program]:
     program = Program()
     _PROGRAMS.append(program)
     try:
-        with MetaFactories(), recording(program):
+        with MetaFactories(), recording(program), _no_loading():
             yield program
     except BaseException as exc:
         release(program)  # nothing built in the block will be wrapped
@@ -297,10 +298,35 @@ def deferred_init() -> Iterator[Program]:
         if where is not None and isinstance(exc, Exception):
             raise NotImplementedError(
                 f"memsave.deferred_init: {where} failed inside the block ({type(exc).__name__}: {exc}). Loading a "
-                "checkpoint inside deferred_init() is not supported: build the model from its config inside the "
-                "block (model = AutoModelForCausalLM.from_config(config)), then wrap it and stream the weights "
-                "with memsave.load_weights(model, folder)") from exc
+                f"checkpoint inside deferred_init() is not supported: {_LOAD_INSTEAD}") from exc
         raise
+
+
+_LOAD_INSTEAD = ("build the model from its config inside the block (model = AutoModelForCausalLM.from_config(config)), "
+                 "then wrap it and stream the weights with memsave.load_weights(model, folder)")
+
+
+@contextlib.contextmanager
+def _no_loading() -> Iterator[None]:
+    """Hugging Face's ``from_pretrained`` is refused inside the block: some models (GPT-2) would load their weights
+    eagerly, so the block would silently save nothing, others (Llama) fail on a meta buffer."""
+    hf = sys.modules.get("transformers.modeling_utils")
+    model_cls = getattr(hf, "PreTrainedModel", None)
+    if model_cls is None:  # not imported yet: a failure inside the block is still named (_loader_in)
+        yield
+        return
+    original = model_cls.__dict__["from_pretrained"]
+
+    def refused(cls: type, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"memsave.deferred_init: {cls.__name__}.from_pretrained inside the block is not supported (it loads the "
+            f"weights eagerly, so nothing would be deferred, or fails on the meta tensors): {_LOAD_INSTEAD}")
+
+    model_cls.from_pretrained = classmethod(refused)
+    try:
+        yield
+    finally:
+        model_cls.from_pretrained = original
 
 
 def _loader_in(tb: Any) -> str | None:
