@@ -629,6 +629,32 @@ def _tp2_worker(bf16_refs: dict[str, tc.Run]) -> dict[str, tuple[bool, Any]]:
     return _run_cases(cases, mesh)
 
 
+def _replica_eval_case(mesh: memsave.Mesh) -> dict[str, list[float]]:
+    """An evaluation on dp rank 0's replica only (its two tp ranks) between steps: legal, since a forward
+    communicates over tp alone ([Note: control-flow agreement]); the losses equal those of the loop without it."""
+    x, y = tc.batches(250, steps=1)[0]
+    x, y = x[mesh.dp_rank::2], y[mesh.dp_rank::2]
+    out = {}
+    for profile in ("ddp", "zero2"):
+        for evaluate in (False, True):
+            torch.manual_seed(0)
+            model = tc.gpt()
+            model, opt = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=tc.LR), profile, mesh=mesh)
+            losses = []
+            for _ in range(2):
+                loss = tc.gpt_loss(model, x, y)
+                opt.backward(loss)
+                opt.step()
+                opt.zero_grad()
+                losses.append(float(loss))
+                if evaluate and mesh.dp_rank == 0:
+                    with torch.no_grad():
+                        tc.gpt_loss(model, x, y)
+            out[f"{profile}:{evaluate}"] = losses
+        assert out[f"{profile}:True"] == out[f"{profile}:False"], out
+    return out
+
+
 def _dp2tp2_worker(bf16_refs: dict[str, tc.Run]) -> dict[str, tuple[bool, Any]]:
     mesh = memsave.init(tp=2)
     assert mesh.degree("dp") == 2
@@ -637,6 +663,7 @@ def _dp2tp2_worker(bf16_refs: dict[str, tc.Run]) -> dict[str, tuple[bool, Any]]:
         cases[f"train:{name}"] = lambda m, k=key, p=prof, s=seq: _train_case(m, k, p, s, bf16_refs)
     for key, seq in DP2TP2_COMM:
         cases[f"comm:{key}:sp={seq}"] = lambda m, k=key, s=seq: _comm_case(m, k, s)
+    cases["replica-eval"] = _replica_eval_case
     results = _run_cases(cases, mesh)
     cases = {"ce:tp4": _ce_case}
     for name, (key, prof, seq) in TP4_TRAIN.items():
@@ -730,8 +757,12 @@ def test_recompute_replays_the_dropout_masks(tp2: dict) -> None:
     _outcome(tp2, "recompute-dropout")
 
 
+def test_an_evaluation_on_one_dp_replica_is_legal(dp2tp2: dict) -> None:
+    print(_outcome(dp2tp2, "replica-eval"))
+
+
 def test_every_case_ran(tp2: dict, dp2tp2: dict) -> None:
     assert {f"train:{n}" for n in TP2_TRAIN} | {f"comm:{m}:sp={q}" for m, q in TP2_COMM} | {
         "ce:tp2", "plans", "embedding", "dropout", "recompute-dropout"} == tp2.keys()
     assert {f"train:{n}" for n in DP2TP2_TRAIN} | {f"comm:{m}:sp={q}" for m, q in DP2TP2_COMM} | {
-        "ce:tp4"} | {f"train-tp4:{n}" for n in TP4_TRAIN} == dp2tp2.keys()
+        "ce:tp4", "replica-eval"} | {f"train-tp4:{n}" for n in TP4_TRAIN} == dp2tp2.keys()

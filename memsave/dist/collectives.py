@@ -181,6 +181,11 @@ def group_rank(group: ProcessGroup | None) -> int:
     return dist.get_rank(group)
 
 
+def group_ranks(group: ProcessGroup | None) -> list[int]:
+    """The global ranks of ``group``'s members, in group-rank order."""
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 

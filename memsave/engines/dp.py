@@ -99,7 +99,7 @@ class DataParallelEngine:
         self._hooks.append(model.register_forward_pre_hook(self._check_trainable, prepend=True))
         self._hooks.append(model.register_load_state_dict_post_hook(self._after_load))
         if mesh.degree("tp") > 1 and mesh.degree("pp") == 1:  # every forward communicates over tp
-            self._hooks.append(self.agreement.watch_forwards(model))
+            self._hooks.append(self.agreement.watch_forwards(model, mesh.new_group("tp")))
         self._hooks.extend(self._outer.register(model))
         if mesh.device.type == "cpu":
             self._hooks.append(model.register_forward_hook(lambda *_: mdist.after_forward()))
