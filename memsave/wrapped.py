@@ -95,9 +95,13 @@ class MemsaveModule:
             "accelerate and Trainer'")
 
     def unshard(self) -> None:
-        """ZeRO-3: gather every unit's full parameters (collective: call on every rank), e.g. to read weights
-        outside the forward; :meth:`reshard` frees them again. No-op at other stages."""
+        """ZeRO-3: gather every unit's full parameters (collective: call on every rank), to read or write weights
+        outside the forward; :meth:`reshard` frees them again, keeping what was written ([Note: edits of gathered
+        parameters] in memsave/zero/edit_window.py). No-op at other stages."""
         self.memsave_engine.unshard()
+        zero = getattr(self.memsave_engine, "inner", self.memsave_engine)  # (a pipeline's: its stage's engine)
+        if hasattr(zero, "edit_windows"):
+            zero.edit_windows.open(zero.units)
 
     def reshard(self) -> None:
         """ZeRO-3: free the units gathered by :meth:`unshard` (or on access). No-op at other stages."""

@@ -42,6 +42,9 @@ CASES = [
     ("zero2-bf16", "zero2-bf16", (), torch.bfloat16, 1.0),
     ("ddp-fp16", "ddp", ('precision.compute="fp16"', "precision.loss_scale=1024.0"), torch.float16, 1024.0),
     ("zero2-bf16-offload", "zero2-bf16", ('offload.optimizer="cpu"',), torch.bfloat16, 1.0),
+    # ZeRO-3: edited between model.unshard() and model.reshard() ([Note: edits of gathered parameters])
+    ("zero3-bf16", "zero3-bf16", (), torch.bfloat16, 1.0),
+    ("zero3-bf16-disk", "zero3-bf16", ('offload.params="disk"', 'offload.optimizer="disk"'), torch.bfloat16, 1.0),
 ]
 
 
@@ -104,9 +107,13 @@ def _memsave(profile: str, overrides: tuple, dtype: torch.dtype, edit: str, opt_
         opt.step()
         opt.zero_grad()
         if EDITS[edit] is not None:
+            model.unshard()  # (a no-op but at ZeRO-3)
             EDITS[edit](model)
+            model.reshard()
     edits = getattr(opt.mp, "edits", None)
     refreshed, watched = (edits.num_refreshed, len(edits.entries)) if edits is not None else (0, 0)
+    if profile.startswith("zero3"):  # the shards written back, where no parameter is watched
+        refreshed, watched = model.memsave_engine.edit_windows.num_written_back, 0
     sd = opt.state_dict()  # its masters hold the edit after the last step too
     return ({k: v.clone() for k, v in model.state_dict().items()}, sd["master_params"], refreshed, watched)
 
@@ -135,6 +142,8 @@ def test_edits_reach_masters(world: int, tmp_path: object) -> None:
             assert same, f"{where}: memsave's weights or masters differ from the hand-built reference"
             if edit == "none":  # nothing edited: no master is refreshed (no pass over the weights)
                 assert refreshed == 0, f"{where}: {refreshed} masters refreshed without an edit"
+            elif name.startswith("zero3"):  # written back at every reshard: the clamped rows, the padding row (rank 0's)
+                assert refreshed >= STEPS or (edit == "pad_row" and rank > 0), f"{where}: {refreshed} written back"
             elif edit == "clamp":  # every watched parameter, after every step but the last (read by state_dict)
                 assert refreshed == watched * (STEPS - 1), f"{where}: {refreshed} refreshes, {watched} watched"
 

@@ -73,7 +73,7 @@ def _token_mean_loss(model: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tens
 
 def _train(model: nn.Module, opt: Any, loss_fn: Callable, rank: int | None, *, zero: str = "optimizer",
            eval_mid_step: bool = False, penalty: bool = False, sgd: bool = False,
-           freeze_after: int | None = None) -> list[float]:
+           freeze_after: int | None = None, clip: str = "") -> list[float]:
     """The loop under test. ``rank=None``: the plain reference on the global batch; else rank's half under memsave."""
     losses = []
     for step in range(STEPS):
@@ -92,6 +92,13 @@ def _train(model: nn.Module, opt: Any, loss_fn: Callable, rank: int | None, *, z
         else:
             opt.backward(loss)
         opt.step()
+        if clip:  # WGAN-style clipping through p.data, gathered by hand at ZeRO-3 (freed by reshard, or not)
+            if rank is not None:
+                model.unshard()
+            for p in model.parameters():
+                p.data.clamp_(-0.05, 0.05)
+            if rank is not None and clip == "reshard":
+                model.reshard()
         if zero == "every_other":  # gradients accumulated over two steps on purpose, as plain torch allows
             if step % 2:
                 opt.zero_grad()
@@ -170,6 +177,11 @@ def _equivalence_cases(world: int) -> str:
     # recompute on an unchanged HF model with use_cache at its default and an attention mask
     for profile in ("zero3-recompute", memsave.load_profile("ddp", ["recompute.policy=full"])):
         _compare(llama, profile, _hf_masked_loss, mesh, "recompute, HF use_cache default")
+    # weights edited between model.unshard() and model.reshard() (or the next backward, which frees them) reach
+    # the shards ([Note: edits of gathered parameters]); they were dropped at the free
+    for clip in ("reshard", "next_backward"):
+        _compare(toy, "zero3", _toy_loss, mesh, f"clipping p.data, freed by {clip}", clip=clip)
+    _compare(llama_tied, "zero3", _hf_loss, mesh, "clipping p.data, HF Llama tied", clip="reshard")
     _accelerate_recipe(mesh)  # last: accelerate's state is the process's for good
     return "ok"
 

@@ -77,6 +77,8 @@ class MemsaveOptimizer(WrappedOptimizer):
         self.scaler = scaler
         engine.loss_scaled = scaler is not None
         engine.load_listeners.append(weak_method(self._refresh_masters))
+        if hasattr(windows := getattr(engine, "inner", engine), "edit_windows"):  # ZeRO-3: shards the user edited
+            windows.edit_windows.edit_listeners.append(weak_method(self._follow_edits))
         engine.zero_grad_listeners.append(weak_method(self._forget_grads))
         route_zero_grad(optimizer, self)
         self._full_of: dict[torch.Tensor, nn.Parameter] = {}  # what the inner optimizer steps -> the parameter
@@ -270,18 +272,20 @@ class MemsaveOptimizer(WrappedOptimizer):
         return norm
 
     @torch.no_grad()
-    def _refresh_masters(self, loaded: dict[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """After ``model.load_state_dict``: the fp32 masters become the loaded parameters (else the next step would
-        copy the old weights back)."""
+    def _follow_edits(self, rows: dict[torch.Tensor, torch.Tensor]) -> None:  # [Note: edits of gathered ...]
+        self._refresh_masters(rows, only=True)
+    def _refresh_masters(self, loaded: dict[torch.Tensor, torch.Tensor] | None = None, only: bool = False) -> None:
+        """After ``model.load_state_dict``, or (``only``) ZeRO-3 shards the user edited: the fp32 masters follow
+        (else the next step would copy the old weights back)."""
         if self.mp is None:
             return
         if self.offloaded is None:
-            self.mp.refresh_masters()
+            self.mp.refresh_masters(loaded if loaded is not None and only else None)
             return
         states, own = self.offloaded.local()
         rows = loaded if loaded is not None else {}  # [offload] params: the shards' rows, read while loaded
         for m, s in self.mp.pairs:
-            if m is not s:
+            if m is not s and (s in rows or not (loaded is not None and only)):
                 new = rows.get(s, s).detach()
                 own[m] = follow(own[m], new) if m in own else new.float()
         self.offloaded.load_local_state(states, own)

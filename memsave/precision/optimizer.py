@@ -217,14 +217,15 @@ class MixedPrecisionOptimizer(WrappedOptimizer):
             self.scaler.load_state_dict(state_dict["loss_scaler"])
 
     @torch.no_grad()
-    def refresh_masters(self) -> None:
+    def refresh_masters(self, rows: dict[torch.Tensor, torch.Tensor] | None = None) -> None:
         """After the model's weights were loaded: every fp32 master element that no longer rounds to its
         parameter becomes the parameter (as ``__init__`` made it), so the next step does not copy the old weights
         back. Elements that still round to it keep their extra precision: a resume that loads the optimizer (with
-        its masters) before or after the model stays bit for bit."""
+        its masters) before or after the model stays bit for bit. ``rows``: only these parameters, with these
+        values (ZeRO-3 shards the user edited)."""
         for master, p in self._pairs:
-            if master is not p:
-                master.copy_(follow(master, p))
+            if master is not p and (rows is None or p in rows):
+                master.copy_(follow(master, p if rows is None else rows[p]))
         self.edits.mark()
 
     @torch.no_grad()

@@ -34,6 +34,7 @@ from memsave.models.units import (  # layer 0: the estimator reads the same grou
 from memsave.outer_backward import OuterBackward, repeated_gradient_error
 from memsave.phases import MemoryCategory
 from memsave.wrapped import check_still_frozen, sync_suspended, unscaled_backward_error
+from memsave.zero.edit_window import EditWindows, write_back
 from memsave.zero.schedule import Stage3Schedule
 from memsave.zero.unit import Unit
 
@@ -97,6 +98,7 @@ class ZeroEngine:
         self._hooks: list[Any] = []
         self._register_hooks()
         self.param_offload: Any = None  # [offload] params = "disk" | "cpu" (attach_param_offload)
+        self.edit_windows = EditWindows(lambda: self.param_offload)  # [Note: edits of gathered parameters]
         self.step_waiter: Callable[[Unit], None] | None = None  # [offload] overlap (attach_step_waiter)
 
     # -- construction --------------------------------------------------------------------------------------
@@ -364,7 +366,7 @@ class ZeroEngine:
             for u in self.units:
                 if self.param_offload is not None:
                     self.param_offload.enter(u)  # the shard changes: loaded, written back below
-                u.write_back_full()
+                write_back(u)
                 if loaded is not None:
                     loaded.update((s, s.detach().clone()) for s in u.shards)
                 u.reshard()

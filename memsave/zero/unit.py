@@ -99,6 +99,7 @@ class Unit:
         # a pipeline step holds its stage's units gathered across its micro-batches (memsave/engines/pipeline.py):
         # the stage-3 schedule's frees are skipped while pinned
         self.pinned = False
+        self.closing: Callable[[Unit], None] | None = None  # [Note: edits of gathered parameters] in edit_window.py
         self._read_guards = [self._make_read_guard(i) for i in range(len(self.params))]
         with torch.no_grad():
             if stage == 3:
@@ -191,6 +192,8 @@ class Unit:
         if self.state is UnitState.GATHERING:
             self._complete_gather()
         else:
+            if self.closing is not None:  # gathered for the user: their writes reach the shard first
+                self.closing(self)
             for p, sentinel, guard in zip(self.params, self._sentinels, self._read_guards):
                 p.data = sentinel
                 mark_sharded(p, guard)
@@ -204,12 +207,6 @@ class Unit:
                                    "the unit is sharded")
             self.on_sharded_read(self, i, what)
         return guard
-
-    @torch.no_grad()
-    def write_back_full(self) -> None:
-        """Stage 3, while unsharded: copy this rank's rows of the (possibly modified) full params into the shard."""
-        for i in range(len(self.params)):
-            self.shards[i].copy_(self._own_rows(self.full_views[i], i))
 
     def _own_rows(self, full: torch.Tensor, i: int) -> torch.Tensor:
         slot = self.param_layout.slots[i]
