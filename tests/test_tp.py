@@ -617,6 +617,7 @@ def _run_cases(cases: dict[str, Case], mesh: memsave.Mesh) -> dict[str, tuple[bo
 def _tp2_worker(bf16_refs: dict[str, tc.Run]) -> dict[str, tuple[bool, Any]]:
     mesh = memsave.init(tp=2)
     cases: dict[str, Case] = {}
+    cases["tied-state-dict"] = _tied_state_dict_case
     for name, (key, prof, seq) in TP2_TRAIN.items():
         cases[f"train:{name}"] = lambda m, k=key, p=prof, s=seq: _train_case(m, k, p, s, bf16_refs)
     for key, seq in TP2_COMM:
@@ -627,6 +628,23 @@ def _tp2_worker(bf16_refs: dict[str, tc.Run]) -> dict[str, tuple[bool, Any]]:
     cases["dropout"] = _dropout_case
     cases["recompute-dropout"] = _recompute_dropout_case
     return _run_cases(cases, mesh)
+
+
+def _tied_state_dict_case(mesh: memsave.Mesh) -> str:
+    """A tied weight's names share one gathered tensor in ``model.state_dict()``, as they alias in plain torch:
+    a padding row zeroed through one name and loaded back is zero (the other name's copy overwrote it)."""
+    for profile in ("ddp", "zero3"):
+        torch.manual_seed(0)
+        model = tc.gpt(tie=True)
+        model, _ = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=tc.LR), profile, mesh=mesh)
+        sd = model.state_dict()
+        assert sd["wte.weight"] is sd["lm_head.weight"], profile
+        sd["wte.weight"][0] = 0
+        model.load_state_dict(sd)
+        after = model.state_dict()
+        assert not after["wte.weight"][0].any() and not after["lm_head.weight"][0].any(), profile
+        assert after["wte.weight"][1].any(), profile
+    return "ok"
 
 
 def _replica_eval_case(mesh: memsave.Mesh) -> dict[str, list[float]]:
@@ -757,12 +775,16 @@ def test_recompute_replays_the_dropout_masks(tp2: dict) -> None:
     _outcome(tp2, "recompute-dropout")
 
 
+def test_a_tied_weight_edited_through_the_state_dict_loads_back(tp2: dict) -> None:
+    _outcome(tp2, "tied-state-dict")
+
+
 def test_an_evaluation_on_one_dp_replica_is_legal(dp2tp2: dict) -> None:
     print(_outcome(dp2tp2, "replica-eval"))
 
 
 def test_every_case_ran(tp2: dict, dp2tp2: dict) -> None:
     assert {f"train:{n}" for n in TP2_TRAIN} | {f"comm:{m}:sp={q}" for m, q in TP2_COMM} | {
-        "ce:tp2", "plans", "embedding", "dropout", "recompute-dropout"} == tp2.keys()
+        "ce:tp2", "plans", "embedding", "dropout", "recompute-dropout", "tied-state-dict"} == tp2.keys()
     assert {f"train:{n}" for n in DP2TP2_TRAIN} | {f"comm:{m}:sp={q}" for m, q in DP2TP2_COMM} | {
         "ce:tp4", "replica-eval"} | {f"train-tp4:{n}" for n in TP4_TRAIN} == dp2tp2.keys()

@@ -330,24 +330,26 @@ def full_state_dicts(model: nn.Module, ctx: TPContext) -> None:
     ``tp``), and ``model.load_state_dict`` takes whole tensors (each rank cuts its slice) or this rank's slices, so
     a state dict moves between a tensor-parallel run, a plain model and ``save_pretrained`` as it is. Installed
     after the other transforms, so their own state-dict hooks (ZeRO-3's gather over ``dp``) run first."""
-    def cut_params() -> dict[str, Any]:
+    def cut_params() -> dict[str, tuple[Any, nn.Parameter]]:
         """The cut parameters by their names now (a block replaced after wrap, by ``torch.compile(block)``, puts
         ``_orig_mod.`` in its keys: names taken at wrap missed them, and its shards were saved as they are)."""
-        return {k: lay for k, p in model.named_parameters(remove_duplicate=False)
+        return {k: (lay, p) for k, p in model.named_parameters(remove_duplicate=False)
                 if (lay := tp_param(p)) is not None and lay.dim is not None}
 
     def gather(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         layouts = cut_params()
         if layouts:  # rank 0 alone (`if rank == 0: model.state_dict()`): its error, not a 600 s hang in the gather
             mdist.expect_every_rank("model.state_dict() under tensor parallelism", ctx.group)
-        for key, lay in layouts.items():
+        whole: dict[nn.Parameter, torch.Tensor] = {}  # a tied parameter's names share one tensor, as in plain torch
+        for key, (lay, p) in layouts.items():  # (an edit through one key then reaches the load of both)
             value = state_dict.get(prefix + key)
             if isinstance(value, torch.Tensor) and lay.dim is not None:
-                state_dict[prefix + key] = gather_tp(value, lay.dim, ctx.group, blocks=lay.blocks,
-                                                     full=lay.full_shape[lay.dim])
+                if p not in whole:
+                    whole[p] = gather_tp(value, lay.dim, ctx.group, blocks=lay.blocks, full=lay.full_shape[lay.dim])
+                state_dict[prefix + key] = whole[p]
 
     def cut(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        for key, lay in cut_params().items():
+        for key, (lay, _) in cut_params().items():
             value = state_dict.get(prefix + key)
             if isinstance(value, torch.Tensor) and lay.dim is not None and tuple(value.shape) == lay.full_shape:
                 state_dict[prefix + key] = cut_tp(value, lay, ctx.size, ctx.rank)
