@@ -113,9 +113,8 @@ class MemsaveOptimizer(WrappedOptimizer):
         position = {p: i for i, p in enumerate(engine.model.parameters())}
         self._norm_order = sorted(self._opt_full, key=lambda t: position[self._opt_full[t]])
         if isinstance(optimizer, Adafactor) and self.any_sharded:  # its statistics sum over the cut rows/columns
-            mesh = engine.mesh
             whole = {p: getattr(tp_param(p), "full_shape", None) or p.shape for p in self._opt_full.values()}
-            optimizer.shard(lambda t, axes: mdist.all_reduce_over(t, mesh.groups_for(axes), via=mesh.device),
+            optimizer.shard(lambda t, axes: mdist.all_reduce_over(t, engine.mesh.groups_for(axes), via=engine.mesh.device),
                             {s: layout_of(self._placement[s], s.dim(), whole[p]) for s, p in self._opt_full.items()})
         if hasattr(engine, "scale_loss") and self.mp is not None:  # the pipeline engine runs the backwards itself
             engine.scale_loss = self.mp.scale
@@ -271,12 +270,13 @@ class MemsaveOptimizer(WrappedOptimizer):
             torch._foreach_mul_(grads, coef.to(grads[0].dtype))
         return norm
 
-    @torch.no_grad()
     def _follow_edits(self, rows: dict[torch.Tensor, torch.Tensor]) -> None:  # [Note: edits of gathered ...]
+        self.settle()  # (the masters of an offloaded state: a background step may still hold them)
         self._refresh_masters(rows, only=True)
+
+    @torch.no_grad()
     def _refresh_masters(self, loaded: dict[torch.Tensor, torch.Tensor] | None = None, only: bool = False) -> None:
-        """After ``model.load_state_dict``, or (``only``) ZeRO-3 shards the user edited: the fp32 masters follow
-        (else the next step would copy the old weights back)."""
+        """After ``model.load_state_dict``, or (``only``) ZeRO-3 shards the user edited: the fp32 masters follow."""
         if self.mp is None:
             return
         if self.offloaded is None:
