@@ -124,8 +124,18 @@ def _tp_eval_on_one_rank(world: int) -> list[str]:
             else:
                 model(**batch)
         seen.append(profile)
+        # [Note: one input per tp group] rows sharded by the global rank (DistributedSampler's defaults): the tp
+        # ranks would compute one model on two batches, their all-reduces mixing them, with no error
+        other = TokenBatches(seq_len=16, batch_size=2, dp_rank=mesh.rank, dp_size=2).batch(1)
+        with pytest.raises(RuntimeError, match=r"tensor-parallel ranks \[0, 1\] got different inputs .*"
+                                               r"num_replicas=mesh\.dp_size, rank=mesh\.dp_rank"):
+            model(**other)
+        model(**TokenBatches(seq_len=16, batch_size=2).batch(1))  # the same rows on both: trains on
+        seen.append(f"{profile} inputs")
     return seen
 
 
 def test_an_evaluation_on_one_tp_rank_is_named_before_it_computes() -> None:
-    assert run_ranks(_tp_eval_on_one_rank, 2, 2, timeout=120) == [["ddp", "zero2", "zero3"]] * 2
+    """Also: tp ranks fed different rows are named at the forward."""
+    want = ["ddp", "ddp inputs", "zero2", "zero2 inputs", "zero3", "zero3 inputs"]
+    assert run_ranks(_tp_eval_on_one_rank, 2, 2, timeout=120) == [want] * 2

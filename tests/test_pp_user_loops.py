@@ -238,6 +238,35 @@ def _tuple_output(mesh: memsave.Mesh) -> dict[str, float]:
     return _diff((got, _sd(model)), (figures, _sd(ref)))
 
 
+# -- a tokenizer's batches, padded anew each step ---------------------------------------------------------------------
+def _batch_encoding(mesh: memsave.Mesh) -> dict[str, float]:
+    """Micro-batches as transformers' BatchEncoding (a UserDict: what tokenizers and DataCollatorWithPadding
+    return), of a new length each step. Before, it was passed as one positional argument (rank 0's embedding got a
+    BatchEncoding), and its shapes were not part of the probe's key (a UserDict is one opaque pytree leaf)."""
+    from transformers import BatchEncoding
+
+    seq = pc.lm_data()[0].shape[1]
+    batches = [[BatchEncoding({"input_ids": ids[:, :n], "labels": ids[:, :n]}) for ids in batch.chunk(2)]
+               for batch, n in zip(pc.lm_data(), (seq, seq - 3, seq - 1))]
+    ref = pc.llama(True)
+    opt = torch.optim.SGD(ref.parameters(), lr=pc.LR)
+    figures = []
+    for mbs in batches:
+        losses = [ref(**mb).loss for mb in mbs]
+        (sum(losses) / len(mbs)).backward()
+        figures.append(float(sum(losses)) / len(mbs))
+        opt.step()
+        opt.zero_grad()
+    model = pc.llama(True)
+    model, mopt = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=pc.LR), pc.profile(pp=2), mesh=mesh)
+    got = []
+    for mbs in batches:
+        got.append(float(model.pipeline_step(mbs)))
+        mopt.step()
+        mopt.zero_grad()
+    return _diff((got, _sd(model)), (figures, _sd(ref)))
+
+
 CASES: dict[str, Callable[[memsave.Mesh], dict[str, float]]] = {
     "tied-two-calls-a-step-ddp": lambda mesh: _accumulate(mesh, "ddp", calls=2, clear=True),
     "tied-two-calls-a-step-zero3": lambda mesh: _accumulate(mesh, "zero3", calls=2, clear=True),
@@ -249,6 +278,7 @@ CASES: dict[str, Callable[[memsave.Mesh], dict[str, float]]] = {
     "frozen-stage-zero2": lambda mesh: _frozen_stage(mesh, "zero2"),
     "autocast-around-the-step-refused": lambda mesh: _frozen_stage(mesh, "ddp", autocast_first=True),
     "hf-tuple-output": _tuple_output,
+    "batch-encoding-new-length-each-step": _batch_encoding,
     "torch-clip-over-one-stage": _torch_clip,
 }
 

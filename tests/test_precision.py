@@ -287,3 +287,36 @@ def test_the_trainer_runs_the_loss_scaled_optimizer_and_logs_its_scale() -> None
     assert losses[-1] < losses[0] and all(math.isfinite(x) for x in losses)
     assert [scale is not None and scale <= 2.0**16 for scale, _ in logged] == [True, True]
     assert logged[-1][1] >= logged[0][1]  # skipped steps only accumulate
+
+
+def test_float_inputs_in_a_dataclass_or_a_batch_encoding_are_cast() -> None:
+    """A bf16 profile casts the float tensors among the forward's inputs inside dataclasses and a tokenizer's
+    BatchEncoding too (torch's pytree took them for opaque leaves: fp32 met the bf16 weights and raised), leaving
+    the user's batch as it was."""
+    import dataclasses
+
+    from transformers import BatchEncoding
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+        n: int = 0
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+        def forward(self, batch: object) -> torch.Tensor:
+            h = batch.x if isinstance(batch, Batch) else batch["x"]  # type: ignore[index]
+            for b in self.blocks:
+                h = b(h)
+            return h.float().pow(2).mean()
+
+    model = Net()
+    model, _ = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), "ddp-bf16")
+    x = torch.randn(3, 4)
+    want = model({"x": x})
+    for batch in (Batch(x, n=2), BatchEncoding({"x": x}), [{"x": x}][0]):
+        assert torch.equal(model(batch), want), type(batch).__name__
+    assert x.dtype == torch.float32

@@ -12,19 +12,28 @@ backward) is not checked, so a rank-0-only evaluation pass there stays legal.
 
 The group spans the ``dp`` and ``tp`` axes. Under tensor parallelism every forward communicates over ``tp``, so
 there each forward is checked too, over ``tp`` alone (:meth:`Agreement.watch_forwards`: an evaluation on one dp
-replica's ranks stays legal). A forward without autograd (an
-evaluation, ``generate()``) is a phase of its own: on one rank only, it would pair its all-reduces with the
-peers' next training forward and compute with their activations, then pair that forward with their backward
-until two sizes differ (gloo then aborts the process); checked, it raises on every rank before its first
-all-reduce.
+replica's ranks stays legal). A forward without autograd (an evaluation, ``generate()``) is a phase of its own:
+on one rank only, it would pair its all-reduces with the peers' next training forward and compute with their
+activations, then pair that forward with their backward until two sizes differ (gloo then aborts the process);
+checked, it raises on every rank before its first all-reduce.
+
+[Note: one input per tp group] The ranks of a ``tp`` group compute one model on one batch, each a slice of
+every layer: their inputs must be equal. A loader sharded by the global rank (``DistributedSampler`` with its
+defaults, as a DDP script has it) gives them different rows; the all-reduces then add partial sums of different
+rows, and the loss trains on a mixture with no error where the shapes agree. So the forward's check also carries
+a fingerprint of its tensor inputs (their count, shapes, and two sums in fp64, one weighted by position), and a
+difference raises on every rank, naming the ranks' shapes and what to shard by.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from memsave.inputs import tensors_in
 from memsave.dist.collectives import ProcessGroup, all_gather_into, doing, group_rank, group_ranks, group_size
 
 __all__ = ["Agreement"]
@@ -44,21 +53,29 @@ class Agreement:
         """All ranks of the group are at this step and phase, or every one raises."""
         self._check_over(self.group, phase)
 
-    def _check_over(self, group: ProcessGroup | None, phase: str) -> None:
+    def _check_over(self, group: ProcessGroup | None, phase: str, inputs: tuple[Any, dict] | None = None) -> None:
         size = group_size(group)
         if size <= 1:
             return
         if phase == "forward" and not torch.is_grad_enabled():
             phase = "forward without autograd"
-        mine = torch.tensor([self.step, PHASES.index(phase)], dtype=torch.int64, device=self.device)
-        every = torch.empty(2 * size, dtype=torch.int64, device=self.device)
+        mine = _fingerprint(self.step, PHASES.index(phase), inputs, self.device)
+        every = torch.empty(size * mine.numel(), dtype=torch.float64, device=self.device)
         all_gather_into(every, mine, group, count_as="control")
-        seen = every.view(size, 2).tolist()
+        seen = every.view(size, -1).tolist()
         if all(s == seen[0] for s in seen):
             return
         me, ranks = group_rank(group), group_ranks(group)
-        others = ", ".join(f"rank {ranks[r]} at step {s} ({PHASES[p]})" for r, (s, p) in enumerate(seen) if r != me)
-        evaluating = PHASES.index("forward without autograd") in {p for _, p in seen}
+        if all(s[:2] == seen[0][:2] for s in seen):  # [Note: one input per tp group]
+            shapes = ", ".join(f"rank {ranks[r]}: {_shapes(s)}" for r, s in enumerate(seen))
+            raise RuntimeError(
+                f"memsave: the tensor-parallel ranks {ranks} got different inputs for this forward (tensors, "
+                f"shapes and values; {shapes}). Every rank of a tp group runs one model on one batch: shard the "
+                "data over the data-parallel ranks only, DistributedSampler(dataset, num_replicas=mesh.dp_size, "
+                "rank=mesh.dp_rank), and draw any random input from a generator seeded alike on the tp ranks")
+        others = ", ".join(f"rank {ranks[r]} at step {int(s[0])} ({PHASES[int(s[1])]})"
+                           for r, s in enumerate(seen) if r != me)
+        evaluating = PHASES.index("forward without autograd") in {int(s[1]) for s in seen}
         hint = ("; an evaluation or generate() must run on every rank that a forward communicates with (HF "
                 "generate: synced_gpus=True, so that a rank that finished keeps taking part)") if evaluating else ""
         raise RuntimeError(
@@ -70,11 +87,38 @@ class Agreement:
 
     def watch_forwards(self, model: nn.Module, group: ProcessGroup) -> RemovableHandle:
         """Check every forward of ``model`` over ``group`` (``tp``: under tensor parallelism every forward
-        communicates over it, and only over it: a forward on one dp replica's ranks alone stays legal)."""
+        communicates over it, and only over it: a forward on one dp replica's ranks alone stays legal), with its
+        inputs ([Note: one input per tp group])."""
 
         @torch.compiler.disable  # (under torch.compile: run between the compiled pieces, not traced)
-        def check(module: nn.Module, args: object) -> None:
+        def check(module: nn.Module, args: tuple, kwargs: dict) -> None:
             doing(self.step, "forward")
-            self._check_over(group, "forward")
+            self._check_over(group, "forward", (args, kwargs))
 
-        return model.register_forward_pre_hook(check, prepend=True)
+        return model.register_forward_pre_hook(check, prepend=True, with_kwargs=True)
+
+
+_DIMS = 4  # the dims of the first tensors' shapes carried for the message
+
+
+@torch.no_grad()
+def _fingerprint(step: int, phase: int, inputs: tuple[Any, dict] | None, device: torch.device) -> torch.Tensor:
+    """step, phase, then of the tensor inputs: count, numel, a shape code, their sum and position-weighted sum (on
+    the device: no synchronization before the all-gather), the first two's shapes."""
+    tensors = tensors_in(inputs)  # (in dataclasses and BatchEncoding too)
+    code = sum((k + 1) * sum((j + 1) * d for j, d in enumerate(t.shape)) + k * t.dim() for k, t in enumerate(tensors))
+    shapes = [d for t in tensors[:2] for d in [*t.shape[:_DIMS], *[-1] * (_DIMS - min(t.dim(), _DIMS))]]
+    head = torch.tensor([step, phase, len(tensors), sum(t.numel() for t in tensors), code, *shapes,
+                         *[-1] * (2 * _DIMS - len(shapes))], dtype=torch.float64).to(device)
+    sums = [torch.zeros(2, dtype=torch.float64, device=device)]
+    for t in tensors:
+        x = t.detach().reshape(-1).to(device, torch.float64)
+        weights = torch.linspace(1.0, 2.0, x.numel(), dtype=torch.float64, device=device)
+        sums.append(torch.stack([x.sum(), (x * weights).sum()]))
+    return torch.cat([head, torch.stack(sums).sum(0).nan_to_num(-7.0)])
+
+
+def _shapes(seen: list[float]) -> str:
+    count, dims = int(seen[2]), seen[5:5 + 2 * _DIMS]
+    first = [tuple(int(d) for d in dims[i * _DIMS:(i + 1) * _DIMS] if d >= 0) for i in range(min(count, 2))]
+    return f"{count} tensors, first {', '.join(map(str, first))}" if count else "no tensor"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from torch import nn
 from memsave import dist as mdist
 from memsave.dist.p2p import new_subgroups
 from memsave.engines.protocol import Engine
+from memsave.inputs import leaves
 from memsave.phases import MemoryCategory
 from memsave.pp import schedule as pp_schedule
 from memsave.pp.runtime import StageRunner
@@ -48,7 +49,7 @@ def build_schedule(name: str, pp: int, micro_batches: int, virtual: int = 1) -> 
 
 
 def _call(model: nn.Module, batch: Any) -> Any:
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):  # a dict, or a tokenizer's BatchEncoding (a UserDict)
         return model(**batch)
     if isinstance(batch, tuple | list):
         return model(*batch)
@@ -62,9 +63,8 @@ def _signature(batch: Any) -> Any:
     """A micro-batch's tensors' shapes and dtypes, and its other arguments' values where they are flags (a flag
     such as ``output_hidden_states`` changes what the stages hand on) or else their types (a number that changes
     every step, as a token count, must not make every step probe again)."""
-    leaves = torch.utils._pytree.tree_flatten(batch)[0]
     return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor)
-                 else (type(t).__name__, repr(t)) if isinstance(t, _FLAGS) else type(t).__name__ for t in leaves)
+                 else (type(t).__name__, repr(t)) if isinstance(t, _FLAGS) else type(t).__name__ for t in leaves(batch))
 
 
 def _code_of(fn: Any) -> Any:

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from memsave.config import PrecisionConfig
+from memsave.inputs import map_tensors
 from memsave.precision.scaler import LossScaler
 
 __all__ = ["DTYPES", "cast_forward_inputs", "cast_parameters", "compute_dtype", "reduce_dtype_for", "scaler_for"]
@@ -70,6 +70,6 @@ def cast_forward_inputs(model: nn.Module, dtype: torch.dtype) -> Any:
         return t
 
     def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        return tree_map(cast, args), tree_map(cast, kwargs)
+        return map_tensors(cast, args), map_tensors(cast, kwargs)  # dataclasses and BatchEncoding too
 
     return model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)

@@ -133,8 +133,8 @@ class ZeroEngine:
             self._hooks.append(p.register_hook(self._make_before_accumulate(p)))
         if self.mesh.device.type == "cpu":
             self._hooks.append(self.model.register_forward_hook(lambda *_: mdist.after_forward()))
-        if self.schedule is None and self.mesh.degree("tp") > 1 and self.mesh.degree("pp") == 1:  # (stage 3: its
-            self._hooks.append(self.agreement.watch_forwards(self.model, self.mesh.new_group("tp")))  # root hook)
+        if self.mesh.degree("tp") > 1 and self.mesh.degree("pp") == 1:  # [Note: one input per tp group]
+            self._hooks.append(self.agreement.watch_forwards(self.model, self.mesh.new_group("tp")))
         if self.schedule is not None:
             self._hooks.extend(self.schedule.register(self.model))
             self._hooks.append(self.model.register_state_dict_pre_hook(self._pre_state_dict))
