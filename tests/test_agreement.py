@@ -127,7 +127,7 @@ def _tp_eval_on_one_rank(world: int) -> list[str]:
         # [Note: one input per tp group] rows sharded by the global rank (DistributedSampler's defaults): the tp
         # ranks would compute one model on two batches, their all-reduces mixing them, with no error
         other = TokenBatches(seq_len=16, batch_size=2, dp_rank=mesh.rank, dp_size=2).batch(1)
-        with pytest.raises(RuntimeError, match=r"tensor-parallel ranks \[0, 1\] got different inputs .*"
+        with pytest.raises(RuntimeError, match=r"ranks \[0, 1\] run one model replica together .*different inputs .*"
                                                r"num_replicas=mesh\.dp_size, rank=mesh\.dp_rank"):
             model(**other)
         model(**TokenBatches(seq_len=16, batch_size=2).batch(1))  # the same rows on both: trains on

@@ -267,6 +267,23 @@ def _batch_encoding(mesh: memsave.Mesh) -> dict[str, float]:
     return _diff((got, _sd(model)), (figures, _sd(ref)))
 
 
+def _rows_by_global_rank(mesh: memsave.Mesh) -> dict[str, float]:
+    """Micro-batches sharded by the global rank (DistributedSampler's defaults): the first stage would embed rank
+    0's rows and the last score rank 1's labels, with no error. Refused on both ranks before anything runs."""
+    ids = pc.lm_data()[0]
+    model = pc.llama(True)
+    model, _ = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=pc.LR), pc.profile(pp=2), mesh=mesh)
+    mine = ids[mesh.rank::2]
+    try:
+        model.pipeline_step([{"input_ids": mb, "labels": mb} for mb in mine.chunk(2)])
+    except RuntimeError as exc:
+        assert "run one model replica together" in str(exc) and "num_replicas=mesh.dp_size" in str(exc), exc
+    else:
+        raise AssertionError("micro-batches that differ across the pipeline's ranks were not refused")
+    model.pipeline_step([{"input_ids": mb, "labels": mb} for mb in ids.chunk(2)])  # the same rows: trains on
+    return {"figures": 0.0, "params": 0.0}
+
+
 CASES: dict[str, Callable[[memsave.Mesh], dict[str, float]]] = {
     "tied-two-calls-a-step-ddp": lambda mesh: _accumulate(mesh, "ddp", calls=2, clear=True),
     "tied-two-calls-a-step-zero3": lambda mesh: _accumulate(mesh, "zero3", calls=2, clear=True),
@@ -279,6 +296,7 @@ CASES: dict[str, Callable[[memsave.Mesh], dict[str, float]]] = {
     "autocast-around-the-step-refused": lambda mesh: _frozen_stage(mesh, "ddp", autocast_first=True),
     "hf-tuple-output": _tuple_output,
     "batch-encoding-new-length-each-step": _batch_encoding,
+    "rows-by-global-rank-refused": _rows_by_global_rank,
     "torch-clip-over-one-stage": _torch_clip,
 }
 

@@ -18,7 +18,8 @@ activations, then pair that forward with their backward until two sizes differ (
 checked, it raises on every rank before its first all-reduce.
 
 [Note: one input per tp group] The ranks of a ``tp`` group compute one model on one batch, each a slice of
-every layer: their inputs must be equal. A loader sharded by the global rank (``DistributedSampler`` with its
+every layer: their inputs must be equal (so must a pipeline's: the first stage embeds the rows whose labels the
+last scores; ``pipeline_step`` checks its micro-batches over the ``pp`` and ``tp`` axes once a step). A loader sharded by the global rank (``DistributedSampler`` with its
 defaults, as a DDP script has it) gives them different rows; the all-reduces then add partial sums of different
 rows, and the loss trains on a mixture with no error where the shapes agree. So the forward's check also carries
 a fingerprint of its tensor inputs (their count, shapes, and two sums in fp64, one weighted by position), and a
@@ -69,10 +70,11 @@ class Agreement:
         if all(s[:2] == seen[0][:2] for s in seen):  # [Note: one input per tp group]
             shapes = ", ".join(f"rank {ranks[r]}: {_shapes(s)}" for r, s in enumerate(seen))
             raise RuntimeError(
-                f"memsave: the tensor-parallel ranks {ranks} got different inputs for this forward (tensors, "
-                f"shapes and values; {shapes}). Every rank of a tp group runs one model on one batch: shard the "
-                "data over the data-parallel ranks only, DistributedSampler(dataset, num_replicas=mesh.dp_size, "
-                "rank=mesh.dp_rank), and draw any random input from a generator seeded alike on the tp ranks")
+                f"memsave: ranks {ranks} run one model replica together (its tensor- and pipeline-parallel ranks) "
+                f"but got different inputs (tensors, shapes or values; {shapes}): they would compute one model on "
+                "several batches. Shard the data over the data-parallel ranks only, DistributedSampler(dataset, "
+                "num_replicas=mesh.dp_size, rank=mesh.dp_rank), and draw any random input from a generator seeded "
+                "alike on those ranks")
         others = ", ".join(f"rank {ranks[r]} at step {int(s[0])} ({PHASES[int(s[1])]})"
                            for r, s in enumerate(seen) if r != me)
         evaluating = PHASES.index("forward without autograd") in {int(s[1]) for s in seen}
@@ -84,6 +86,11 @@ class Agreement:
             "backward and optimizer.step() calls in the same order: look for a condition on the rank, or data of "
             f"different length per rank{hint})"
         )
+
+    def check_inputs(self, group: ProcessGroup, inputs: Any) -> None:
+        """The ranks of ``group`` (one model replica's) are at this step, with equal inputs (a pipeline step's
+        micro-batches), or every one raises ([Note: one input per tp group])."""
+        self._check_over(group, "forward", (inputs, {}))
 
     def watch_forwards(self, model: nn.Module, group: ProcessGroup) -> RemovableHandle:
         """Check every forward of ``model`` over ``group`` (``tp``: under tensor parallelism every forward

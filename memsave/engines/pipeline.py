@@ -107,6 +107,7 @@ class PipelineEngine:
         self.balance_by = "count"  # the [parallel] balance that chose the split (set by wrap)
         self._zero: Any = inner  # (a ZeroEngine where its stage-3 schedule is read)
         self.pp_size, self.pp_rank = self.mesh.degree("pp"), self.mesh.axis_rank("pp")
+        self._replica_group = self.mesh.new_group("pp", "tp")  # the ranks of one model replica (same inputs)
         self.scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
         self._schedules: dict[int, pp_schedule.Schedule] = {}
         # ties: one group per tie over the pp ranks holding it (created on every rank alike, collectively)
@@ -226,6 +227,8 @@ class PipelineEngine:
         def run(i: int) -> Any:
             return _call(self.model, micro_batches[i])
 
+        # [Note: one input per tp group] (and per pipeline): every stage must read the same micro-batches
+        self.agreement.check_inputs(self._replica_group, (micro_batches, targets))
         # [Note: what the layout depends on] what crosses stages is probed once per input signature, train/eval
         # mode of every module and loss function (an auxiliary loss read in training only, or by one loss_fn)
         modes = tuple(mod.training for mod in self.model.modules())
