@@ -9,6 +9,7 @@ schedule; a pipeline's stage split comes first, so that the others see this rank
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -361,11 +362,24 @@ def _no_cache_in_training(model: nn.Module) -> None:
     """A recomputed forward must compute what it did the first time; a Hugging Face model left at its default
     ``use_cache=True`` appends to its key/value cache again in the replay (wrong shapes with an attention mask,
     right only by chance without). In training mode pass ``use_cache=False``, as HF's own gradient checkpointing
-    does, and say so once."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "use_cache"):
-        return
+    does, and say so once: to the model and to every HF model inside it (a reward or classifier head around one).
+    Packed rows (``position_ids`` restarting inside a row, no attention mask) then get transformers' per-document
+    mask where the model at its default used one causal mask: said too, since the numbers change with it."""
+    for sub in model.modules():
+        config = getattr(sub, "config", None)
+        if config is not None and hasattr(config, "use_cache") and _takes_use_cache(sub):
+            sub.register_forward_pre_hook(_no_cache_hook(config), with_kwargs=True)
 
+
+def _takes_use_cache(module: nn.Module) -> bool:
+    """Whether ``module``'s forward names a ``use_cache`` argument (a model, not its rotary table)."""
+    try:
+        return "use_cache" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _no_cache_hook(config: Any) -> Callable[..., tuple[Any, dict[str, Any]] | None]:
     def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
         if not module.training or kwargs.get("use_cache") is False:
             return None
@@ -373,7 +387,13 @@ def _no_cache_in_training(model: nn.Module) -> None:
             warn_once("[recompute] with a Hugging Face model in training mode: use_cache=False is passed to its "
                       "forward (a recomputed forward must not append to the key/value cache again), as HF's "
                       "gradient checkpointing does")
+            if kwargs.get("position_ids") is not None and kwargs.get("attention_mask") is None:
+                warn_once("[recompute] position_ids without an attention_mask (packed rows?): with use_cache=False "
+                          "transformers masks each document of a row apart where position_ids restart, where the "
+                          "model at its default use_cache masked the whole row causally, so the losses differ from "
+                          "a run without recomputation (as under HF's gradient_checkpointing_enable()); pass "
+                          "use_cache=False in your loop too for the same numbers with and without it")
             return args, {**kwargs, "use_cache": False}
         return None
 
-    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return hook

@@ -478,3 +478,29 @@ def test_torch_2_11_selective_cache_lists_are_counted_and_read_again(monkeypatch
     plain = ckpt._ListEntries()
     plain.extend([first, second])
     assert plain.pop(0) is first and len(plain) == 1
+
+
+def test_packed_rows_under_recompute_say_the_mask_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packed rows (position_ids restarting inside a row, no attention mask): the use_cache=False that recompute
+    passes makes transformers mask each document apart, so the loss differs from the model at its defaults (as
+    under HF's gradient checkpointing); said once, and equal with use_cache=False in the user's call."""
+    from memsave import _logging
+    from tests.harness import LogRecords
+    from tests.toy import hf_llama
+
+    monkeypatch.setattr(_logging, "_warned", set())
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(5), torch.arange(7)]).expand(2, 12)  # two documents per row
+    ref = hf_llama()
+    model = copy.deepcopy(ref)
+    model, _ = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                            memsave.load_profile("ddp", ["recompute.policy=full"]))
+    records = LogRecords()
+    _logging.get_logger().addHandler(records)
+    try:
+        packed = model(input_ids=ids, position_ids=pos, labels=ids).loss
+    finally:
+        _logging.get_logger().removeHandler(records)
+    assert any("position_ids without an attention_mask (packed rows?)" in m for m in records.messages)
+    assert float(packed) != float(ref(input_ids=ids, position_ids=pos, labels=ids).loss)  # the defaults' mask
+    assert float(packed) == float(ref(input_ids=ids, position_ids=pos, labels=ids, use_cache=False).loss)

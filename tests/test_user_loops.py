@@ -56,6 +56,25 @@ def _hf_embeds_loss(model: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tenso
     return model(inputs_embeds=embeds * 1.5, labels=b["input_ids"]).loss
 
 
+class _RewardModel(nn.Module):
+    """The user's module around an unchanged HF model (a reward / classifier head): memsave's recompute passes
+    use_cache=False to the HF model inside too (only the root's was: the replay appended to the key/value cache a
+    second time and eager attention with a mask raised a shape error)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = hf_llama(tied=False)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
+        return self.lm(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids)
+
+
+def _reward_loss(model: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
+    mask = torch.ones_like(b["input_ids"])
+    mask[:, :2] = 0
+    return model(b["input_ids"], mask).loss
+
+
 def _token_mean_loss(model: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
     """The README's global token mean: ignored labels (-100) differ per rank, so each rank's summed loss is scaled
     by dp / the global count, and the average over dp is the single-process mean over the global batch."""
@@ -177,6 +196,7 @@ def _equivalence_cases(world: int) -> str:
     # recompute on an unchanged HF model with use_cache at its default and an attention mask
     for profile in ("zero3-recompute", memsave.load_profile("ddp", ["recompute.policy=full"])):
         _compare(llama, profile, _hf_masked_loss, mesh, "recompute, HF use_cache default")
+    _compare(_RewardModel, "zero3-recompute", _reward_loss, mesh, "recompute, an HF model inside the user's module")
     # weights edited between model.unshard() and model.reshard() (or the next backward, which frees them) reach
     # the shards ([Note: edits of gathered parameters]); they were dropped at the free
     for clip in ("reshard", "next_backward"):
