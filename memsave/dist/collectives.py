@@ -88,8 +88,17 @@ class CollectiveError(RuntimeError):
     """A collective failed or timed out; the message names the collective, the phase and the unit."""
 
 
+_PEER_GONE = ("closed by peer", "reset by peer", "timed out", "timeout")
+
+
 def _failed(label: str, exc: BaseException) -> CollectiveError:
-    return CollectiveError(f"memsave: {label} failed: {type(exc).__name__}: {exc}")
+    hint = ""
+    if any(what in str(exc).lower() for what in _PEER_GONE):  # a peer that never came (or left): say what it may be
+        hint = (" (a peer rank never joined this collective: it ended or crashed, or it runs something else, such "
+                "as a rank that ran out of batches before the others (give every rank the same number of steps: "
+                "DistributedSampler(..., drop_last=True), or a step count agreed on all ranks), or an evaluation, "
+                "barrier or save on some ranks only; its own error or log says which)")
+    return CollectiveError(f"memsave: {label} failed: {type(exc).__name__}: {exc}{hint}")
 
 
 class _Named:
@@ -325,7 +334,8 @@ def expect_every_rank(what: str, group: ProcessGroup | None, timeout_s: float | 
             raise RuntimeError(
                 f"{what} is collective: every rank of its group (global ranks {ranks}) must call it, but rank(s) "
                 f"{missing} did not within {timeout:.0f} s (MEMSAVE_ARRIVAL_S). Call it on every rank and keep or "
-                "save the result on rank 0 only, as memsave.save does"
+                "save the result on rank 0 only, as memsave.save does; if every rank calls it, the missing ones "
+                "are elsewhere: still training (a rank with more batches than the others), or stopped"
             )
         time.sleep(0.002)
 
