@@ -23,6 +23,7 @@ from memsave.config import Profile, load_profile
 from memsave.deferred import Materializer, has_meta, meta_tensors
 from memsave.dist import Mesh
 from memsave.engines import DataParallelEngine, Engine, MemsaveOptimizer
+from memsave.model_copy import DTYPES_ATTR
 from memsave.precision import cast_forward_inputs, cast_parameters
 from memsave.precision.nonfinite import NonfiniteGuard
 from memsave.validate import (
@@ -60,6 +61,8 @@ def _prepare_model(model: nn.Module, mesh: Mesh, dtype: torch.dtype | None,
 
     A deferred model (meta tensors) is materialized here, whole (``per_unit`` False), or, at ZeRO-3, its buffers
     only: its parameters are materialized unit by unit as ZeRO takes them (:func:`_unit_materializer`)."""
+    if dtype is not None:  # what copy.deepcopy(model) gives back (memsave/model_copy.py): the user's own dtypes
+        vars(model)[DTYPES_ATTR] = {n: p.dtype for n, p in model.named_parameters(remove_duplicate=False)}
     if deferred is None:
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             if t.device.type == "meta":

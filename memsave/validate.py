@@ -29,7 +29,7 @@ from memsave.offload import check_disk_path
 from memsave.offload.chunks import MASTER_BYTES
 from memsave.optim import Adafactor
 from memsave.precision import LossScaler, compute_dtype, reduce_dtype_for, scaler_for
-from memsave.wrapped import WrappedOptimizer, is_wrapped_optimizer, wrapped_model_of
+from memsave.wrapped import WrappedOptimizer, is_wrapped_optimizer, shared_with_wrapped, wrapped_model_of
 from memsave.zero.offload import cpu_noop, estimate_state_bytes
 from memsave.zero.rows import ELEMENTWISE, check_shardable
 
@@ -217,7 +217,15 @@ def check_optimizer_not_wrapped(optimizer: torch.optim.Optimizer) -> None:
 
 def check_model(model: nn.Module, profile: Profile) -> None:
     """What no engine can train: sparse gradients anywhere; nothing trainable under plain data parallelism;
-    torch.compile's wrapper under ZeRO-3."""
+    torch.compile's wrapper under ZeRO-3; a parameter another wrapped model holds."""
+    shared = shared_with_wrapped(model)
+    if shared is not None:  # two engines would each reduce, shard and step it: wrong numbers, timing-dependent
+        name, other, there = shared
+        raise ValueError(
+            f"parameter {name!r} of this {type(model).__name__} is also parameter {there!r} of a "
+            f"{type(other).__name__} already wrapped by memsave: two engines would each reduce (or shard) its "
+            "gradient and step it. Wrap one module that holds both models (one engine, one optimizer with a param "
+            "group per model), or give the second model its own copy of the shared module")
     for name, m in model.named_modules():
         if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse and m.weight.requires_grad:
             raise NotImplementedError(

@@ -17,16 +17,12 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import copy
-import functools
-import types
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.nn.modules.module import _WrappedHook
 
 from memsave.phases import MemoryCategory
 from memsave.state_view import ParamStateAttribute
@@ -50,10 +46,6 @@ _CLASS_CACHE: dict[type, type] = {}
 # What memsave wrapped, for the errors that name it (an optimizer or a parameter passed to a second wrap).
 _WRAPPED_MODELS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _WRAPPED_OPTIMIZERS: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-_LEFT_OUT = object()  # what memsave attached to a module, in a deep copy's memo: not copied
-# a module's hook dicts whose keys are flags on hooks of another dict: (flags, hooks)
-_HOOK_FLAGS = (("_forward_hooks_with_kwargs", "_forward_hooks"), ("_forward_hooks_always_called", "_forward_hooks"),
-               ("_forward_pre_hooks_with_kwargs", "_forward_pre_hooks"))
 
 
 class MemsaveModule:
@@ -138,70 +130,12 @@ class MemsaveModule:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> nn.Module:
         """``copy.deepcopy(model)`` (an EMA copy, say): a plain instance of the user's class holding the full
-        weights, without memsave's engine, hooks or recomputation. At ZeRO-3 it gathers the parameters for the copy
-        (a collective: deep-copy on every rank, between steps) and frees them again."""
-        module = cast(nn.Module, self)
-        if (mesh := getattr(getattr(module, "memsave_engine", None), "mesh", None)) and mesh.degree("tp") > 1:
-            raise NotImplementedError(
-                f"copy.deepcopy of a model under tensor parallelism (tp = {mesh.degree('tp')}) is not supported: its "
-                "layers hold this rank's slices and run over the tp group. For an EMA, keep this rank's slices (ema = "
-                "[p.detach().clone() for p in model.parameters()], updated with ema_p.lerp_(p, 1 - decay)), or "
-                "build a plain model and load model.state_dict() (whole tensors; collective: on every rank) into it")
-        forwards = _mark_left_out(module, memo)
-        clone = cast(nn.Module, object.__new__(user_class(module)))
-        memo[id(self)] = clone
-        self.unshard()
-        try:
-            clone.__dict__.update(copy.deepcopy(module.__dict__, memo))
-        finally:
-            self.reshard()
-        for m in clone.modules():
-            attrs = vars(m)
-            for key in [k for k, v in attrs.items() if v is _LEFT_OUT or k.startswith("memsave_")]:
-                del attrs[key]
-            for name, hooks_of in attrs.items():
-                if isinstance(hooks_of, dict) and "hooks" in name:
-                    for key in [k for k, v in hooks_of.items() if v is _LEFT_OUT]:
-                        del hooks_of[key]
-            for flags, hooks in _HOOK_FLAGS:
-                for key in [k for k in attrs.get(flags, {}) if k not in attrs.get(hooks, {})]:
-                    del attrs[flags][key]
-        for m, original in forwards:  # a recomputed unit: the forward it had before, if an instance one
-            vars(memo[id(m)])["forward"] = copy.deepcopy(original, memo)
-        return clone
+        weights, in the dtypes they had before wrap, without memsave's engine, hooks or recomputation
+        (memsave/model_copy.py). At ZeRO-3 it gathers the parameters for the copy (a collective: deep-copy on
+        every rank, between steps) and frees them again."""
+        from memsave.model_copy import plain_copy  # (it reads this module's classes)
 
-
-def _is_memsave(obj: Any) -> bool:
-    """Whether ``obj`` (a hook, an instance's ``forward``, a ``memsave_*`` attribute's value) is memsave's
-    machinery: a function, method or object defined in a memsave module (the reference models aside)."""
-    if isinstance(obj, _WrappedHook):  # torch's wrapper of some module hooks (load_state_dict pre-hooks)
-        obj = obj.hook
-    if isinstance(obj, functools.partial):
-        obj = obj.func
-    obj = getattr(obj, "__func__", obj)  # a bound method: its function
-    where = (getattr(obj, "__module__", None) if isinstance(obj, types.FunctionType) else type(obj).__module__) or ""
-    return where.split(".")[0] == "memsave" and not where.startswith("memsave.models")
-
-
-def _mark_left_out(module: nn.Module, memo: dict[int, Any]) -> list[tuple[nn.Module, Any]]:
-    """Map what memsave attached to ``module`` and its submodules (the engine and other ``memsave_*`` attributes,
-    hooks, a recomputed unit's ``forward``) to ``_LEFT_OUT`` in a deep copy's ``memo``, so it is never copied.
-    Returns ``(submodule, forward)`` for recomputed units whose forward before was an instance attribute."""
-    forwards = []
-    for m in module.modules():
-        for key, value in vars(m).items():
-            if key.startswith("memsave_") or key == "forward":
-                found = [value]
-            elif isinstance(value, dict) and "hooks" in key:
-                found = list(value.values())
-            else:
-                continue
-            for obj in found:
-                if _is_memsave(obj):
-                    memo[id(obj)] = _LEFT_OUT
-                    if key == "forward" and getattr(obj, "original", None) is not None:
-                        forwards.append((m, obj.original))
-    return forwards
+        return plain_copy(cast(nn.Module, self), memo)
 
 
 def swap_class(module: nn.Module, engine: Any) -> nn.Module:
@@ -240,12 +174,22 @@ def user_class(module: nn.Module) -> type:
     return cls.__bases__[0] if isinstance(module, MemsaveModule) else cls
 
 
+def shared_with_wrapped(model: nn.Module) -> tuple[str, nn.Module, str] | None:
+    """A parameter of ``model`` that a wrapped model holds too: (its name here, that model, its name there)."""
+    return _held({id(p): n for n, p in model.named_parameters(remove_duplicate=False)})
+
+
 def wrapped_model_of(t: torch.Tensor) -> tuple[nn.Module, str] | None:
     """The wrapped model ``t`` is a parameter of, and its name there (``None``: none); scans them all, for errors."""
+    found = _held({id(t): ""})
+    return (found[1], found[2]) if found is not None else None
+
+
+def _held(ids: dict[int, str]) -> tuple[str, nn.Module, str] | None:
     for model in list(_WRAPPED_MODELS):
         for name, p in model.named_parameters(remove_duplicate=False):
-            if p is t:
-                return model, name
+            if id(p) in ids:
+                return ids[id(p)], model, name
     return None
 
 

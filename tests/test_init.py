@@ -227,12 +227,13 @@ MEMSAVE = Path(__file__).resolve().parents[1] / "memsave"
 # communication, beside offload/ and optim/); `_launch` (local process spawning, beside dist/), and
 # with cli: `cli_args`, `cli_estimate` (parts of the `memsave` command) and `__main__`; beside `wrapped`,
 # `outer_backward` (the end of the user's backward, for the data-parallel engines) and `state_view` (the wrapped
-# optimizer's state by parameter), below engines/ and zero/, which use them, for import order; `inputs` (the tensors
+# optimizer's state by parameter) and `model_copy` (copy.deepcopy of a wrapped model), below engines/ and zero/,
+# which use them, for import order; `inputs` (the tensors
 # in a forward's inputs, dataclasses and BatchEncoding too) in layer 0, since dist's agreement reads them.
 LAYERS = {
     "config": 0, "config_sections": 0, "config_types": 0, "phases": 0, "_logging": 0, "models": 0, "profile_docs": 0,
     "inputs": 0,
-    "dist": 1, "offload": 1, "optim": 1, "wrapped": 1, "outer_backward": 1, "state_view": 1, "_launch": 1, "_launch_faults": 1, "deferred": 1,
+    "dist": 1, "offload": 1, "optim": 1, "wrapped": 1, "outer_backward": 1, "state_view": 1, "model_copy": 1, "_launch": 1, "_launch_faults": 1, "deferred": 1,
     "precision": 2, "memory": 2,
     "zero": 3, "recompute": 3, "tp": 3, "pp": 3,
     "engines": 4,
