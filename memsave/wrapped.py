@@ -240,7 +240,10 @@ def route_zero_grad(inner: torch.optim.Optimizer, wrapper: WrappedOptimizer) -> 
 
 def weak_method(method: Callable[..., Any], fallback: Callable[..., Any] | None = None) -> Callable[..., Any]:
     """A callable that calls the bound ``method`` while its object lives (else ``fallback``, or nothing): for
-    callbacks an engine or the user's optimizer keeps, which must not keep a wrapper alive."""
+    callbacks an engine or the user's optimizer keeps, which must not keep a wrapper alive. [Note: hooks held by
+    tensors] A parameter's post-accumulate-grad hook is held on the tensor's C++ side, where the garbage collector
+    does not look: an engine method there kept engine, model and gradients alive after ``del model, opt`` (a
+    sweep or a notebook grew by the model per wrap), so the engines register these weakly."""
     ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
 
     def call(*args: Any, **kwargs: Any) -> Any:

@@ -283,3 +283,21 @@ def _deepcopy_ranks() -> str:
 
 def test_deepcopy_of_a_wrapped_model_is_a_plain_copy_with_the_full_weights() -> None:
     assert run_ranks(_deepcopy_ranks, 2, timeout=240) == ["ok", "ok"]
+
+
+def test_a_wrapped_model_is_freed_after_del() -> None:
+    """[Note: hooks held by tensors] ``del model, opt`` frees the model, its engine and gradients (a sweep or a
+    notebook in one process grew by the model per wrap: the engine's gradient hooks are held on the tensors' C++
+    side, where the garbage collector does not look)."""
+    import gc
+    import weakref
+
+    for profile in ("ddp", "zero2", "zero3"):
+        model = ToyLM(seed=1)
+        model, opt = memsave.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), profile)
+        opt.backward(model(**toy_batch(0, 2)).loss)
+        opt.step()
+        alive = weakref.ref(model)
+        del model, opt
+        gc.collect()
+        assert alive() is None, profile

@@ -35,7 +35,7 @@ from memsave.dist import Mesh
 from memsave.engines import part_grad
 from memsave.outer_backward import OuterBackward, repeated_gradient_error
 from memsave.phases import MemoryCategory
-from memsave.wrapped import check_still_frozen, sync_suspended, unscaled_backward_error
+from memsave.wrapped import check_still_frozen, sync_suspended, unscaled_backward_error, weak_method
 
 __all__ = ["DataParallelEngine", "trainable_parameters"]
 
@@ -95,7 +95,9 @@ class DataParallelEngine:
         self.load_listeners: list[Callable[[Any], None]] = []  # called after model.load_state_dict (with None)
         self.zero_grad_listeners: list[Callable[[], None]] = []  # called by model.zero_grad()
         self._frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._slot]
+        # [Note: hooks held by tensors] weakly: a tensor's hook is held where the collector cannot see it
+        on_grad = weak_method(self._on_grad_ready)
+        self._hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in self._slot]
         self._hooks.append(model.register_forward_pre_hook(self._check_trainable, prepend=True))
         self._hooks.append(model.register_load_state_dict_post_hook(self._after_load))
         if mesh.degree("tp") > 1 and mesh.degree("pp") == 1:  # every forward communicates over tp

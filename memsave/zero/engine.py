@@ -33,7 +33,7 @@ from memsave.models.units import (  # layer 0: the estimator reads the same grou
 )
 from memsave.outer_backward import OuterBackward, repeated_gradient_error
 from memsave.phases import MemoryCategory
-from memsave.wrapped import check_still_frozen, sync_suspended, unscaled_backward_error
+from memsave.wrapped import check_still_frozen, sync_suspended, unscaled_backward_error, weak_method
 from memsave.zero.edit_window import EditWindows, write_back
 from memsave.zero.schedule import Stage3Schedule
 from memsave.zero.unit import Unit
@@ -94,7 +94,7 @@ class ZeroEngine:
         self.zero_grad_listeners: list[Callable[[], None]] = []  # called by model.zero_grad()
         self.before_zero_in_place: Callable[[], None] | None = None  # set by the optimizer (offload overlap)
         for u in self.units:
-            u.on_sharded_read = self._sharded_read
+            u.on_sharded_read = weak_method(self._sharded_read)  # [Note: hooks held by tensors]
         self._hooks: list[Any] = []
         self._register_hooks()
         self.param_offload: Any = None  # [offload] params = "disk" | "cpu" (attach_param_offload)
@@ -129,7 +129,7 @@ class ZeroEngine:
 
     def _register_hooks(self) -> None:
         for p in self._trainable:
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+            self._hooks.append(p.register_post_accumulate_grad_hook(weak_method(self._on_grad_ready)))
             self._hooks.append(p.register_hook(self._make_before_accumulate(p)))
         if self.mesh.device.type == "cpu":
             self._hooks.append(self.model.register_forward_hook(lambda *_: mdist.after_forward()))
