@@ -295,7 +295,10 @@ class MemsaveOptimizer(WrappedOptimizer):
         agreement = self.engine.agreement
         mdist.doing(agreement.step, "optimizer.step()")
         agreement.check("optimizer")  # [Note: control-flow agreement] in memsave/dist/agreement.py
-        agreement.step += 1
+        self._stepped()
+        agreement.step += 1  # once it returned: a step that raised on one rank is named at the next phase
+
+    def _stepped(self) -> None:
         self.engine.before_step()
         self.complete_partial_grads()
         offloaded = self.offloaded
@@ -320,15 +323,12 @@ class MemsaveOptimizer(WrappedOptimizer):
             self.mp.edits.mark()  # (ZeRO-1/2 wrote the gathered rows through .data)
 
     def _forget_derived(self) -> None:
-        """[Note: what a step derives from its gradients] Clipping computes, from this step's gradients, the fp32
-        unscaled master gradients and their overflow check (mixed precision) and the global norm (which the
-        step's non-finite check reuses); the step then reuses them. They belong to the gradients they came from:
-        new gradients (a synchronizing backward since they were derived: ``engine.num_syncs`` moved, also when
-        ``loss.backward()`` under bf16 never went through the optimizer, or the user set ``p.grad = None``) or
-        a ``zero_grad`` (the optimizer's or ``model.zero_grad()``) drop them. Kept past a step the user chose to
-        skip (``if spike: zero_grad(); continue``), the old finite norm passed the next step's NaN gradients as
-        finite and the step wrote NaN into every parameter; kept past ``model.zero_grad()``, the next step applied
-        the previous step's clipped gradients."""
+        """[Note: what a step derives from its gradients] Clipping computes from this step's gradients the fp32
+        unscaled master gradients, their overflow check and the global norm, which the step reuses. New gradients
+        (``engine.num_syncs`` moved: also a bf16 ``loss.backward()`` outside the optimizer, or ``p.grad = None``)
+        or a ``zero_grad`` (the optimizer's or the model's) drop them. Kept past a step the user skipped (``if
+        spike: zero_grad(); continue``), the old finite norm passed the next step's NaN gradients as finite (NaN
+        in every parameter); kept past ``model.zero_grad()``, the next step applied the last step's gradients."""
         self.nonfinite.norm = None
         if self.mp is not None:
             self.mp.forget()
