@@ -15,9 +15,16 @@ in its own graph task, and queues the end-of-backward callback there (:meth:`Out
 A gradient hook then asks for the synchronization (:meth:`OuterBackward.request`), which that callback runs. A
 backward that reaches no hooked output (a loss the model did not return) queues the synchronization on its own
 graph task, as before. The outer callback only runs a synchronization a gradient hook asked for, so an
-``autograd.grad`` through the outputs (a gradient penalty) synchronizes nothing. A backward that raised leaves no
-callback behind: the next forward forgets it (:meth:`OuterBackward.forget`), and the optimizer synchronizes a
-step whose backward did not (memsave/engines/optimizer.py)."""
+``autograd.grad`` through the outputs (a gradient penalty) synchronizes nothing.
+
+[Note: a backward that raised] A backward that raises (an out-of-memory error, a custom function's backward)
+never reaches its end-of-backward callback. The loop that catches it (``except RuntimeError: zero_grad();
+continue``) runs a forward next, outside any backward: there the outer callback is forgotten
+(:meth:`OuterBackward.forget`) and each engine drops the backward's half-done state (the parameters already
+counted, the reduces launched, which it waits for, and at ZeRO-3 the units gathered). Before, the next backward
+found its parameters "already counted" and raised a false reentrant-checkpoint error, every step from then on.
+Every rank must raise alike (the same bad batch); where one rank alone raised, its peers wait in that backward's
+collectives and end with the collective's error."""
 
 from __future__ import annotations
 

@@ -136,10 +136,27 @@ class DataParallelEngine:
             listener(None)
 
     def _check_trainable(self, module: nn.Module, args: Any) -> None:
+        if self._callback_queued and torch._C._current_graph_task_id() == -1:
+            self._drop_backward()  # [Note: a backward that raised] in memsave/outer_backward.py
         mdist.doing(self.agreement.step, "forward")  # (tp's collectives inside it name it when they fail)
         # it has no bucket: each rank would step it with its own local gradient
         check_still_frozen(self._frozen, "its gradient would never be averaged over ranks, so the replicas would "
                                          "diverge")
+
+    def _drop_backward(self) -> None:
+        """The last backward raised before its synchronization: finish the all-reduces it launched (every rank
+        that raised alike launched them) and start the next one afresh."""
+        for b in self.buckets:
+            if b.handle is not None:
+                b.handle.wait()
+                b.handle = None
+            b.pending = len(b.params)
+        if self._used_handle is not None:
+            self._used_handle.wait()
+            self._used_handle = None
+        self._used.zero_()
+        self._next_launch, self._callback_queued = 0, False
+        self._fired.clear()
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if self.loss_scaled and not self.in_scaled_backward:

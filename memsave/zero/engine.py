@@ -153,8 +153,20 @@ class ZeroEngine:
         return hook
 
     def _check_trainable(self, module: nn.Module, args: Any) -> None:
-        """A parameter frozen at wrap has no gradient shard, no reduce and no optimizer state: training it later
-        would silently never update it (and under plain data parallelism would let replicas diverge)."""
+        """A parameter frozen at wrap has no gradient shard, reduce or optimizer state: training it later would
+        never update it. A backward that raised before its synchronization is dropped ([Note: a backward ...])."""
+        if self._callback_queued and torch._C._current_graph_task_id() == -1:
+            for u in self._inflight:  # (launched alike on every rank that raised alike)
+                u.wait_reduce()
+            self._inflight.clear()
+            self._fired.clear()
+            self._ready.clear()
+            self._used.zero_()
+            self._next_reduce, self._callback_queued = 0, False
+            if self.schedule is not None:
+                self.schedule.end_backward()  # every unit freed, the passes afresh
+            for u in self.units:
+                u.pending = len(u.trainable)
         check_still_frozen(self._frozen, "ZeRO laid out gradient shards and optimizer state only for the "
                                          "parameters trainable at wrap, so it would never be updated")
 
