@@ -243,7 +243,8 @@ def check_model(model: nn.Module, profile: Profile) -> None:
         raise ValueError(
             f"profile {profile.name!r} (zero.stage = 0): model {type(model).__name__} has no trainable parameters "
             f"({len(list(model.parameters()))} parameters, none with requires_grad=True), so there is no gradient "
-            "to average; set requires_grad=True on the parameters to train before memsave.wrap"
+            "to average; set requires_grad=True on the parameters to train before memsave.wrap (a frozen model "
+            "used without training, a distillation teacher: leave it unwrapped, or shard it with zero3)"
         )
 
 

@@ -215,7 +215,10 @@ def unscaled_backward_error() -> RuntimeError:
     """fp16 with a loss scale: a backward that did not come through ``optimizer.backward(loss)``."""
     return RuntimeError(
         "memsave fp16: this backward did not go through optimizer.backward(loss), so the loss was not multiplied "
-        "by the loss scale that optimizer.step() divides by; call optimizer.backward(loss) instead of loss.backward()"
+        "by the loss scale that optimizer.step() divides by; call optimizer.backward(loss) instead of loss.backward(). "
+        "If it did go through another model's optimizer (a GAN's generator step through the discriminator), "
+        "this model's own optimizer did not scale it: freeze this model for that step (requires_grad_(False), "
+        "as the DCGAN example does), or wrap both in one module with one optimizer"
     )
 
 

@@ -302,7 +302,9 @@ class Unit:
                 f"optimizer shard, so {where}; clip with optimizer.clip_grad_norm(max_norm) (the global norm over "
                 "every rank), read full gradients with optimizer.full_grads() (collective), and clear them with "
                 "optimizer.zero_grad() or model.zero_grad() (transformers' Trainer and accelerator.clip_grad_norm_ "
-                "call torch's clip: README, 'Hugging Face accelerate and Trainer')")
+                "call torch's clip: README, 'Hugging Face accelerate and Trainer'). A second optimizer over the "
+                "model's parameters cannot step them: memsave steps the one passed to wrap (one optimizer, with a "
+                "param group per part)")
 
     def settle_grads(self, used: list[bool]) -> None:
         """Expose the averaged rows as the shards' ``.grad``; ``used[j]``: trainable param ``j`` got a gradient
