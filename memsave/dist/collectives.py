@@ -16,8 +16,10 @@ exists so the rest of memsave never sees the difference.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -287,6 +289,19 @@ def shutdown() -> None:
     if dist.is_initialized():
         if dist.get_world_size() > 1:
             _store_barrier("memsave/shutdown")
+        time.sleep(0.02)
+        dist.destroy_process_group()
+
+
+def shutdown_at_exit() -> None:
+    """[Note: gloo at exit] for scripts that end without :func:`shutdown` (registered by ``memsave.init`` when it
+    started the process group): the same meeting through the store, bounded to a few seconds, at interpreter
+    exit; skipped after an uncaught exception (its peers may never come), and quiet whatever fails."""
+    if not dist.is_initialized() or getattr(sys, "last_value", None) is not None:
+        return
+    with contextlib.suppress(Exception):
+        if dist.get_world_size() > 1:
+            _store_barrier("memsave/exit", timeout_s=10.0)
         time.sleep(0.02)
         dist.destroy_process_group()
 

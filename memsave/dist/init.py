@@ -18,6 +18,8 @@ the same way on torch 2.13). So under an elastic agent the store is wrapped in a
 
 from __future__ import annotations
 
+import atexit
+
 import datetime
 import os
 import sys
@@ -28,6 +30,7 @@ import torch.distributed as dist
 
 from memsave._logging import get_logger
 from memsave.config import Profile, load_profile
+from memsave.dist.collectives import shutdown_at_exit
 from memsave.dist.host_memory import configure_host_memory
 from memsave.dist.mesh import Mesh, validate_degrees
 
@@ -147,6 +150,7 @@ def init(
                 store = dist.PrefixStore(f"memsave/restart{restart}/", store)
                 dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout,
                                         **kwargs)  # type: ignore[arg-type]
+        atexit.register(shutdown_at_exit)  # [Note: gloo at exit]: a script that ends without shutdown()
     elif dist.get_backend() != backend:
         get_logger().info("using the existing %s process group (asked for %s)", dist.get_backend(), backend)
     mesh = Mesh.build(device=dev, dp=dp, tp=tp, pp=pp, local_rank=local_rank)
