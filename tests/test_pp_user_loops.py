@@ -284,6 +284,37 @@ def _rows_by_global_rank(mesh: memsave.Mesh) -> dict[str, float]:
     return {"figures": 0.0, "params": 0.0}
 
 
+def _step_that_raised(mesh: memsave.Mesh) -> dict[str, float]:
+    """A stage that raises inside a step's schedule (not the first step's probe), caught by the loop: the next step
+    raises at once on every rank, naming the first error ([Note: no step after a failed one] in pp/runtime.py).
+    Before, it hung for the collective timeout, or one stage trained on another step's activations."""
+    model = pc.sequential()
+    fail = {"now": False}
+
+    def boom(module: nn.Module, args: Any) -> None:
+        if fail["now"] and mesh.axis_rank("pp") == 0:
+            raise RuntimeError("out of memory (simulated)")
+
+    model[1].register_forward_pre_hook(boom)
+    model, mopt = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=pc.LR), pc.profile(pp=2), mesh=mesh)
+    data = pc.dense_data()
+    for step, (x, y) in enumerate(data[:3]):
+        fail["now"] = step == 1
+        try:
+            model.pipeline_step(list(x.chunk(2)), targets=list(y.chunk(2)), loss_fn=pc.mse)
+        except RuntimeError as exc:
+            said = str(exc)
+            if step == 1:
+                assert "simulated" in said, said  # rank 1 too: the peer's error, through the store
+            else:
+                assert "an earlier pipeline_step or pipeline_loss raised" in said and "simulated" in said, said
+            continue
+        assert step == 0, f"step {step} ran after a step that raised"
+        mopt.step()
+        mopt.zero_grad()
+    return {"figures": 0.0, "params": 0.0}
+
+
 CASES: dict[str, Callable[[memsave.Mesh], dict[str, float]]] = {
     "tied-two-calls-a-step-ddp": lambda mesh: _accumulate(mesh, "ddp", calls=2, clear=True),
     "tied-two-calls-a-step-zero3": lambda mesh: _accumulate(mesh, "zero3", calls=2, clear=True),
@@ -298,6 +329,8 @@ CASES: dict[str, Callable[[memsave.Mesh], dict[str, float]]] = {
     "batch-encoding-new-length-each-step": _batch_encoding,
     "rows-by-global-rank-refused": _rows_by_global_rank,
     "torch-clip-over-one-stage": _torch_clip,
+    # last: the failed step's messages stay in flight in this process group, for any later pipeline too
+    "no-step-after-one-that-raised": _step_that_raised,
 }
 
 

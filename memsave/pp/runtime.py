@@ -83,6 +83,11 @@ class StageRunner(Messages):
         self.pp_rank, self.pp_size, self.peer, self.pp_group = pp_rank, pp_size, peer, pp_group
         self.n_stages = split.n_stages
         self.local_stages = [s for s in range(self.n_stages) if s % pp_size == pp_rank]
+        # [Note: no step after a failed one] a step that raised inside its schedule (after the probe) leaves its
+        # messages in flight: gloo's posted receives and undrained sends, NCCL's order. The next step's would pair
+        # with them: it hung for the collective timeout, or a stage computed on a peer's other step with no error
+        # (a review). So every later step raises at once, naming the first error, on every rank of the pipeline.
+        self.broken: str | None = None
         self.p2p = P2P(device)
         self.ctx: _Ctx | None = None
         self.probe: Probe | None = None
@@ -182,6 +187,14 @@ class StageRunner(Messages):
         the start of every step: a failure announced in a step ends that step's waits only."""
         self.steps += 1
         set_failure_scope(f"{self.uid}/{self.steps}")
+        if self.broken is not None:  # [Note: no step after a failed one]
+            announce_failure(f"an earlier pipeline step raised ({self.broken})")  # (a peer waiting in this step)
+            raise RuntimeError(
+                f"memsave pipeline: an earlier pipeline_step or pipeline_loss raised inside its schedule ({self.broken}"
+                "); that step's messages to and from the other stages may still be in flight, and the next step's "
+                "would pair with them (a hang, or one stage's activations with another step's labels). Unlike a loop "
+                "without pipeline parallelism, a pipeline cannot skip a step that raised: end the run and resume "
+                "from the last checkpoint")
         layout = self.layouts.get(signature)
         if layout is None:
             local = set(self.local_stages)
@@ -323,6 +336,7 @@ class StageRunner(Messages):
         except BaseException as exc:
             if not isinstance(exc, PeerFailed):
                 announce_failure(f"{type(exc).__name__}: {exc}")
+            self.broken = f"{type(exc).__name__}: {exc}"
             self._forget_step()
             raise
         return total
@@ -366,6 +380,7 @@ class StageRunner(Messages):
         except BaseException as exc:
             if not isinstance(exc, PeerFailed):
                 announce_failure(f"{type(exc).__name__}: {exc}")
+            self.broken = f"{type(exc).__name__}: {exc}"  # [Note: no step after a failed one]
             self._held.clear()
             self._forget_step()
             raise
