@@ -119,9 +119,10 @@ def collective_counts(spec: ModelSpec, c: Candidate) -> dict[str, int]:
     them (tests/test_plan.py checks them against :data:`memsave.dist.COMM_STATS`):
 
     - ``all_reduce``: the agreements, a few bytes each (a step's loss scale and skip; data parallelism's
-      used-gradient flags and checks, ZeRO one more and one per micro-batch at stage 3; the pipeline's loss, a
-      message from the last stage, and, with tied weights, their reduction; tensor parallelism's loss reductions, three per micro-batch, and its
-      gradient check), and stage 0's gradient buckets;
+      used-gradient flags and checks, ZeRO one more and one per micro-batch at stage 3; the pipeline's check of
+      its micro-batches, its loss, a message from the last stage, and, with tied weights, their reduction; tensor
+      parallelism's loss reductions, three per micro-batch, each forward's check and its gradient check), and
+      stage 0's gradient buckets;
     - ``reduce_scatter`` / ``all_gather``: ZeRO's, one per unit (the stage's blocks and its root) and, at stage 3,
       a gather per block for forward and again for backward, every micro-batch without a pipeline; tensor
       parallelism's with sequence parallelism, per block and micro-batch four of each, two re-gathers in
@@ -152,8 +153,12 @@ def _count_terms(spec: ModelSpec, c: Candidate) -> dict[str, int]:
         else:
             n["dp scatters"] = layers + 1
             n["dp gathers"] = 2 * layers * (m if c.pp == 1 else 1) if c.stage >= 3 else layers + 1
+    if c.dp == 1 and c.tp > 1:  # the agreement group spans dp x tp: the backward's and the step's checks
+        n["agreements"] += 2 + (m if c.stage >= 3 else 0)
+    if c.tp > 1 and c.pp == 1:
+        n["agreements"] += m  # each forward's check over tp, with its inputs ([Note: one input per tp group])
     if c.pp > 1:
-        n["agreements"] += 1 + spec.tied  # the loss from the last stage; the tied weights' reduction
+        n["agreements"] += 2 + spec.tied  # the micro-batches' check; the loss from the last stage; the ties
         # each of the rank's v chunks sends to and receives from both neighbours (the model's first and last
         # chunk from one), forward and backward, every micro-batch; with p = 2 a rank holds one of those two
         n["pp sends"] = 2 * m * (2 * c.virtual - (1 if c.pp == 2 else 0))
