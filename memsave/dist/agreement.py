@@ -10,9 +10,10 @@ whatever else is in flight) and raises on every rank when they differ, naming ea
 phase; a phase that does not communicate (a forward under plain data parallelism or ZeRO-1/2, a ``no_sync``
 backward) is not checked, so a rank-0-only evaluation pass there stays legal.
 
-The group spans the ``dp`` and ``tp`` axes. Under tensor parallelism every forward communicates over ``tp``, so
-there each forward is checked too, over ``tp`` alone (:meth:`Agreement.watch_forwards`: an evaluation on one dp
-replica's ranks stays legal). A forward without autograd (an evaluation, ``generate()``) is a phase of its own:
+Under tensor parallelism every forward communicates over ``tp``, so there each forward is checked too, over
+``tp`` alone (:meth:`Agreement.watch_forwards`: an evaluation on one dp replica's ranks stays legal). That also
+names a tp rank that skipped a backward or a step, at its next forward, so the backward's and the step's checks
+stay over ``dp``: each costs a small collective, which on gloo is a millisecond or more. A forward without autograd (an evaluation, ``generate()``) is a phase of its own:
 on one rank only, it would pair its all-reduces with the peers' next training forward and compute with their
 activations, then pair that forward with their backward until two sizes differ (gloo then aborts the process);
 checked, it raises on every rank before its first all-reduce.
@@ -82,8 +83,8 @@ class Agreement:
                 "generate: synced_gpus=True, so that a rank that finished keeps taking part)") if evaluating else ""
         raise RuntimeError(
             f"memsave: control flow diverged across ranks: rank {ranks[me]} is at step {self.step} ({phase}), "
-            f"{others} (ranks of the data-parallel and tensor-parallel groups, which must run the same forward, "
-            "backward and optimizer.step() calls in the same order: look for a condition on the rank, or data of "
+            f"{others} (ranks of a data- or tensor-parallel group, which must run the same forward, backward and "
+            "optimizer.step() calls in the same order: look for a condition on the rank, or data of "
             f"different length per rank{hint})"
         )
 

@@ -153,8 +153,6 @@ def _count_terms(spec: ModelSpec, c: Candidate) -> dict[str, int]:
         else:
             n["dp scatters"] = layers + 1
             n["dp gathers"] = 2 * layers * (m if c.pp == 1 else 1) if c.stage >= 3 else layers + 1
-    if c.dp == 1 and c.tp > 1:  # the agreement group spans dp x tp: the backward's and the step's checks
-        n["agreements"] += 2 + (m if c.stage >= 3 else 0)
     if c.tp > 1 and c.pp == 1:
         n["agreements"] += m  # each forward's check over tp, with its inputs ([Note: one input per tp group])
     if c.pp > 1:

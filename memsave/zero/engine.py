@@ -58,7 +58,7 @@ class ZeroEngine:
         self.group, self.dp_size = mesh.dp_group, mesh.dp_size
         self.reduce_dtype = reduce_dtype  # None: the parameters' own dtype ([Note: reduce dtype] in unit.py)
         self.reduce_group = mesh.new_group("dp")
-        self.agreement = mdist.Agreement(mesh.new_group("dp", "tp"), mesh.device)  # [Note: control-flow agreement]
+        self.agreement = mdist.Agreement(mesh.new_group("dp"), mesh.device)  # [Note: control-flow agreement]
         self.require_grad_sync = True
         # before_unit(params): called with each unit's parameters just before the unit takes them (deferred
         # initialization materializes them there: [Note: materialization] in memsave/deferred/materialize.py)
