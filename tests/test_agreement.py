@@ -163,3 +163,23 @@ def test_an_evaluation_on_one_tp_rank_is_named_before_it_computes() -> None:
     """Also: tp ranks fed different rows are named at the forward."""
     want = ["ddp", "ddp inputs", "zero2", "zero2 inputs", "zero3", "zero3 inputs"]
     assert run_ranks(_tp_eval_on_one_rank, 2, 2, timeout=120) == [want] * 2
+
+
+def test_the_input_fingerprint_tells_batches_apart() -> None:
+    """[Note: one input per tp group]: equal inputs agree; other rows, the same rows in another order, another
+    shape differ; empty, 0-d, bool and bf16 tensors, a dataclass's and a dict's, take part without an error."""
+    import dataclasses
+
+    from memsave.dist.agreement import _fingerprint
+
+    @dataclasses.dataclass
+    class Batch:
+        ids: torch.Tensor
+
+    def fp(*inputs: object) -> list[float]:
+        return _fingerprint(3, 0, (inputs, {}), torch.device("cpu")).tolist()
+
+    ids = torch.arange(12).view(3, 4)
+    assert fp(ids) == fp(ids.clone()) and fp(Batch(ids)) == fp({"ids": ids})
+    assert fp(ids) != fp(ids + 1) and fp(ids) != fp(ids.flip(0)) and fp(ids) != fp(ids.view(4, 3))
+    fp(torch.ones(0, 5), torch.tensor(2.0), torch.ones(2, 2, dtype=torch.bool), torch.randn(2, 3, dtype=torch.bfloat16))

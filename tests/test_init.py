@@ -233,7 +233,8 @@ MEMSAVE = Path(__file__).resolve().parents[1] / "memsave"
 LAYERS = {
     "config": 0, "config_sections": 0, "config_types": 0, "phases": 0, "_logging": 0, "models": 0, "profile_docs": 0,
     "inputs": 0,
-    "dist": 1, "offload": 1, "optim": 1, "wrapped": 1, "outer_backward": 1, "state_view": 1, "model_copy": 1, "_launch": 1, "_launch_faults": 1, "deferred": 1,
+    "dist": 1, "offload": 1, "optim": 1, "wrapped": 1, "outer_backward": 1, "state_view": 1,
+    "model_copy": 1, "_launch": 1, "_launch_faults": 1, "deferred": 1,
     "precision": 2, "memory": 2,
     "zero": 3, "recompute": 3, "tp": 3, "pp": 3,
     "engines": 4,

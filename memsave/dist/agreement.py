@@ -13,17 +13,19 @@ backward) is not checked, so a rank-0-only evaluation pass there stays legal.
 Under tensor parallelism every forward communicates over ``tp``, so there each forward is checked too, over
 ``tp`` alone (:meth:`Agreement.watch_forwards`: an evaluation on one dp replica's ranks stays legal). That also
 names a tp rank that skipped a backward or a step, at its next forward, so the backward's and the step's checks
-stay over ``dp``: each costs a small collective, which on gloo is a millisecond or more. A forward without autograd (an evaluation, ``generate()``) is a phase of its own:
-on one rank only, it would pair its all-reduces with the peers' next training forward and compute with their
-activations, then pair that forward with their backward until two sizes differ (gloo then aborts the process);
-checked, it raises on every rank before its first all-reduce.
+stay over ``dp``: each costs a small collective, which on gloo is a millisecond or more. A forward without
+autograd (an evaluation, ``generate()``) is a phase of its own: on one rank only, it would pair its all-reduces
+with the peers' next training forward and compute with their activations, then pair that forward with their
+backward until two sizes differ (gloo then aborts the process); checked, it raises on every rank before its
+first all-reduce.
 
 [Note: one input per tp group] The ranks of a ``tp`` group compute one model on one batch, each a slice of
 every layer: their inputs must be equal (so must a pipeline's: the first stage embeds the rows whose labels the
-last scores; ``pipeline_step`` checks its micro-batches over the ``pp`` and ``tp`` axes once a step). A loader sharded by the global rank (``DistributedSampler`` with its
-defaults, as a DDP script has it) gives them different rows; the all-reduces then add partial sums of different
-rows, and the loss trains on a mixture with no error where the shapes agree. So the forward's check also carries
-a fingerprint of its tensor inputs (their count, shapes, and two sums in fp64, one weighted by position), and a
+last scores; ``pipeline_step`` checks its micro-batches over the ``pp`` and ``tp`` axes once a step). A loader
+sharded by the global rank (``DistributedSampler`` with its defaults, as a DDP script has it) gives them
+different rows; the all-reduces then add partial sums of different rows, and the loss trains on a mixture with
+no error where the shapes agree. So the forward's check also carries a fingerprint of its tensor inputs (their
+count, shapes, their sum and their rows' sums weighted by position, in fp64 without an fp64 copy), and a
 difference raises on every rank, naming the ranks' shapes and what to shard by.
 """
 
@@ -35,8 +37,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from memsave.inputs import tensors_in
 from memsave.dist.collectives import ProcessGroup, all_gather_into, doing, group_rank, group_ranks, group_size
+from memsave.inputs import tensors_in
 
 __all__ = ["Agreement"]
 
@@ -111,18 +113,21 @@ _DIMS = 4  # the dims of the first tensors' shapes carried for the message
 
 @torch.no_grad()
 def _fingerprint(step: int, phase: int, inputs: tuple[Any, dict] | None, device: torch.device) -> torch.Tensor:
-    """step, phase, then of the tensor inputs: count, numel, a shape code, their sum and position-weighted sum (on
-    the device: no synchronization before the all-gather), the first two's shapes."""
+    """step, phase, then of the tensor inputs: count, numel, a shape code, their sum and their rows' sums weighted
+    by position (on the device: no synchronization before the all-gather), the first two's shapes."""
     tensors = tensors_in(inputs)  # (in dataclasses and BatchEncoding too)
     code = sum((k + 1) * sum((j + 1) * d for j, d in enumerate(t.shape)) + k * t.dim() for k, t in enumerate(tensors))
     shapes = [d for t in tensors[:2] for d in [*t.shape[:_DIMS], *[-1] * (_DIMS - min(t.dim(), _DIMS))]]
     head = torch.tensor([step, phase, len(tensors), sum(t.numel() for t in tensors), code, *shapes,
                          *[-1] * (2 * _DIMS - len(shapes))], dtype=torch.float64).to(device)
     sums = [torch.zeros(2, dtype=torch.float64, device=device)]
-    for t in tensors:
-        x = t.detach().reshape(-1).to(device, torch.float64)
-        weights = torch.linspace(1.0, 2.0, x.numel(), dtype=torch.float64, device=device)
-        sums.append(torch.stack([x.sum(), (x * weights).sum()]))
+    for t in tensors:  # accumulated in fp64 by the reductions, no fp64 copy (inputs_embeds, images can be large)
+        x = t.detach()
+        if not x.numel():  # (an empty batch: its shape is in the code)
+            continue
+        rows = x.reshape(x.shape[0] if x.dim() else 1, -1).sum(1, dtype=torch.float64)  # one sum per row
+        where = torch.arange(1, rows.numel() + 1, dtype=torch.float64, device=rows.device)
+        sums.append(torch.stack([rows.sum(), (rows * where).sum()]).to(device))
     return torch.cat([head, torch.stack(sums).sum(0).nan_to_num(-7.0)])
 
 

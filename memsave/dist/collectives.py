@@ -335,7 +335,7 @@ def expect_every_rank(what: str, group: ProcessGroup | None, timeout_s: float | 
     if size <= 1:
         return
     timeout = timeout_s if timeout_s is not None else float(os.environ.get("MEMSAVE_ARRIVAL_S", "60"))
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
+    ranks = group_ranks(group)
     name = f"memsave/arrive/{what}/{'-'.join(map(str, ranks))}"
     _arrivals[name] = _arrivals.get(name, 0) + 1
     key = f"{name}/{_arrivals[name]}"

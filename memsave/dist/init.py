@@ -19,7 +19,6 @@ the same way on torch 2.13). So under an elastic agent the store is wrapped in a
 from __future__ import annotations
 
 import atexit
-
 import datetime
 import os
 import sys

@@ -95,9 +95,8 @@ class MemsaveOptimizer(WrappedOptimizer):
         self._partial_axes = sorted({a for s in self._partial for a in placements[s].partial_grad})
         self._partial_at: int | None = None  # engine.num_syncs when they were last completed (None: since zero_grad)
         self._read_at: int | None = None  # engine.num_syncs when the step's gradients were last read ([Note: ...])
-        # Mixed precision: the optimizer steps fp32 masters (of the shards: 4/N bytes per parameter), cast into the
-        # compute-dtype tensors after the step. With offload on CUDA the masters are made on the host and go to
-        # the tier from there: the device never holds 4 bytes per parameter of them ([Note: offloaded masters]).
+        # Mixed precision: fp32 masters (of the shards: 4/N bytes per parameter), cast into the parameters after
+        # the step; with offload on CUDA made on the host, for the tier, never on the device ([Note: offloaded masters]).
         host_masters = offload is not None and offload.optimizer in ("cpu", "disk") and engine.mesh.device.type == "cuda"
         self.mp = (MixedPrecisionOptimizer(optimizer, scaler=scaler, group=self.agree_over, grad_of=engine.grad_of,
                                            master_device=torch.device("cpu") if host_masters else None,
@@ -114,7 +113,8 @@ class MemsaveOptimizer(WrappedOptimizer):
         self._norm_order = sorted(self._opt_full, key=lambda t: position[self._opt_full[t]])
         if isinstance(optimizer, Adafactor) and self.any_sharded:  # its statistics sum over the cut rows/columns
             whole = {p: getattr(tp_param(p), "full_shape", None) or p.shape for p in self._opt_full.values()}
-            optimizer.shard(lambda t, axes: mdist.all_reduce_over(t, engine.mesh.groups_for(axes), via=engine.mesh.device),
+            optimizer.shard(lambda t, axes: mdist.all_reduce_over(t, engine.mesh.groups_for(axes),
+                                                                  via=engine.mesh.device),
                             {s: layout_of(self._placement[s], s.dim(), whole[p]) for s, p in self._opt_full.items()})
         if hasattr(engine, "scale_loss") and self.mp is not None:  # the pipeline engine runs the backwards itself
             engine.scale_loss = self.mp.scale
@@ -280,12 +280,12 @@ class MemsaveOptimizer(WrappedOptimizer):
         if self.mp is None:
             return
         if self.offloaded is None:
-            self.mp.refresh_masters(loaded if loaded is not None and only else None)
+            self.mp.refresh_masters(loaded if only else None)
             return
         states, own = self.offloaded.local()
         rows = loaded if loaded is not None else {}  # [offload] params: the shards' rows, read while loaded
         for m, s in self.mp.pairs:
-            if m is not s and (s in rows or not (loaded is not None and only)):
+            if m is not s and (not only or s in rows):
                 new = rows.get(s, s).detach()
                 own[m] = follow(own[m], new) if m in own else new.float()
         self.offloaded.load_local_state(states, own)

@@ -2,8 +2,8 @@
 
 [Note: edits of gathered parameters] At stage 3 a unit's full parameters exist only while it is gathered, and
 ``flat_shard`` (this rank's rows) is the only persistent copy. The user gathers them by hand (``model.unshard()``
-... ``model.reshard()``, FSDP2's ``unshard``/``reshard``, FSDP1's ``summon_full_params``) or by reading a module
-of the root unit outside the forward, and writes into them there: WGAN's clipping (``p.data.clamp_``), a zeroed
+... ``model.reshard()``, as FSDP2's ``unshard``/``reshard`` or FSDP1's ``summon_full_params``) and writes into
+them there: WGAN's clipping (``p.data.clamp_``), a zeroed
 padding row, a re-initialized layer, ``copy_`` from another model. Freeing the full parameters used to drop
 those writes without a word, and the next step went on from the old rows. Now a unit gathered for the user
 carries an *edit window* (``Unit.closing``). When it is freed (the user's ``reshard()``, the optimizer step, the
