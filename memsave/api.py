@@ -148,6 +148,7 @@ def _apply(model: nn.Module, plan: Plan, units: Sequence[nn.Module] | None, exam
            tp_plan: Mapping[str, str] | None = None, optimizer: torch.optim.Optimizer | None = None,
            deferred: Materializer | None = None) -> Engine:
     """The transforms of a validated plan, in the documented order."""
+    mdist.release_dead_groups(plan.mesh.device)  # [Note: group lifetime]: every rank wraps at the same point
     try:
         engine = _transform(model, plan, units, example_inputs, tp_plan, optimizer, deferred)
     finally:

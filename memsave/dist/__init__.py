@@ -20,6 +20,7 @@ from memsave.dist.collectives import (
     reduce_scatter_into,
     shutdown,
 )
+from memsave.dist.groups import release_dead as release_dead_groups
 from memsave.dist.host_memory import (
     HostMemoryPolicy,
     after_forward,
@@ -84,6 +85,7 @@ __all__ = [
     "new_subgroups",
     "param_placement",
     "reduce_scatter_into",
+    "release_dead_groups",
     "shutdown",
     "sum_over_shards",
     "trim_held",

@@ -291,6 +291,16 @@ def shutdown() -> None:
             _store_barrier("memsave/shutdown")
         time.sleep(0.02)
         dist.destroy_process_group()
+    _forget_groups()
+
+
+def _forget_groups() -> None:
+    """Every group and mesh went with the default group."""
+    from memsave.dist.groups import forget  # (they import this module)
+    from memsave.dist.init import forget_meshes
+
+    forget()
+    forget_meshes()
 
 
 def shutdown_at_exit() -> None:
@@ -304,6 +314,7 @@ def shutdown_at_exit() -> None:
             _store_barrier("memsave/exit", timeout_s=10.0)
         time.sleep(0.02)
         dist.destroy_process_group()
+        _forget_groups()
 
 
 _store_rounds: dict[str, int] = {}

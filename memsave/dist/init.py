@@ -23,6 +23,7 @@ import datetime
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -152,10 +153,29 @@ def init(
         atexit.register(shutdown_at_exit)  # [Note: gloo at exit]: a script that ends without shutdown()
     elif dist.get_backend() != backend:
         get_logger().info("using the existing %s process group (asked for %s)", dist.get_backend(), backend)
-    mesh = Mesh.build(device=dev, dp=dp, tp=tp, pp=pp, local_rank=local_rank)
+    key = (dev, dp, tp, pp, local_rank)
+    default = dist.distributed_c10d._get_default_group()
+    cached = _MESHES.get(key)
+    if cached is not None and cached[0] is default:  # [Note: one mesh per layout]
+        mesh = cached[1]
+    else:
+        mesh = Mesh.build(device=dev, dp=dp, tp=tp, pp=pp, local_rank=local_rank)
+        _MESHES[key] = (default, mesh)
+        get_logger().info("initialized %r", mesh)
     check_accelerate_world(dist.get_world_size())
-    get_logger().info("initialized %r", mesh)
     return mesh
+
+
+# [Note: one mesh per layout] ``wrap`` without ``mesh=`` calls ``init()``, and every DeviceMesh builds process
+# groups of its own (one per axis slice), never freed: a sweep of wraps in one process leaked them
+# ([Note: group lifetime] in memsave/dist/groups.py). A layout is built once per default group and given back
+# to every later ``init`` asking for it; shutdown() forgets them.
+_MESHES: dict[tuple[Any, ...], tuple[Any, Mesh]] = {}
+
+
+def forget_meshes() -> None:
+    """The default group went: its meshes' groups went with it."""
+    _MESHES.clear()
 
 
 def check_accelerate_world(world: int) -> None:

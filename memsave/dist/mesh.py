@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from memsave.dist import groups
+
 __all__ = ["AXES", "Mesh", "validate_degrees"]
 
 AXES = ("pp", "dp", "tp")
@@ -87,13 +89,14 @@ class Mesh:
         """The groups of ``axes`` that have more than one rank (what a placement's reduction runs over)."""
         return [self.group(a) for a in axes if self.degree(a) > 1]
 
-    def new_group(self, axis: str, *more: str) -> dist.ProcessGroup:
+    def new_group(self, axis: str, *more: str, owner: object | None = None) -> dist.ProcessGroup:
         """A *fresh* process group over the same ranks as ``axis`` (with ``more`` axes: the ranks that differ from
         this one only along those): its own ordered stream of collectives.
 
         Collective over the whole world (every rank creates every slice's group, as ``new_group`` requires).
         ZeRO uses one for reduce-scatters beside the axis group for all-gathers, so the two kinds never have
-        to interleave in the same order on every rank.
+        to interleave in the same order on every rank. With ``owner`` (the engine), the group is destroyed at a
+        later wrap once ``owner`` is gone on every rank ([Note: group lifetime] in memsave/dist/groups.py).
         """
         axes = (axis, *more)
         for a in axes:
@@ -102,12 +105,7 @@ class Mesh:
         dims = sorted(AXES.index(a) for a in axes)
         inner = ranks.movedim(dims, list(range(ranks.dim() - len(dims), ranks.dim())))
         slices = inner.reshape(-1, math.prod(ranks.size(d) for d in dims)).tolist()
-        mine = None
-        timeout = self._default_timeout()
-        for members in slices:
-            group = dist.new_group(members, timeout=timeout)
-            if self.rank in members:
-                mine = group
+        mine = groups.create(slices, owner, self._default_timeout())
         assert mine is not None
         return mine
 

@@ -258,24 +258,19 @@ def global_rank(group: ProcessGroup | None, group_rank: int) -> int:
     return dist.get_global_rank(group, group_rank)
 
 
-def new_subgroups(mesh: Any, axis: str, member_sets: Sequence[Sequence[int]]) -> list[ProcessGroup | None]:
+def new_subgroups(mesh: Any, axis: str, member_sets: Sequence[Sequence[int]],
+                  owner: object | None = None) -> list[ProcessGroup | None]:
     """For each set of ``axis`` coordinates, the group of those ranks in this rank's slice (ranks that agree on
-    every other axis); None where this rank is not a member or the set has one rank. Collective over the world."""
+    every other axis); None where this rank is not a member or the set has one rank. Collective over the world.
+    ``owner``: as for :meth:`~memsave.dist.mesh.Mesh.new_group`."""
+    from memsave.dist import groups
     from memsave.dist.mesh import AXES
 
     ranks = mesh.device_mesh.mesh
     dim = AXES.index(axis)
     slices = ranks.movedim(dim, -1).reshape(-1, ranks.size(dim)).tolist()
-    me = dist.get_rank()
     out: list[ProcessGroup | None] = []
     for coords in member_sets:
-        mine = None
-        for row in slices:
-            members = [row[c] for c in sorted(set(coords))]
-            if len(members) < 2:
-                continue
-            group = dist.new_group(members)
-            if me in members:
-                mine = group
-        out.append(mine)
+        members = [[row[c] for c in sorted(set(coords))] for row in slices]
+        out.append(groups.create(members, owner) if len(members[0]) > 1 else None)
     return out

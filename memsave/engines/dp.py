@@ -72,7 +72,7 @@ class DataParallelEngine:
         # of the gradient] in memsave/engines/part_grad.py; the optimizer unmarks them where marks_part_grads)
         self._holds_part = mesh.degree("tp") > 1 or mesh.degree("pp") > 1
         self.require_grad_sync = True
-        self.agreement = mdist.Agreement(mesh.new_group("dp"), mesh.device)  # [Note: control-flow agreement]
+        self.agreement = mdist.Agreement(mesh.new_group("dp", owner=self), mesh.device)  # [Note: control-flow agreement]
         named = trainable_parameters(model)
         self.param_names = {p: n for n, p in named}
         self.buckets = self._make_buckets([p for _, p in reversed(named)], int(bucket_mb * 2**20), reduce_dtype)
@@ -101,7 +101,7 @@ class DataParallelEngine:
         self._hooks.append(model.register_forward_pre_hook(self._check_trainable, prepend=True))
         self._hooks.append(model.register_load_state_dict_post_hook(self._after_load))
         if mesh.degree("tp") > 1 and mesh.degree("pp") == 1:  # every forward communicates over tp
-            self._hooks.append(self.agreement.watch_forwards(model, mesh.new_group("tp")))
+            self._hooks.append(self.agreement.watch_forwards(model, mesh.new_group("tp", owner=self)))
         self._hooks.extend(self._outer.register(model))
         if mesh.device.type == "cpu":
             self._hooks.append(model.register_forward_hook(lambda *_: mdist.after_forward()))

@@ -57,8 +57,8 @@ class ZeroEngine:
         # skips, so on one group they could pair up the wrong operations (a hang).
         self.group, self.dp_size = mesh.dp_group, mesh.dp_size
         self.reduce_dtype = reduce_dtype  # None: the parameters' own dtype ([Note: reduce dtype] in unit.py)
-        self.reduce_group = mesh.new_group("dp")
-        self.agreement = mdist.Agreement(mesh.new_group("dp"), mesh.device)  # [Note: control-flow agreement]
+        self.reduce_group = mesh.new_group("dp", owner=self)
+        self.agreement = mdist.Agreement(mesh.new_group("dp", owner=self), mesh.device)  # [Note: control-flow agreement]
         self.require_grad_sync = True
         # before_unit(params): called with each unit's parameters just before the unit takes them (deferred
         # initialization materializes them there: [Note: materialization] in memsave/deferred/materialize.py)
@@ -134,7 +134,7 @@ class ZeroEngine:
         if self.mesh.device.type == "cpu":
             self._hooks.append(self.model.register_forward_hook(lambda *_: mdist.after_forward()))
         if self.mesh.degree("tp") > 1 and self.mesh.degree("pp") == 1:  # [Note: one input per tp group]
-            self._hooks.append(self.agreement.watch_forwards(self.model, self.mesh.new_group("tp")))
+            self._hooks.append(self.agreement.watch_forwards(self.model, self.mesh.new_group("tp", owner=self)))
         if self.schedule is not None:
             self._hooks.extend(self.schedule.register(self.model))
             self._hooks.append(self.model.register_state_dict_pre_hook(self._pre_state_dict))
