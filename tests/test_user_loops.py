@@ -376,14 +376,22 @@ def _error_cases(world: int) -> str:
     for profile in ("ddp-bf16", "zero3-bf16"):
         _float_inputs(mesh, profile)
     b = _local(_global_batch(0), rank)
-    # 6. torch's clip_grad_norm_ over the model's parameters reads gradients that live in the shards: refused
+    # 6. torch's clip_grad_norm_ over the model's parameters reads gradients that live in the shards: refused,
+    # with foreach too (its lists of tensors went past the guard: zero1 returned a different norm on each rank
+    # and clipped with it, silently; zero2-3 raised torch's "single memory location" error)
     for profile in ("zero1", "zero2", "zero3"):
         model = ToyLM(n_blocks=2)
         model, opt = memsave.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), profile, mesh=mesh)
         opt.backward(_toy_loss(model, b))
-        with pytest.raises(RuntimeError, match=r"optimizer\.clip_grad_norm"):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        for clip in (lambda ps: torch.nn.utils.clip_grad_norm_(ps, 1.0),
+                     lambda ps: torch.nn.utils.clip_grad_norm_(ps, 1.0, foreach=True),
+                     lambda ps: torch.nn.utils.clip_grad_value_(ps, 1.0, foreach=True),
+                     lambda ps: torch.nn.utils.get_total_norm([p.grad for p in ps if p.grad is not None], foreach=True)):
+            with pytest.raises(RuntimeError, match=r"optimizer\.clip_grad_norm"):
+                clip(list(model.parameters()))
         assert opt.clip_grad_norm(1.0).isfinite()  # the right way still works
+        model.zero_grad(set_to_none=False)  # torch's _foreach_zero_ over the guards: cleared, not refused
+        torch._foreach_zero_([p.grad for p in model.parameters() if p.grad is not None])
     # fp16: loss.backward() skips the loss scale that step() divides by
     for profile in ("ddp-fp16", "zero2-fp16", "zero3-fp16"):
         model = ToyLM(n_blocks=2)

@@ -25,7 +25,7 @@ gradient" ([Note: gradient freshness] in memsave/zero/unit.py).
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -81,6 +81,17 @@ def _under_dynamo() -> bool:
     return guards is not None and guards.TracingContext.try_get() is not None
 
 
+def _arguments(args: tuple, kwargs: dict | None) -> Iterator[Any]:
+    """The arguments of a call, a list's or tuple's items too: torch's ``_foreach_*`` ops (``clip_grad_norm_(...,
+    foreach=True)``, ``get_total_norm``) take their tensors in lists, which a guard looking only at the top level
+    let through (a review: the norm of un-averaged rows, a different clip factor per rank, silently)."""
+    for a in (*args, *(kwargs or {}).values()):
+        if isinstance(a, list | tuple):
+            yield from a
+        else:
+            yield a
+
+
 def _run_plain(func: Callable[..., Any], args: tuple, kwargs: dict | None) -> Any:
     with DisableTorchFunctionSubclass():
         return func(*args, **(kwargs or {}))
@@ -100,12 +111,11 @@ class ShardedParameter(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if not _passes(func):
-            for a in args:
-                if isinstance(a, ShardedParameter):
+            for a in _arguments(args, kwargs):
+                if isinstance(a, ShardedParameter):  # each one: a list may span units
                     if _under_dynamo():
                         raise NotImplementedError(COMPILE_MESSAGE)
                     a._memsave_guard(_describe(func)[1] or str(func))
-                    break
         return _run_plain(func, args, kwargs)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
@@ -158,11 +168,17 @@ class ReducedGrad(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kind, name = _describe(func)
-        guard = next((a for a in args if isinstance(a, ReducedGrad)), None)
+        guards = [a for a in _arguments(args, kwargs) if isinstance(a, ReducedGrad)]
+        guard = guards[0] if guards else None
         if guard is not None and kind == "call" and name in ("zero_", "detach_"):
             if name == "zero_":
                 guard._memsave_cleared = True
             return guard
+        if guard is not None and name == "_foreach_zero_":  # zero_grad(set_to_none=False) with foreach
+            for g in guards:
+                g._memsave_cleared = True
+            rest = [t for t in args[0] if not isinstance(t, ReducedGrad)]
+            return _run_plain(func, (rest,), None) if rest else None
         if guard is not None and not _passes(func):
             raise RuntimeError(f"{guard._memsave_message} (it was read by {name or func})")
         return _run_plain(func, args, kwargs)
