@@ -392,6 +392,27 @@ def _error_cases(world: int) -> str:
         assert opt.clip_grad_norm(1.0).isfinite()  # the right way still works
         model.zero_grad(set_to_none=False)  # torch's _foreach_zero_ over the guards: cleared, not refused
         torch._foreach_zero_([p.grad for p in model.parameters() if p.grad is not None])
+    # [Note: gradients a step would ignore] a step whose gradients never reached the shards changed nothing,
+    # silently: the last backward inside no_sync(), or torch.autograd.grad with .grad assigned by hand
+    for profile in ("zero1", "zero2", "zero3"):
+        model = ToyLM(n_blocks=2)
+        model, opt = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), profile, mesh=mesh)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with model.no_sync():
+            _toy_loss(model, b).backward()
+        with pytest.raises(RuntimeError, match=r"backward inside model\.no_sync\(\).*outside no_sync"):
+            opt.step()
+        opt.zero_grad()
+        params = [p for p in model.parameters() if p.requires_grad]
+        with pytest.raises(RuntimeError, match=r"set by hand|was read \(grad\)"):  # zero3: in autograd.grad
+            for p, g in zip(params, torch.autograd.grad(_toy_loss(model, b), params)):
+                p.grad = g
+            opt.step()
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), profile  # nothing lost
+        opt.zero_grad()
+        _toy_loss(model, b).backward()
+        opt.step()  # trains on
+        assert not all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), profile
     # fp16: loss.backward() skips the loss scale that step() divides by
     for profile in ("ddp-fp16", "zero2-fp16", "zero3-fp16"):
         model = ToyLM(n_blocks=2)

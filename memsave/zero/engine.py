@@ -26,15 +26,12 @@ from torch.autograd.profiler import record_function
 from memsave import dist as mdist
 from memsave.config import ZeroConfig
 from memsave.dist import Mesh
-from memsave.models.units import (  # layer 0: the estimator reads the same grouping and in-flight bound
-    REDUCES_IN_FLIGHT,
-    default_units,
-    unit_parameters,
-)
+from memsave.models.units import REDUCES_IN_FLIGHT, default_units, unit_parameters  # (the estimator's too)
 from memsave.outer_backward import OuterBackward, repeated_gradient_error
 from memsave.phases import MemoryCategory
 from memsave.wrapped import check_still_frozen, sync_suspended, unscaled_backward_error, weak_method
 from memsave.zero.edit_window import EditWindows, write_back
+from memsave.zero.guards import check_grads_at_step
 from memsave.zero.schedule import Stage3Schedule
 from memsave.zero.unit import Unit
 
@@ -85,7 +82,7 @@ class ZeroEngine:
         self._callback_queued = False
         self._fired: set[nn.Parameter] = set()  # whose gradient hook ran in this backward
         self._outer = OuterBackward(self.sync_gradients)  # [Note: one sync per outer backward]
-        self.num_syncs = 0
+        self.num_syncs, self.unsynced = 0, False  # unsynced: the last backward ran inside no_sync()
         self.schedule = Stage3Schedule(self) if self.stage == 3 else None
         self.loss_scaled = False  # fp16: gradients must come from optimizer.backward (a scaled loss)
         self.in_scaled_backward = False
@@ -232,13 +229,13 @@ class ZeroEngine:
         return mdist.param_placement(self._param_of[stepped]).with_axis("dp", _ROWS.dp)
 
     def before_step(self) -> None:
-        """Stage 3: free every gathered unit (gathered on access) before the optimizer changes the shards."""
+        """Refuse gradients the shards never got ([Note: gradients a step would ignore]); stage 3: reshard."""
+        check_grads_at_step(self)
         self.reshard()
 
     def after_step(self) -> None:
         """Stages 1-2: every rank stepped its rows; gather them so all ranks hold the full parameters."""
         self.gather_params_after_step()
-
 
     # -- gradients -----------------------------------------------------------------------------------------
     def queue_sync(self) -> None:
@@ -291,6 +288,7 @@ class ZeroEngine:
         (after the agreement check) so that its peers' reduce-scatters are matched."""
         self._callback_queued = False
         self._fired.clear()
+        self.unsynced = not self.require_grad_sync  # [Note: gradients a step would ignore]
         if self.schedule is not None:
             self.schedule.begin_backward()
             self.schedule.before_reduces()
@@ -339,6 +337,7 @@ class ZeroEngine:
     def zero_grad(self, set_to_none: bool) -> None:
         if not set_to_none and self.before_zero_in_place is not None:
             self.before_zero_in_place()  # [offload] overlap: a background step may still read the gradients
+        self.unsynced = False
         for u in self.units:
             u.zero_grad(set_to_none)
 

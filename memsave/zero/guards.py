@@ -209,3 +209,34 @@ def plain(t: torch.Tensor) -> torch.Tensor:
         return t
     with DisableTorchFunctionSubclass():
         return t.as_subclass(torch.Tensor)
+
+
+def check_grads_at_step(engine: Any) -> None:
+    """[Note: gradients a step would ignore] The optimizer steps the shards, whose gradients only the engine's
+    reduction at the end of a synced backward fills. Two loops left them empty and stepped nothing, with no
+    error (a review: 0 of 22 parameters moved):
+
+    - the step's last backward ran inside ``model.no_sync()``: its gradients were accumulated locally, never
+      reduced (DDP would step each rank's own, FSDP2 nothing);
+    - ``grads = torch.autograd.grad(loss, params)`` and then ``p.grad = g`` by hand (stages 1-2; at stage 3 the
+      assignment itself is refused while the unit is sharded).
+
+    Both raise here, before the optimizer runs, on every rank alike (the engine's state is the same on all)."""
+    where = f"memsave ZeRO stage {engine.stage}: optimizer.step()"
+    if engine.unsynced:
+        raise RuntimeError(
+            f"{where} after a backward inside model.no_sync(): its gradients were accumulated on this rank only, "
+            "never reduced into the shards the optimizer steps, so nothing would change. Run each step's last "
+            "backward outside no_sync() (with accelerate: step where accelerator.sync_gradients is True), or "
+            "clear them with optimizer.zero_grad()")
+    if engine.stage == 3:
+        return
+    for unit in engine.units:
+        for i in unit.trainable:
+            grad = unit.params[i].grad
+            if grad is not None and not is_guard(grad):
+                raise RuntimeError(
+                    f"{where}: the .grad of {unit.names[i]!r} was set by hand (e.g. from torch.autograd.grad); "
+                    "the optimizer steps this rank's shard, whose gradient only a backward through the model fills "
+                    "(reduced over the ranks), so it would be ignored. Backpropagate with loss.backward() (or "
+                    "torch.autograd.backward(loss, inputs=params) for some parameters only)")
