@@ -154,6 +154,14 @@ def test_an_optimizer_that_was_already_wrapped_is_refused() -> None:
     _assert_unchanged(model, before)
     _assert_optimizer_unchanged(over_first, list(first.parameters()))
     model, _ = memsave.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "ddp")  # its own: fine
+    # a param group added after wrap, on the wrapper or on the optimizer object the user kept: refused alike (the
+    # kept one trained a new head with unreduced gradients at 2 ranks)
+    head = nn.Linear(4, 4)
+    groups_before = [list(g["params"]) for g in inner.param_groups]
+    for opt in (wrapped_opt, inner):
+        with pytest.raises(NotImplementedError, match=r"add_param_group after memsave\.wrap is not supported"):
+            opt.add_param_group({"params": list(head.parameters()), "lr": 1e-3})
+    assert [list(g["params"]) for g in inner.param_groups] == groups_before
 
 
 # -- after wrap ---------------------------------------------------------------------------------------------------
