@@ -138,6 +138,18 @@ class MemsaveModule:
         return plain_copy(cast(nn.Module, self), memo)
 
 
+def _save_pretrained(self: nn.Module, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+    """Hugging Face's ``save_pretrained`` (put on the wrapped class only where the user's class has one), given
+    the whole model's state dict under pipeline parallelism, where ``state_dict()`` holds this rank's stages
+    (collective there: call it on every rank, with ``is_main_process`` for the one that writes). Other engines
+    gather in ``state_dict()``."""
+    whole = getattr(self.memsave_engine, "whole_state_dict", None)
+    if whole is not None and kwargs.get("state_dict") is None:
+        kwargs["state_dict"] = whole()
+    save: Callable[..., Any] = user_class(self).save_pretrained  # type: ignore[attr-defined]
+    return save(self, save_directory, *args, **kwargs)
+
+
 def swap_class(module: nn.Module, engine: Any) -> nn.Module:
     """Make ``module`` an instance of a subclass of ``(Class, MemsaveModule)`` in place and attach ``engine``.
 
@@ -152,7 +164,8 @@ def swap_class(module: nn.Module, engine: Any) -> nn.Module:
         _CLASS_CACHE[cls] = type(cls.__name__, (cls, MemsaveModule), {
             "__module__": cls.__module__, "__qualname__": cls.__qualname__, "zero_grad": MemsaveModule.zero_grad,
             "unshard": MemsaveModule.unshard, "reshard": MemsaveModule.reshard, "_apply": MemsaveModule._apply,
-            "__deepcopy__": MemsaveModule.__deepcopy__})
+            "__deepcopy__": MemsaveModule.__deepcopy__,
+            **({"save_pretrained": _save_pretrained} if hasattr(cls, "save_pretrained") else {})})
     module.__class__ = _CLASS_CACHE[cls]
     module.memsave_engine = engine
     _WRAPPED_MODELS.add(module)

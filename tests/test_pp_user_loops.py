@@ -315,6 +315,42 @@ def _step_that_raised(mesh: memsave.Mesh) -> dict[str, float]:
     return {"figures": 0.0, "params": 0.0}
 
 
+# -- save_pretrained: the whole model, from every stage ------------------------------------------------------------
+def _save_pretrained(mesh: memsave.Mesh, base: str, tie: bool) -> dict[str, float]:
+    """An HF Llama trained one step under pp = 2, then ``model.save_pretrained(d, is_main_process=rank == 0)`` on
+    every rank (the HF / accelerate idiom): ``from_pretrained`` in plain transformers gets every weight of the
+    plain-trained model, no key missing. It wrote rank 0's stages alone, with no error (a review: the loaded
+    logits 60-140% off)."""
+    import shutil
+    import tempfile
+
+    from transformers import LlamaForCausalLM
+
+    ids = pc.lm_data()[0]
+    micro = [{"input_ids": part, "labels": part} for part in ids.chunk(2)]
+    ref = pc.llama(tie)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=pc.LR)
+    for mb in micro:
+        (ref(**mb).loss / 2).backward()
+    ref_opt.step()
+    model = pc.llama(tie)
+    model, opt = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=pc.LR), pc.profile(base, pp=2), mesh=mesh)
+    model.pipeline_step(micro)
+    opt.step()
+    folder = os.path.join(tempfile.gettempdir(), f"memsave-pp-save-{os.environ['MASTER_PORT']}-{base}-{tie}")
+    model.save_pretrained(folder, is_main_process=mesh.rank == 0)
+    memsave.dist.barrier()
+    back, info = LlamaForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert not any(info.values()), info
+    want = _sd(ref)
+    got = _sd(back)
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    memsave.dist.barrier()
+    if mesh.rank == 0:
+        shutil.rmtree(folder)
+    return {"figures": 0.0, "params": max(pc.rel(v.numpy(), want[k].numpy()) for k, v in got.items())}
+
+
 CASES: dict[str, Callable[[memsave.Mesh], dict[str, float]]] = {
     "tied-two-calls-a-step-ddp": lambda mesh: _accumulate(mesh, "ddp", calls=2, clear=True),
     "tied-two-calls-a-step-zero3": lambda mesh: _accumulate(mesh, "zero3", calls=2, clear=True),
@@ -329,6 +365,8 @@ CASES: dict[str, Callable[[memsave.Mesh], dict[str, float]]] = {
     "batch-encoding-new-length-each-step": _batch_encoding,
     "rows-by-global-rank-refused": _rows_by_global_rank,
     "torch-clip-over-one-stage": _torch_clip,
+    "save-pretrained-untied-ddp": lambda mesh: _save_pretrained(mesh, "ddp", tie=False),
+    "save-pretrained-tied-zero3": lambda mesh: _save_pretrained(mesh, "zero3", tie=True),
     # last: the failed step's messages stay in flight in this process group, for any later pipeline too
     "no-step-after-one-that-raised": _step_that_raised,
 }

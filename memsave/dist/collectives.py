@@ -42,6 +42,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "doing",
+    "gather_tensors",
     "group_rank",
     "group_size",
     "reduce_scatter_into",
@@ -369,3 +370,21 @@ def expect_every_rank(what: str, group: ProcessGroup | None, timeout_s: float | 
 def barrier(group: ProcessGroup | None = None) -> None:
     if group_size(group) > 1:
         dist.barrier(group=group)
+
+
+def gather_tensors(mine: dict[str, torch.Tensor], group: ProcessGroup | None,
+                   device: torch.device) -> dict[str, torch.Tensor]:
+    """Every member's named tensors, on every member, in group rank order (each member's in its own order): the
+    names, shapes and dtypes first, then one broadcast per tensor from its member. For whole-model state dicts
+    assembled from pipeline stages (rare: a save); the group's members hold disjoint names."""
+    metas = all_gather_object([(k, tuple(v.shape), v.dtype) for k, v in mine.items()], group)
+    out: dict[str, torch.Tensor] = {}
+    for src, meta in enumerate(metas):
+        for name, shape, dtype in meta:
+            if src == group_rank(group):
+                tensor = mine[name].detach().to(device).contiguous()
+            else:
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+            broadcast(tensor, src, group)
+            out[name] = tensor
+    return out

@@ -134,6 +134,20 @@ class PipelineEngine:
                 return params[name]
         raise AssertionError(f"tied parameter {names} not found on pp rank {self.pp_rank}")
 
+    def whole_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict, on every rank of this pipeline (collective over pp): each stage's
+        ``model.state_dict()`` (which holds this rank's stages), gathered, a tied weight's names sharing one
+        tensor as in a plain model's. What ``model.save_pretrained`` writes under pp: it took rank 0's stages as
+        the whole model, with no error (a review: the loaded model's logits 60-140% off)."""
+        group = self.mesh.group("pp")
+        mdist.expect_every_rank("model.save_pretrained() under pipeline parallelism", group)
+        whole = mdist.gather_tensors(self.model.state_dict(), group, self.mesh.device)
+        for names, _ in self.split.ties:
+            held = [whole[n] for n in names if n in whole]
+            for name in names:
+                whole[name] = held[0]
+        return whole
+
     # -- what differs from the inner engine ------------------------------------------------------------------
     def placement_of(self, stepped: torch.Tensor) -> mdist.Placement:
         pl = self.inner.placement_of(stepped).with_axis("pp", mdist.Shard(None))
