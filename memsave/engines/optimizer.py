@@ -34,7 +34,7 @@ from memsave.precision.edits import holder
 from memsave.precision.nonfinite import NonfiniteGuard
 from memsave.precision.optimizer import follow
 from memsave.tp import tp_param
-from memsave.wrapped import WrappedOptimizer, route_zero_grad, weak_method
+from memsave.wrapped import WrappedOptimizer, inner_step, route_user_optimizer, weak_method
 from memsave.zero.engine import ZeroEngine
 from memsave.zero.offload import build_offloaded_state
 from memsave.zero.param_offload import ParamOffload
@@ -80,7 +80,7 @@ class MemsaveOptimizer(WrappedOptimizer):
         if hasattr(windows := getattr(engine, "inner", engine), "edit_windows"):  # ZeRO-3: shards the user edited
             windows.edit_windows.edit_listeners.append(weak_method(self._follow_edits))
         engine.zero_grad_listeners.append(weak_method(self._forget_grads))
-        route_zero_grad(optimizer, self)
+        route_user_optimizer(optimizer, self)
         self._full_of: dict[torch.Tensor, nn.Parameter] = {}  # what the inner optimizer steps -> the parameter
         for group in optimizer.param_groups:
             full = group["params"]
@@ -315,7 +315,7 @@ class MemsaveOptimizer(WrappedOptimizer):
             if offloaded is not None:
                 offloaded.step(overlap=self.overlap)
             else:
-                self.optimizer.step()
+                inner_step(self.optimizer)
         if offloaded is not None and self.engine.mesh.device.type == "cpu":
             mdist.after_forward()  # the host policy's trim: the chunks' transients go back to the OS too
         self.engine.after_step()
@@ -344,7 +344,7 @@ class MemsaveOptimizer(WrappedOptimizer):
         self.engine.zero_grad(set_to_none)  # (in place, it first waits for a background step that reads them)
         if self.mp is not None:
             self.mp.zero_grad(set_to_none)
-        else:  # the class's own: the instance's zero_grad is this method (route_zero_grad)
+        else:  # the class's own: the instance's zero_grad is this method (route_user_optimizer)
             type(self.optimizer).zero_grad(self.optimizer, set_to_none=set_to_none)
 
     # -- state dicts ---------------------------------------------------------------------------------------

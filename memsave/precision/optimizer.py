@@ -30,7 +30,7 @@ from memsave.phases import MemoryCategory
 from memsave.precision.edits import EditWatch, follow
 from memsave.precision.nonfinite import NonfiniteGuard
 from memsave.precision.scaler import LossScaler
-from memsave.wrapped import WrappedOptimizer
+from memsave.wrapped import WrappedOptimizer, inner_step
 
 __all__ = ["MixedPrecisionOptimizer", "follow"]
 
@@ -162,7 +162,7 @@ class MixedPrecisionOptimizer(WrappedOptimizer):
         if not overflow and step is not None:
             step()
         elif not overflow:
-            self.optimizer.step()
+            inner_step(self.optimizer)
             with torch.no_grad():
                 for master, p in self._pairs:
                     if master is not p:
