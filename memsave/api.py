@@ -224,8 +224,13 @@ def _split_stages(model: nn.Module, plan: Plan, units: Sequence[nn.Module] | Non
     load_takes_whole_model(model, split, local)
     gone = {id(p) for p in strip_atoms(model, split, local, dtype=plan.compute_dtype)}
     if optimizer is not None:
+        at = {p: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if id(p) not in gone]
+        # where this rank's parameters stand among the whole model's: the indices of a whole model's optimizer
+        # state dict (MemsaveOptimizer.whole_positions)
+        vars(optimizer)["memsave_whole_positions"] = (
+            [at[p] for g in optimizer.param_groups for p in g["params"]], len(at))
     return [u for u in chosen if any(True for _ in u.parameters())]
 
 

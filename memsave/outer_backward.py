@@ -36,7 +36,7 @@ from torch import nn
 
 from memsave.models.units import output_tensors
 
-__all__ = ["OuterBackward", "repeated_gradient_error"]
+__all__ = ["OuterBackward", "grad_hooks_last", "repeated_gradient_error"]
 
 
 def _queue(callback: Callable[[], None]) -> None:
@@ -96,3 +96,25 @@ def repeated_gradient_error(name: str, what: str) -> RuntimeError:
         "Face's gradient_checkpointing_enable() on a model that shares a layer), each of which runs a backward "
         "of its own. Use non-reentrant checkpoints: use_reentrant=False, or gradient_checkpointing_enable("
         "gradient_checkpointing_kwargs={'use_reentrant': False}), or memsave's [recompute] policy")
+
+
+def grad_hooks_last(handles: list[Any]) -> None:
+    """[Note: the user's gradient hooks first] An engine's post-accumulate-grad hook reduces a parameter's
+    gradient (ddp: divides its bucket and launches the all-reduce; ZeRO-2/3: reduce-scatters it and drops
+    ``p.grad``). Registered at wrap, it ran before every hook the user registered afterwards, which then saw the
+    bucket already divided by the world size while its all-reduce ran (a per-layer norm log 2x off; an in-place
+    clamp raced the collective) or ``p.grad is None`` (a review). As under torch's DDP, whose reducer runs after
+    a parameter's post-accumulate-grad hooks, the user's hooks see this rank's gradient first: before each forward
+    the engine puts memsave's hooks (its own, the memory tracker's) after the others on each parameter that has
+    others, in their order. The dict is rebuilt: autograd walks it in the underlying dict's order, which
+    ``OrderedDict.move_to_end`` leaves as it was."""
+    for handle in handles:
+        hooks = handle.hooks_dict_ref()
+        if hooks is None or len(hooks) < 2:
+            continue
+        items = list(hooks.items())
+        ours = [kv for kv in items if str(getattr(kv[1], "__module__", "")).startswith("memsave.")]
+        order = [kv for kv in items if kv not in ours] + ours
+        if order != items:
+            hooks.clear()
+            hooks.update(order)

@@ -23,7 +23,7 @@ from torch import nn
 
 from memsave._logging import get_logger, warn_once
 from memsave.config import OffloadConfig, OptimizerConfig, Profile, list_presets
-from memsave.dist import Mesh, check_accelerate_world
+from memsave.dist import Mesh, check_accelerate_precision, check_accelerate_world
 from memsave.models.units import default_units
 from memsave.offload import check_disk_path
 from memsave.offload.chunks import MASTER_BYTES
@@ -57,6 +57,7 @@ def validate(profile: Profile, mesh: Mesh, model: nn.Module, *, units: Sequence[
     """Check ``profile`` against ``mesh``, ``model``, this device and (from ``wrap``) ``optimizer``; return the
     :class:`Plan` the transforms follow. Raises before anything is changed."""
     check_accelerate_world(mesh.world_size)  # [Note: accelerate's process count] (wrap and parallelize)
+    check_accelerate_precision(profile.precision.compute)  # [Note: accelerate's mixed precision]
     check_parallel(profile, mesh, optimizer)
     check_profile(profile)
     check_model(model, profile)

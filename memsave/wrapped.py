@@ -313,6 +313,7 @@ class WrappedOptimizer(torch.optim.Optimizer, abc.ABC):
         if isinstance(optimizer, WrappedOptimizer):
             raise ValueError("optimizer is already wrapped by memsave; pass the original optimizer")
         self.optimizer = optimizer
+        self.step_was_skipped = False  # the last step() skipped the update (an overflow; on every rank alike)
         _WRAPPED_OPTIMIZERS.add(optimizer)
         self._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks
         self._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
@@ -359,14 +360,22 @@ class WrappedOptimizer(torch.optim.Optimizer, abc.ABC):
         """Clip gradients in place by their global norm over every rank; returns that norm (before clipping)."""
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None,  # type: ignore[override]
+             grad_scaler: Any = None) -> float | None:
+        """``grad_scaler``: passed by ``torch.amp.GradScaler.step`` where the optimizer handles the scaling
+        ([Note: one skip decision for GradScaler] in memsave/engines/grad_scaler.py)."""
         if closure is not None:
             raise NotImplementedError(
                 "step(closure) is not supported by memsave engines: a closure would re-run forward and backward "
                 "outside the engine's communication schedule; call backward and step yourself"
             )
-        self._step()
+        self.step_was_skipped = grad_scaler is not None and not self._scaler_says_step(grad_scaler)
+        if not self.step_was_skipped:
+            self._step()
         return None
+
+    def _scaler_says_step(self, scaler: Any) -> bool:
+        raise NotImplementedError(f"{type(self).__name__} does not take a GradScaler")
 
     @abc.abstractmethod
     def _step(self) -> None: ...

@@ -15,6 +15,7 @@ plain single-process training on the same global batch (losses, clip norms and e
 
 from __future__ import annotations
 
+import copy
 import os
 import traceback
 from collections.abc import Callable
@@ -351,6 +352,41 @@ def _save_pretrained(mesh: memsave.Mesh, base: str, tie: bool) -> dict[str, floa
     return {"figures": 0.0, "params": max(pc.rel(v.numpy(), want[k].numpy()) for k, v in got.items())}
 
 
+# -- a whole model's optimizer state dict, loaded under pp ---------------------------------------------------------
+def _load_whole_optimizer(mesh: memsave.Mesh, base: str) -> dict[str, float]:
+    """A checkpoint of a plain 1-process run (``model.state_dict()``, ``optimizer.state_dict()``: SGD with
+    momentum, HF Llama tied) resumed under pp = 2: ``model.load_state_dict`` takes the whole model's, and so does
+    ``optimizer.load_state_dict`` now (each rank its stages' entries; it raised a bare IndexError). The next step
+    equals the plain run's."""
+    data = pc.lm_data()
+
+    def micro(step: int) -> list[dict[str, torch.Tensor]]:
+        return [{"input_ids": part, "labels": part} for part in data[step].chunk(2)]
+
+    ref = pc.llama(True)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=pc.LR, momentum=pc.MOMENTUM)
+    losses = []
+    for step in range(2):
+        if step == 1:
+            model_sd, optim_sd = _sd(ref), copy.deepcopy(ref_opt.state_dict())
+        losses.append(sum(float(ref(**mb).loss) / 2 for mb in micro(step)))
+        for mb in micro(step):
+            (ref(**mb).loss / 2).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    model = pc.llama(True)
+    opt = torch.optim.SGD(model.parameters(), lr=pc.LR, momentum=pc.MOMENTUM)
+    model, opt = memsave.wrap(model, opt, pc.profile(base, pp=2), mesh=mesh)
+    model.load_state_dict(model_sd)
+    opt.load_state_dict(optim_sd)
+    got = float(model.pipeline_step(micro(1)))
+    opt.step()
+    want = _sd(ref)
+    params = _sd(model)
+    return {"figures": pc.rel([got], [losses[1]]),
+            "params": max(pc.rel(v.numpy(), want[k].numpy()) for k, v in params.items())}
+
+
 CASES: dict[str, Callable[[memsave.Mesh], dict[str, float]]] = {
     "tied-two-calls-a-step-ddp": lambda mesh: _accumulate(mesh, "ddp", calls=2, clear=True),
     "tied-two-calls-a-step-zero3": lambda mesh: _accumulate(mesh, "zero3", calls=2, clear=True),
@@ -365,6 +401,8 @@ CASES: dict[str, Callable[[memsave.Mesh], dict[str, float]]] = {
     "batch-encoding-new-length-each-step": _batch_encoding,
     "rows-by-global-rank-refused": _rows_by_global_rank,
     "torch-clip-over-one-stage": _torch_clip,
+    "load-whole-optimizer-state-ddp": lambda mesh: _load_whole_optimizer(mesh, "ddp"),
+    "load-whole-optimizer-state-zero2": lambda mesh: _load_whole_optimizer(mesh, "zero2"),
     "save-pretrained-untied-ddp": lambda mesh: _save_pretrained(mesh, "ddp", tie=False),
     "save-pretrained-tied-zero3": lambda mesh: _save_pretrained(mesh, "zero3", tie=True),
     # last: the failed step's messages stay in flight in this process group, for any later pipeline too

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -244,6 +245,47 @@ def test_grad_scaler_trains_under_fp32_and_is_refused_under_a_half_profile() -> 
     with pytest.raises(NotImplementedError, match="GradScaler on a model wrapped with a bf16/fp16 profile"):
         _scaler_loop(model, opt, 1)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing stepped
+
+def _scaler_overflow_ranks() -> dict[str, Any]:
+    """GradScaler under each fp32 profile at 2 ranks, an inf in one gradient element of rank 1 at step 1."""
+    mesh = memsave.init()
+    out: dict[str, Any] = {}
+    for profile in ("ddp", "zero1", "zero2", "zero3"):
+        model, opt = memsave.wrap(m := ToyLM(seed=3), torch.optim.AdamW(m.parameters(), lr=1e-2), profile, mesh=mesh)
+        scaler, scales, skipped = torch.amp.GradScaler("cpu", init_scale=2.0**4), [], []
+        for step in range(3):
+            hook = (model.embed.weight.register_hook(lambda g: g.index_fill(0, torch.tensor([3]), math.inf))
+                    if step == 1 and mesh.dp_rank == 1 else None)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(**toy_batch(10 * step + mesh.dp_rank, 2)).loss.float()
+            scaler.scale(loss).backward()
+            if hook is not None:
+                hook.remove()
+            if step == 2:
+                scaler.unscale_(opt)  # the user's unscale_ (before clipping), then the step
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            scales.append(scaler.get_scale())
+            skipped.append(opt.step_was_skipped)
+        out[profile] = (scales, skipped, {k: v.detach().numpy().copy() for k, v in model.state_dict().items()})
+    return out
+
+
+def test_grad_scaler_skips_an_overflow_on_every_rank_alike() -> None:
+    """[Note: one skip decision for GradScaler] Under ZeRO an inf in one rank's rows made GradScaler skip the step
+    there only: the ranks diverged (a control-flow error, or a collective timeout) and their scales would have.
+    Now every rank skips and backs off alike, and the parameters equal ddp's (torch DDP's, bit for bit)."""
+    results = run_ranks(_scaler_overflow_ranks, 2, timeout=240)
+    ddp = results[0]["ddp"]
+    assert ddp[0] == [16.0, 8.0, 8.0] and ddp[1] == [False, True, False], ddp[:2]
+    for rank, out in enumerate(results):
+        for profile, (scales, skipped, state) in out.items():
+            assert (scales, skipped) == (ddp[0], ddp[1]), (rank, profile, scales, skipped)
+            for k, v in ddp[2].items():
+                torch.testing.assert_close(torch.from_numpy(state[k]), torch.from_numpy(v), rtol=1e-5, atol=1e-6,
+                                           msg=f"{rank} {profile} {k}")
+
 
 # -- agreement across ranks -------------------------------------------------------------------------------------
 

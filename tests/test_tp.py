@@ -618,6 +618,7 @@ def _tp2_worker(bf16_refs: dict[str, tc.Run]) -> dict[str, tuple[bool, Any]]:
     mesh = memsave.init(tp=2)
     cases: dict[str, Case] = {}
     cases["tied-state-dict"] = _tied_state_dict_case
+    cases["submodule-load"] = _submodule_load_case
     for name, (key, prof, seq) in TP2_TRAIN.items():
         cases[f"train:{name}"] = lambda m, k=key, p=prof, s=seq: _train_case(m, k, p, s, bf16_refs)
     for key, seq in TP2_COMM:
@@ -644,6 +645,24 @@ def _tied_state_dict_case(mesh: memsave.Mesh) -> str:
         after = model.state_dict()
         assert not after["wte.weight"][0].any() and not after["lm_head.weight"][0].any(), profile
         assert after["wte.weight"][1].any(), profile
+    return "ok"
+
+
+def _submodule_load_case(mesh: memsave.Mesh) -> str:
+    """A pretrained backbone loaded into a submodule after wrap (``model.model.load_state_dict(backbone)``, whole
+    tensors): each rank cuts its slices, as a load through the root does (torch's size mismatch before)."""
+    backbone = tc.llama(False, 2)
+    with torch.no_grad():
+        for p in backbone.parameters():
+            p.add_(1.0)
+    for profile in ("ddp", "zero2"):
+        model = tc.llama(False, 2)
+        model, _ = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=tc.LR), profile, mesh=mesh)
+        model.model.load_state_dict(backbone.model.state_dict())
+        got = model.state_dict()
+        for k, v in backbone.state_dict().items():
+            same = torch.equal(got[k], v)
+            assert same if k.startswith("model.") else not same, (profile, k)
     return "ok"
 
 
@@ -779,12 +798,17 @@ def test_a_tied_weight_edited_through_the_state_dict_loads_back(tp2: dict) -> No
     _outcome(tp2, "tied-state-dict")
 
 
+def test_a_backbone_loaded_into_a_submodule_after_wrap_is_cut(tp2: dict) -> None:
+    _outcome(tp2, "submodule-load")
+
+
 def test_an_evaluation_on_one_dp_replica_is_legal(dp2tp2: dict) -> None:
     print(_outcome(dp2tp2, "replica-eval"))
 
 
 def test_every_case_ran(tp2: dict, dp2tp2: dict) -> None:
     assert {f"train:{n}" for n in TP2_TRAIN} | {f"comm:{m}:sp={q}" for m, q in TP2_COMM} | {
-        "ce:tp2", "plans", "embedding", "dropout", "recompute-dropout", "tied-state-dict"} == tp2.keys()
+        "ce:tp2", "plans", "embedding", "dropout", "recompute-dropout", "tied-state-dict",
+        "submodule-load"} == tp2.keys()
     assert {f"train:{n}" for n in DP2TP2_TRAIN} | {f"comm:{m}:sp={q}" for m, q in DP2TP2_COMM} | {
         "ce:tp4", "replica-eval"} | {f"train-tp4:{n}" for n in TP4_TRAIN} == dp2tp2.keys()

@@ -28,13 +28,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from memsave._logging import get_logger
+from memsave._logging import get_logger, warn_once
 from memsave.config import Profile, load_profile
 from memsave.dist.collectives import shutdown_at_exit
 from memsave.dist.host_memory import configure_host_memory
 from memsave.dist.mesh import Mesh, validate_degrees
 
-__all__ = ["check_accelerate_world", "default_device", "init", "launch_env"]
+__all__ = ["check_accelerate_precision", "check_accelerate_world", "default_device", "init", "launch_env"]
 
 _LAUNCH_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -195,3 +195,19 @@ def check_accelerate_world(world: int) -> None:
             "accelerate's dataloader would not split the data over the ranks that memsave averages gradients over. "
             "On a CPU machine build Accelerator(cpu=True) (accelerate then starts gloo for every launched "
             "process); elsewhere create the Accelerator from the same launch as memsave.init()")
+
+
+def check_accelerate_precision(compute: str) -> None:
+    """[Note: accelerate's mixed precision] ``Accelerator(mixed_precision="bf16")`` autocasts the forward of the
+    models it prepares, and memsave's recipe keeps the model out of ``prepare`` (it would add DDP): the setting then
+    does nothing, and a run meant for bf16 computed in fp32 with no word (a review: bitwise equal to
+    ``mixed_precision="no"``). Said once, at ``wrap``, where accelerate's state asks for a lower precision than
+    the profile's ``[precision] compute`` (accelerate is never imported here)."""
+    state = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(state, "AcceleratorState", None), "_shared_state", None) or {}
+    asked = str(shared.get("_mixed_precision", "no"))
+    if asked not in ("no", compute) and compute == "fp32":
+        warn_once(f"accelerate's mixed_precision={asked!r} applies only to a model accelerator.prepare wraps, which "
+                  "memsave's model is not: its forward runs in fp32 unless under accelerator.autocast(). For "
+                  f"{asked} use a profile with [precision] compute = "
+                  f"\"{asked if asked in ('bf16', 'fp16') else 'bf16'}\" (e.g. zero2-bf16), or that autocast")

@@ -33,7 +33,7 @@ from torch import nn
 from memsave import dist as mdist
 from memsave.dist import Mesh
 from memsave.engines import part_grad
-from memsave.outer_backward import OuterBackward, repeated_gradient_error
+from memsave.outer_backward import OuterBackward, grad_hooks_last, repeated_gradient_error
 from memsave.phases import MemoryCategory
 from memsave.wrapped import check_still_frozen, sync_suspended, unscaled_backward_error, weak_method
 
@@ -97,7 +97,8 @@ class DataParallelEngine:
         self._frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
         # [Note: hooks held by tensors] weakly: a tensor's hook is held where the collector cannot see it
         on_grad = weak_method(self._on_grad_ready)
-        self._hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in self._slot]
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in self._slot]
+        self._hooks = list(self._grad_hooks)
         self._hooks.append(model.register_forward_pre_hook(self._check_trainable, prepend=True))
         self._hooks.append(model.register_load_state_dict_post_hook(self._after_load))
         if mesh.degree("tp") > 1 and mesh.degree("pp") == 1:  # every forward communicates over tp
@@ -142,6 +143,7 @@ class DataParallelEngine:
         # it has no bucket: each rank would step it with its own local gradient
         check_still_frozen(self._frozen, "its gradient would never be averaged over ranks, so the replicas would "
                                          "diverge")
+        grad_hooks_last(self._grad_hooks)  # [Note: the user's gradient hooks first] in memsave/outer_backward.py
 
     def _drop_backward(self) -> None:
         """The last backward raised before its synchronization: finish the all-reduces it launched (every rank

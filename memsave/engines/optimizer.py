@@ -24,6 +24,7 @@ from memsave import dist as mdist
 from memsave.config import OffloadConfig
 from memsave.engines import part_grad
 from memsave.engines import state as _state
+from memsave.engines.grad_scaler import GradScalerSteps
 from memsave.engines.protocol import Engine
 from memsave.offload import OffloadedState
 from memsave.optim import Adafactor
@@ -54,7 +55,7 @@ def _alike_on_every_stage(axes: list[str], kinds: list[tuple[str, ...]]) -> tupl
             sorted({tuple(k) for _, got in per_rank for k in got}))
 
 
-class MemsaveOptimizer(WrappedOptimizer):
+class MemsaveOptimizer(GradScalerSteps, WrappedOptimizer):
     """The user's optimizer stepping what ``engine`` shards, with precision, clipping and offload composed."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, engine: Engine, *, mixed_precision: bool = False,
@@ -88,6 +89,8 @@ class MemsaveOptimizer(WrappedOptimizer):
                 full = [p for p in full if p in stepped]
             group["params"] = [stepped[p] for p in full]
             self._full_of.update(zip(group["params"], full))
+        # pp: where this rank's parameters stand among the whole model's (a whole optimizer state dict's indices)
+        self.whole_positions: tuple[list[int], int] | None = vars(optimizer).pop("memsave_whole_positions", None)
         self.agree_over = engine.mesh.groups_for(axes)
         self._norm_groups = {a: engine.mesh.group(a) if engine.mesh.degree(a) > 1 else None for a in axes}
         # [Note: partial gradients] stepped tensors whose gradient is a partial sum over a non-data axis
@@ -149,20 +152,6 @@ class MemsaveOptimizer(WrappedOptimizer):
             zero.attach_step_waiter(lambda unit: state.wait_for(f"unit{unit.index}"))
             zero.before_zero_in_place = weak_method(self.settle)
             self._settle_hook = zero.model.register_forward_hook(lambda *_: state.settle())
-
-    @property
-    def _step_supports_amp_scaling(self) -> bool:
-        """Read by ``torch.amp.GradScaler.step`` (its hook for optimizers that scale by themselves). Under a bf16/fp16
-        profile memsave scales and unscales the loss itself, and the scaler would find no gradients on the fp32
-        masters (torch's bare "No inf checks were recorded"): refused by name. Under fp32, GradScaler's own path."""
-        if self.mp is not None:
-            raise NotImplementedError(
-                "torch.amp.GradScaler on a model wrapped with a bf16/fp16 profile: the profile already scales the "
-                "loss and unscales the gradients into fp32 masters ([precision] loss_scale). Drop the scaler: call "
-                "loss.backward() (or optimizer.backward(loss)) and optimizer.step(); optimizer.mp.loss_scale is the "
-                "scale, optimizer.clip_grad_norm(c) clips the unscaled gradient. (GradScaler with torch.autocast "
-                "belongs to an fp32 profile.)")
-        return False
 
     # -- what the state dict and tests read ------------------------------------------------------------------
     @property
@@ -305,12 +294,14 @@ class MemsaveOptimizer(WrappedOptimizer):
         if self.mp is not None:
             self.mp.step_masters((lambda: offloaded.step(overlap=self.overlap)) if offloaded is not None else None)
             if self.mp.last_step_skipped:  # (or skips it, on every rank)
+                self.step_was_skipped = True
                 return
         else:
             grads = [g for _, g in self._grads()]
             skip = self.nonfinite.found(grads, self.agree_over, device=self.engine.mesh.device)
             self.nonfinite.after_step(skip)  # agreed over the placements' axes: every rank skips, or none
             if skip:
+                self.step_was_skipped = True
                 return
             if offloaded is not None:
                 offloaded.step(overlap=self.overlap)

@@ -113,6 +113,7 @@ def load_state_dict(opt: MemsaveOptimizer, sd: dict[str, Any]) -> None:
     rows = RowSharding(opt.engine.mesh)
     inner = opt.optimizer
     stepped = [s for g in inner.param_groups for s in g["params"]]
+    sd = _this_stage(opt, sd, len(stepped))
     local: dict[str, Any] = {"param_groups": sd["param_groups"], "state": {}}
     for index, state in sd["state"].items():
         s = stepped[int(index)]
@@ -149,6 +150,29 @@ def load_state_dict(opt: MemsaveOptimizer, sd: dict[str, Any]) -> None:
     opt.offloaded.load_local_state({s: inner.state.pop(s) for s in stepped if s in inner.state}, own)
     if opt.scaler is not None and local["loss_scaler"] is not None:
         opt.scaler.load_state_dict(local["loss_scaler"])
+
+
+def _this_stage(opt: MemsaveOptimizer, sd: dict[str, Any], count: int) -> dict[str, Any]:
+    """Under pp a rank's optimizer holds its stages' parameters, and ``optimizer.state_dict()`` gives those. A
+    whole model's state dict (a plain optimizer's, saved without pp, as ``model.load_state_dict`` takes the whole
+    model's) is cut to this rank's entries, renumbered; it raised a bare IndexError (a review)."""
+    if opt.whole_positions is None:
+        return sd
+    positions, total = opt.whole_positions
+    ids = [i for g in sd["param_groups"] for i in g["params"]]
+    if len(ids) == count or total == count:
+        return sd
+    if len(ids) != total:
+        raise ValueError(f"optimizer state dict holds {len(ids)} parameters; this optimizer has {count} (this pipeline "
+                         f"rank's stages) of the model's {total}: load the state dict this rank saved, or the whole "
+                         "model's")
+    local = {ids[pos]: k for k, pos in enumerate(positions)}
+    out = {**sd, "param_groups": [{**g, "params": [local[i] for i in g["params"] if i in local]}
+                                  for g in sd["param_groups"]],
+           "state": {local[int(i)]: v for i, v in sd["state"].items() if int(i) in local}}
+    if sd.get("master_params") is not None:
+        out["master_params"] = [sd["master_params"][pos] for pos in positions]
+    return out
 
 
 @torch.no_grad()

@@ -156,7 +156,7 @@ class MixedPrecisionOptimizer(WrappedOptimizer):
         if step is not None and self.scaler is None and self._checked is None:  # check the model's gradients
             self._checked = self.nonfinite.found([self._grad_of(p) for _, p in self._pairs], self.group)
         overflow = self.unscale()
-        self.last_step_skipped = overflow
+        self.step_was_skipped = self.last_step_skipped = overflow
         stuck = self.scaler is None or self.scaler.scale <= self.scaler.min_scale  # nothing left to adjust
         self.nonfinite.after_step(overflow, counts=stuck)  # (raises per [precision] nonfinite / max_skipped)
         if not overflow and step is not None:

@@ -349,10 +349,17 @@ def full_state_dicts(model: nn.Module, ctx: TPContext) -> None:
                 state_dict[prefix + key] = whole[p]
 
     def cut(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        for key, (lay, _) in cut_params().items():
-            value = state_dict.get(prefix + key)
-            if isinstance(value, torch.Tensor) and lay.dim is not None and tuple(value.shape) == lay.full_shape:
-                state_dict[prefix + key] = cut_tp(value, lay, ctx.size, ctx.rank)
+        for name, p in module._parameters.items():
+            lay = tp_param(p) if p is not None else None
+            value = state_dict.get(prefix + name)
+            if (lay is not None and lay.dim is not None and isinstance(value, torch.Tensor)
+                    and tuple(value.shape) == lay.full_shape):
+                state_dict[prefix + name] = cut_tp(value, lay, ctx.size, ctx.rank)
 
     model.register_state_dict_post_hook(gather)
-    model.register_load_state_dict_pre_hook(cut)
+    # on each module holding a cut parameter, not the root alone: a load through a submodule
+    # (model.model.load_state_dict(backbone) after wrap) took whole tensors as slices, torch's size mismatch
+    for m in model.modules():
+        if any(p is not None and (lay := tp_param(p)) is not None and lay.dim is not None
+               for p in m._parameters.values()):
+            m.register_load_state_dict_pre_hook(cut)

@@ -27,7 +27,7 @@ from memsave import dist as mdist
 from memsave.config import ZeroConfig
 from memsave.dist import Mesh
 from memsave.models.units import REDUCES_IN_FLIGHT, default_units, unit_parameters  # (the estimator's too)
-from memsave.outer_backward import OuterBackward, repeated_gradient_error
+from memsave.outer_backward import OuterBackward, grad_hooks_last, repeated_gradient_error
 from memsave.phases import MemoryCategory
 from memsave.wrapped import check_still_frozen, sync_suspended, unscaled_backward_error, weak_method
 from memsave.zero.edit_window import EditWindows, write_back
@@ -125,9 +125,8 @@ class ZeroEngine:
         return units
 
     def _register_hooks(self) -> None:
-        for p in self._trainable:
-            self._hooks.append(p.register_post_accumulate_grad_hook(weak_method(self._on_grad_ready)))
-            self._hooks.append(p.register_hook(self._make_before_accumulate(p)))
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(weak_method(self._on_grad_ready)) for p in self._trainable]
+        self._hooks += [*self._grad_hooks, *(p.register_hook(self._make_before_accumulate(p)) for p in self._trainable)]
         if self.mesh.device.type == "cpu":
             self._hooks.append(self.model.register_forward_hook(lambda *_: mdist.after_forward()))
         if self.mesh.degree("tp") > 1 and self.mesh.degree("pp") == 1:  # [Note: one input per tp group]
@@ -166,6 +165,7 @@ class ZeroEngine:
                 u.pending = len(u.trainable)
         check_still_frozen(self._frozen, "ZeRO laid out gradient shards and optimizer state only for the "
                                          "parameters trainable at wrap, so it would never be updated")
+        grad_hooks_last(self._grad_hooks)  # [Note: the user's gradient hooks first] in memsave/outer_backward.py
 
     def attach_param_offload(self, offload: Any) -> None:
         """Stage 3, ``[offload] params`` (``"disk"``, or ``"cpu"`` on CUDA): the units' shards are loaded before each gather (reading

@@ -270,6 +270,19 @@ class Stage3Schedule:
         self._enter(TrainingState.AWAIT_BACKWARD)
         self.backward = _Pass(list(reversed(self.units[1:])))
         self.gather_order = self.backward.order
+        for t in output_tensors(output):
+            if t.requires_grad:
+                t.register_hook(self._root_pre_backward)
+
+    def _root_pre_backward(self, grad: torch.Tensor) -> None:
+        """A second backward through a graph whose first backward ended, and freed the root with every unit
+        (``retain_graph=True``, or two losses of two forwards backwarded one by one): the root's backward runs
+        first, before any unit's hook, on its saved views of freed parameters (a review: torch's "setStorage ...
+        out of bounds"). So the root is gathered again as the gradient reaches the model's outputs (a no-op in
+        the first backward, which finds it gathered since the forward); the units gather in their own hooks."""
+        root = self.units[0]
+        if root.state is UnitState.SHARDED:
+            root.unshard_wait()
 
     # -- parameters read outside their unit's forward ([Note: guarded reads] in guards.py) ------------------
     def _root_owners(self, model: nn.Module) -> list[nn.Module]:
