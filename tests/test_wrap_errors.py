@@ -9,9 +9,10 @@ group, a ZeRO guard error from ``.to("cpu")``, or no word at all.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -220,21 +221,28 @@ def test_torch_ddp_around_a_wrapped_model_and_another_process_count_in_accelerat
     _assert_unchanged(model, before)
 
 
-def test_an_ignored_optimizer_section_is_said_once(monkeypatch: pytest.MonkeyPatch) -> None:
+@contextlib.contextmanager
+def _said(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """The messages memsave's logger emits inside the block, each once-only warning afresh."""
     monkeypatch.setattr(_logging, "_warned", set())
     said: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda r: said.append(r.getMessage())  # type: ignore[method-assign]
     _logging.get_logger().addHandler(handler)
     try:
+        yield said
+    finally:
+        _logging.get_logger().removeHandler(handler)
+
+
+def test_an_ignored_optimizer_section_is_said_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    with _said(monkeypatch) as said:
         profile = memsave.load_profile("zero2-adafactor")
         for _ in range(2):
             _wrap(profile)
         model = ToyLM(seed=1)
         memsave.wrap(model, build_optimizer(model.parameters(), profile.optimizer), profile)  # built from it
         _wrap("ddp")  # the default section
-    finally:
-        _logging.get_logger().removeHandler(handler)
     ignored = [m for m in said if "[optimizer]" in m]
     assert len(ignored) == 1, said
     assert ignored[0] == (
@@ -391,12 +399,7 @@ def test_accelerate_mixed_precision_without_a_prepared_model_is_said(monkeypatch
     under an fp32 profile; a bf16 profile agrees with it and says nothing."""
     accelerate_state = pytest.importorskip("accelerate.state")
     monkeypatch.setitem(accelerate_state.AcceleratorState._shared_state, "_mixed_precision", "bf16")
-    monkeypatch.setattr(_logging, "_warned", set())
-    said: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda r: said.append(r.getMessage())  # type: ignore[method-assign]
-    _logging.get_logger().addHandler(handler)
-    try:
+    with _said(monkeypatch) as said:
         _wrap("zero2")
         _wrap("zero2")
         bf16 = [m for m in said if "mixed_precision='bf16'" in m]
@@ -404,5 +407,3 @@ def test_accelerate_mixed_precision_without_a_prepared_model_is_said(monkeypatch
         said.clear()
         _wrap("zero2-bf16")
         assert not [m for m in said if "mixed_precision" in m]
-    finally:
-        _logging.get_logger().removeHandler(handler)
