@@ -253,8 +253,8 @@ def route_user_optimizer(inner: torch.optim.Optimizer, wrapper: WrappedOptimizer
 
     - ``zero_grad()`` clears the engine's gradients too (else the next step would add them up);
     - ``add_param_group()`` is refused as on the wrapper (a head added there trained with unreduced gradients);
-    - ``step()`` is the wrapper's: what the user's optimizer steps are ZeRO's rows or the fp32 masters, which only
-      the wrapper's step fills and copies back (a review: ``scaler.step(optimizer)`` or ``accelerator.prepare``
+    - ``step()`` is the wrapper's, ``scaler.step(optimizer)`` included: what the user's optimizer steps are
+      ZeRO's rows or the fp32 masters, which only the wrapper's step fills and copies back (a review: ``scaler.step(optimizer)`` or ``accelerator.prepare``
       with the old name moved nothing under bf16, and left zero1/2 0.24 off plain at 2 ranks, no error). A bound
       method, so an LR scheduler built on either object can wrap it; memsave's own calls take the class's
       (:func:`inner_step`).
@@ -266,11 +266,16 @@ def route_user_optimizer(inner: torch.optim.Optimizer, wrapper: WrappedOptimizer
         wrapper.add_param_group, fallback=lambda group: type(inner).add_param_group(inner, group))
     ref = weakref.ref(wrapper)
 
-    def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+    def step(self: torch.optim.Optimizer, closure: Any = None, grad_scaler: Any = None) -> Any:
         outer = ref()
-        return outer.step(*args, **kwargs) if outer is not None else type(self).step(self, *args, **kwargs)
+        if outer is None:
+            return type(self).step(self, closure)
+        return outer.step(closure, grad_scaler=grad_scaler)
 
     inner.step = types.MethodType(step, inner)  # type: ignore[method-assign]
+    # scaler.step(inner) hands the step to the wrapper too ([Note: one skip decision for GradScaler]): torch's
+    # own path would unscale and decide on this rank's rows alone
+    inner._step_supports_amp_scaling = True  # type: ignore[attr-defined]
 
 
 def inner_step(optimizer: torch.optim.Optimizer) -> None:

@@ -240,18 +240,27 @@ def test_grad_scaler_trains_under_fp32_and_is_refused_under_a_half_profile() -> 
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
     half = memsave.load_profile("zero2", ["precision.compute='bf16'"])
-    model, opt = memsave.wrap(m := ToyLM(seed=3), torch.optim.AdamW(m.parameters(), lr=1e-2), half)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(NotImplementedError, match="GradScaler on a model wrapped with a bf16/fp16 profile"):
-        _scaler_loop(model, opt, 1)
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing stepped
+    for which in ("returned", "kept"):  # scaler.step on the optimizer object built before wrap: refused alike
+        kept = torch.optim.AdamW((m := ToyLM(seed=3)).parameters(), lr=1e-2)
+        model, opt = memsave.wrap(m, kept, half)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(NotImplementedError, match="GradScaler on a model wrapped with a bf16/fp16 profile"):
+            if which == "returned":
+                _scaler_loop(model, opt, 1)
+            else:  # (torch's clip over the model's parameters would refuse first: straight to the step)
+                scaler = torch.amp.GradScaler("cpu")
+                scaler.scale(model(**toy_batch(0, 4)).loss.float()).backward()
+                scaler.step(kept)
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing stepped
 
 def _scaler_overflow_ranks() -> dict[str, Any]:
     """GradScaler under each fp32 profile at 2 ranks, an inf in one gradient element of rank 1 at step 1."""
     mesh = memsave.init()
     out: dict[str, Any] = {}
-    for profile in ("ddp", "zero1", "zero2", "zero3"):
-        model, opt = memsave.wrap(m := ToyLM(seed=3), torch.optim.AdamW(m.parameters(), lr=1e-2), profile, mesh=mesh)
+    for profile in ("ddp", "zero1", "zero2", "zero3", "zero2 (the optimizer object built before wrap)"):
+        kept = torch.optim.AdamW((m := ToyLM(seed=3)).parameters(), lr=1e-2)
+        model, opt = memsave.wrap(m, kept, profile.split()[0], mesh=mesh)
+        stepped = kept if "before wrap" in profile else opt  # scaler.step(optimizer) with the old name
         scaler, scales, skipped = torch.amp.GradScaler("cpu", init_scale=2.0**4), [], []
         for step in range(3):
             hook = (model.embed.weight.register_hook(lambda g: g.index_fill(0, torch.tensor([3]), math.inf))
@@ -262,8 +271,8 @@ def _scaler_overflow_ranks() -> dict[str, Any]:
             if hook is not None:
                 hook.remove()
             if step == 2:
-                scaler.unscale_(opt)  # the user's unscale_ (before clipping), then the step
-            scaler.step(opt)
+                scaler.unscale_(stepped)  # the user's unscale_ (before clipping), then the step
+            scaler.step(stepped)
             scaler.update()
             opt.zero_grad()
             scales.append(scaler.get_scale())

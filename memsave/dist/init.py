@@ -201,8 +201,8 @@ def check_accelerate_precision(compute: str) -> None:
     """[Note: accelerate's mixed precision] ``Accelerator(mixed_precision="bf16")`` autocasts the forward of the
     models it prepares, and memsave's recipe keeps the model out of ``prepare`` (it would add DDP): the setting then
     does nothing, and a run meant for bf16 computed in fp32 with no word (a review: bitwise equal to
-    ``mixed_precision="no"``). Said once, at ``wrap``, where accelerate's state asks for a lower precision than
-    the profile's ``[precision] compute`` (accelerate is never imported here)."""
+    ``mixed_precision="no"``). Said once, at ``wrap``, where accelerate's state asks for bf16, fp16 or fp8 and the
+    profile computes in fp32 (accelerate is never imported here)."""
     state = sys.modules.get("accelerate.state")
     shared = getattr(getattr(state, "AcceleratorState", None), "_shared_state", None) or {}
     asked = str(shared.get("_mixed_precision", "no"))

@@ -8,7 +8,8 @@ write, or a collective timed out), and their scales would have diverged too (a r
 ``ShardedGradScaler`` all-reduces the flag for FSDP.
 
 Here :class:`MemsaveOptimizer` says it handles the scaling (``_step_supports_amp_scaling``), so ``scaler.step``
-calls ``optimizer.step(grad_scaler=scaler)`` on every rank: the step unscales (unless the user did), takes the
+calls ``optimizer.step(grad_scaler=scaler)`` on every rank (the optimizer object the user built routes there
+too): the step unscales (unless the user did), takes the
 MAX of the inf flags over every rank of the model, writes it back into the scaler's per-device flags (so each
 rank's ``scaler.update()`` backs off or grows alike), and steps or skips on all ranks together. The same path at
 one rank gives GradScaler's own result, bit for bit. torch announces (a ``FutureWarning``) that it will stop
@@ -36,9 +37,11 @@ def step_with_grad_scaler(optimizer: Any, scaler: Any, device: torch.device) -> 
     returns whether to step ([Note: one skip decision for GradScaler])."""
     from torch.amp.grad_scaler import OptState
 
-    state = scaler._per_optimizer_states[id(optimizer)]
+    # the object the scaler was given: the wrapper, or the user's own (whose step routes here)
+    given = optimizer.optimizer if id(optimizer.optimizer) in scaler._per_optimizer_states else optimizer
+    state = scaler._per_optimizer_states[id(given)]
     if state["stage"] is OptState.READY:
-        scaler.unscale_(optimizer)
+        scaler.unscale_(given)  # (the same tensors either way: the two share their param_groups)
     flags = state["found_inf_per_device"]
     found = torch.zeros(1, dtype=torch.float32, device=device)
     for flag in flags.values():
@@ -72,4 +75,8 @@ class GradScalerSteps:
         return True
 
     def _scaler_says_step(self, scaler: Any) -> bool:
-        return step_with_grad_scaler(self, scaler, self.engine.mesh.device)
+        """The user's own optimizer object routes its ``step`` here too (``scaler.step(optimizer)`` with the
+        object built before wrap; memsave/wrapped.py route_user_optimizer): refused alike under bf16/fp16."""
+        if self._step_supports_amp_scaling:
+            return step_with_grad_scaler(self, scaler, self.engine.mesh.device)
+        return True
