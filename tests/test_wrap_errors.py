@@ -407,3 +407,19 @@ def test_accelerate_mixed_precision_without_a_prepared_model_is_said(monkeypatch
         said.clear()
         _wrap("zero2-bf16")
         assert not [m for m in said if "mixed_precision" in m]
+
+
+def test_a_timeout_init_cannot_apply_is_said(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``memsave.init(timeout_s=...)`` once the process group exists cannot change its timeout: said once, not a
+    silent no-op; the same timeout again says nothing."""
+    from memsave.dist.mesh import default_group_timeout
+
+    memsave.init()
+    running = default_group_timeout(torch.device("cpu"))
+    assert running is not None
+    with _said(monkeypatch) as said:
+        memsave.init(timeout_s=running.total_seconds())
+        assert not [m for m in said if "timeout_s" in m]
+        memsave.init(timeout_s=running.total_seconds() + 7)
+        memsave.init(timeout_s=running.total_seconds() + 7)
+        assert len([m for m in said if "is not applied" in m]) == 1, said

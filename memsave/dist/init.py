@@ -32,7 +32,7 @@ from memsave._logging import get_logger, warn_once
 from memsave.config import Profile, load_profile
 from memsave.dist.collectives import shutdown_at_exit
 from memsave.dist.host_memory import configure_host_memory
-from memsave.dist.mesh import Mesh, validate_degrees
+from memsave.dist.mesh import Mesh, default_group_timeout, validate_degrees
 
 __all__ = ["check_accelerate_precision", "check_accelerate_world", "default_device", "init", "launch_env"]
 
@@ -151,8 +151,14 @@ def init(
                 dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout,
                                         **kwargs)  # type: ignore[arg-type]
         atexit.register(shutdown_at_exit)  # [Note: gloo at exit]: a script that ends without shutdown()
-    elif dist.get_backend() != backend:
-        get_logger().info("using the existing %s process group (asked for %s)", dist.get_backend(), backend)
+    else:
+        if dist.get_backend() != backend:
+            get_logger().info("using the existing %s process group (asked for %s)", dist.get_backend(), backend)
+        running = default_group_timeout(dev)
+        if timeout_s is not None and running is not None and running != timeout:  # not a silent no-op
+            warn_once(f"memsave.init(timeout_s={timeout_s:g}) is not applied: the process group exists already, with "
+                      f"a collective timeout of {running.total_seconds():g} s; set it where the group is made (the "
+                      "first memsave.init, or MEMSAVE_TIMEOUT_S)")
     key = (dev, dp, tp, pp, local_rank)
     default = dist.distributed_c10d._get_default_group()
     cached = _MESHES.get(key)

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from memsave.dist import groups
 
-__all__ = ["AXES", "Mesh", "validate_degrees"]
+__all__ = ["AXES", "Mesh", "default_group_timeout", "validate_degrees"]
 
 AXES = ("pp", "dp", "tp")
 
@@ -40,6 +40,15 @@ def validate_degrees(world_size: int, *, dp: int | None, tp: int, pp: int) -> tu
             f"leave dp unset to use dp = world_size / (tp * pp) = {world_size // (tp * pp)}"
         )
     return pp, dp, tp
+
+
+def default_group_timeout(device: torch.device) -> datetime.timedelta | None:
+    """The default process group's collective timeout on ``device``'s backend; None where torch does not say."""
+    try:
+        backend = dist.distributed_c10d._get_default_group()._get_backend(device)
+        return backend.options._timeout  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError):
+        return None
 
 
 @dataclasses.dataclass(eq=False)
@@ -112,12 +121,8 @@ class Mesh:
     def _default_timeout(self) -> datetime.timedelta | None:
         """The default group's collective timeout (``memsave.init(timeout_s=)``, ``MEMSAVE_TIMEOUT_S``), for the
         groups made here: torch gives a ``new_group`` without one its own default (30 minutes for gloo), so a hang
-        on a ZeRO reduce-scatter group would outlast the timeout the user set. None where torch does not say."""
-        try:
-            backend = dist.distributed_c10d._get_default_group()._get_backend(self.device)
-            return backend.options._timeout  # type: ignore[attr-defined]
-        except (AttributeError, RuntimeError):
-            return None
+        on a ZeRO reduce-scatter group would outlast the timeout the user set."""
+        return default_group_timeout(self.device)
 
     @property
     def rank(self) -> int:
