@@ -30,7 +30,13 @@ from memsave.dist.host_memory import (
     trim_held,
     trim_host_memory,
 )
-from memsave.dist.init import check_accelerate_precision, check_accelerate_world, default_device, init, launch_env
+from memsave.dist.init import (
+    check_accelerate_precision,
+    check_accelerate_world,
+    default_device,
+    init,
+    launch_env,
+)
 from memsave.dist.mesh import AXES, Mesh, validate_degrees
 from memsave.dist.p2p import P2P, PeerFailed, announce_failure, global_rank, new_subgroups
 from memsave.dist.placement import (
