@@ -254,10 +254,10 @@ def route_user_optimizer(inner: torch.optim.Optimizer, wrapper: WrappedOptimizer
     - ``zero_grad()`` clears the engine's gradients too (else the next step would add them up);
     - ``add_param_group()`` is refused as on the wrapper (a head added there trained with unreduced gradients);
     - ``step()`` is the wrapper's, ``scaler.step(optimizer)`` included: what the user's optimizer steps are
-      ZeRO's rows or the fp32 masters, which only the wrapper's step fills and copies back (a review: ``scaler.step(optimizer)`` or ``accelerator.prepare``
-      with the old name moved nothing under bf16, and left zero1/2 0.24 off plain at 2 ranks, no error). A bound
-      method, so an LR scheduler built on either object can wrap it; memsave's own calls take the class's
-      (:func:`inner_step`).
+      ZeRO's rows or the fp32 masters, which only the wrapper's step fills and copies back (a review:
+      ``scaler.step(optimizer)`` or ``accelerator.prepare`` with the old name moved nothing under bf16, and left
+      zero1/2 0.24 off plain at 2 ranks, no error). A bound method, so an LR scheduler built on either object can
+      wrap it; memsave's own calls take the class's (:func:`inner_step`).
 
     The class's methods stay reachable as ``type(inner).zero_grad(inner, ...)`` and so on."""
     route = weak_method(wrapper.zero_grad, fallback=lambda *a, **k: type(inner).zero_grad(inner, *a, **k))

@@ -72,7 +72,8 @@ class DataParallelEngine:
         # of the gradient] in memsave/engines/part_grad.py; the optimizer unmarks them where marks_part_grads)
         self._holds_part = mesh.degree("tp") > 1 or mesh.degree("pp") > 1
         self.require_grad_sync = True
-        self.agreement = mdist.Agreement(mesh.new_group("dp", owner=self), mesh.device)  # [Note: control-flow agreement]
+        # [Note: control-flow agreement]
+        self.agreement = mdist.Agreement(mesh.new_group("dp", owner=self), mesh.device)
         named = trainable_parameters(model)
         self.param_names = {p: n for n, p in named}
         self.buckets = self._make_buckets([p for _, p in reversed(named)], int(bucket_mb * 2**20), reduce_dtype)

@@ -9,13 +9,13 @@ write, or a collective timed out), and their scales would have diverged too (a r
 
 Here :class:`MemsaveOptimizer` says it handles the scaling (``_step_supports_amp_scaling``), so ``scaler.step``
 calls ``optimizer.step(grad_scaler=scaler)`` on every rank (the optimizer object the user built routes there
-too): the step unscales (unless the user did), takes the
-MAX of the inf flags over every rank of the model, writes it back into the scaler's per-device flags (so each
-rank's ``scaler.update()`` backs off or grows alike), and steps or skips on all ranks together. The same path at
+too): the step unscales (unless the user did), takes the MAX of the inf flags over every rank of the model,
+writes it back into the scaler's per-device flags (so each rank's ``scaler.update()`` backs off or grows alike),
+and steps or skips on all ranks together. The same path at
 one rank gives GradScaler's own result, bit for bit. torch announces (a ``FutureWarning``) that it will stop
 passing itself to optimizers that take ``grad_scaler``; that warning, addressed to optimizer authors, is silenced
-here, and the path reads the scaler's per-optimizer state (``_per_optimizer_states``, as torch's own fused
-optimizers read ``found_inf``).
+here, and the path reads the scaler's per-optimizer state (``_per_optimizer_states``, torch's private state:
+the attributes torch sets instead give no way to write the agreed flag back for ``update()``).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def step_with_grad_scaler(optimizer: Any, scaler: Any, device: torch.device) -> 
         found += flag.to(device)
     mdist.all_reduce(found, None, op=mdist.ReduceOp.MAX, count_as="control")
     for flag in flags.values():
-        flag.fill_(found.item())
+        flag.copy_(found.squeeze(0).to(flag.device))  # (no host sync for the flags)
     return found.item() == 0
 
 

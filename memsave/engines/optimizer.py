@@ -99,7 +99,7 @@ class MemsaveOptimizer(GradScalerSteps, WrappedOptimizer):
         self._partial_at: int | None = None  # engine.num_syncs when they were last completed (None: since zero_grad)
         self._read_at: int | None = None  # engine.num_syncs when the step's gradients were last read ([Note: ...])
         # Mixed precision: fp32 masters (of the shards: 4/N bytes per parameter), cast into the parameters after
-        # the step; with offload on CUDA made on the host, for the tier, never on the device ([Note: offloaded masters]).
+        # the step; with offload on CUDA made on the host for the tier ([Note: offloaded masters]).
         host_masters = offload is not None and offload.optimizer in ("cpu", "disk") and engine.mesh.device.type == "cuda"
         self.mp = (MixedPrecisionOptimizer(optimizer, scaler=scaler, group=self.agree_over, grad_of=engine.grad_of,
                                            master_device=torch.device("cpu") if host_masters else None,
@@ -293,7 +293,7 @@ class MemsaveOptimizer(GradScalerSteps, WrappedOptimizer):
         offloaded = self.offloaded
         if self.mp is not None:
             self.mp.step_masters((lambda: offloaded.step(overlap=self.overlap)) if offloaded is not None else None)
-            if self.mp.last_step_skipped:  # (or skips it, on every rank)
+            if self.mp.step_was_skipped:  # (or skips it, on every rank)
                 self.step_was_skipped = True
                 return
         else:

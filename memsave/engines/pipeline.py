@@ -107,7 +107,7 @@ class PipelineEngine:
         self.balance_by = "count"  # the [parallel] balance that chose the split (set by wrap)
         self._zero: Any = inner  # (a ZeroEngine where its stage-3 schedule is read)
         self.pp_size, self.pp_rank = self.mesh.degree("pp"), self.mesh.axis_rank("pp")
-        self._replica_group = self.mesh.new_group("pp", "tp", owner=self)  # the ranks of one model replica (same inputs)
+        self._replica_group = self.mesh.new_group("pp", "tp", owner=self)  # one model replica's ranks (same inputs)
         self.scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
         self._schedules: dict[int, pp_schedule.Schedule] = {}
         # ties: one group per tie over the pp ranks holding it (created on every rank alike, collectively)

@@ -89,7 +89,11 @@ class MixedPrecisionOptimizer(WrappedOptimizer):
         watched = [(m, p, param_of(p) if param_of is not None else p) for m, p in self._pairs if m is not p]
         self.edits = EditWatch([(m, p, full) for m, p, full in watched if full is not None])
         self._checked: bool | None = None  # overflow found in this step's gradients (None: not checked yet)
-        self.last_step_skipped = False
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """The last step skipped its update: :attr:`step_was_skipped`, by its earlier name."""
+        return self.step_was_skipped
 
     @property
     def pairs(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
@@ -156,7 +160,7 @@ class MixedPrecisionOptimizer(WrappedOptimizer):
         if step is not None and self.scaler is None and self._checked is None:  # check the model's gradients
             self._checked = self.nonfinite.found([self._grad_of(p) for _, p in self._pairs], self.group)
         overflow = self.unscale()
-        self.step_was_skipped = self.last_step_skipped = overflow
+        self.step_was_skipped = overflow
         stuck = self.scaler is None or self.scaler.scale <= self.scaler.min_scale  # nothing left to adjust
         self.nonfinite.after_step(overflow, counts=stuck)  # (raises per [precision] nonfinite / max_skipped)
         if not overflow and step is not None:

@@ -54,8 +54,8 @@ class ZeroEngine:
         # skips, so on one group they could pair up the wrong operations (a hang).
         self.group, self.dp_size = mesh.dp_group, mesh.dp_size
         self.reduce_dtype = reduce_dtype  # None: the parameters' own dtype ([Note: reduce dtype] in unit.py)
-        self.reduce_group = mesh.new_group("dp", owner=self)
-        self.agreement = mdist.Agreement(mesh.new_group("dp", owner=self), mesh.device)  # [Note: control-flow agreement]
+        self.reduce_group, agreed = mesh.new_group("dp", owner=self), mesh.new_group("dp", owner=self)
+        self.agreement = mdist.Agreement(agreed, mesh.device)  # [Note: control-flow agreement]
         self.require_grad_sync = True
         # before_unit(params): called with each unit's parameters just before the unit takes them (deferred
         # initialization materializes them there: [Note: materialization] in memsave/deferred/materialize.py)
@@ -125,7 +125,8 @@ class ZeroEngine:
         return units
 
     def _register_hooks(self) -> None:
-        self._grad_hooks = [p.register_post_accumulate_grad_hook(weak_method(self._on_grad_ready)) for p in self._trainable]
+        hook = weak_method(self._on_grad_ready)  # [Note: hooks held by tensors]: weakly
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(hook) for p in self._trainable]
         self._hooks += [*self._grad_hooks, *(p.register_hook(self._make_before_accumulate(p)) for p in self._trainable)]
         if self.mesh.device.type == "cpu":
             self._hooks.append(self.model.register_forward_hook(lambda *_: mdist.after_forward()))
