@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["create", "live_count", "release_dead"]
+__all__ = ["create", "forget", "live_count", "release_dead"]
 
 _serial = itertools.count()
 _live: dict[int, Any] = {}  # creation number -> this rank's group (None: not a member) of a group with an owner
