@@ -193,10 +193,13 @@ class OffloadConfig(_Checked):
         "Chunks of optimizer state (and with params, units) read ahead while one is stepped (used); 0 = "
         "synchronous.",
         "a count of chunks >= 0"))
-    chunk_mb: float = field(default=1.0, metadata=_doc(
+    chunk_mb: float | Literal["auto"] = field(default="auto", metadata=_doc(
         "Optimizer state per chunk in MiB (row slices of the shards, small tensors packed together); the step "
-        "holds prefetch + 2 chunks in memory.",
-        "a positive size in MiB"))
+        "holds prefetch + 2 chunks in memory. \"auto\": 64 for the host step on a CUDA device (its chunks are "
+        "pinned host slots: each costs a copy down, a CPU step and a copy up, and 1 MiB chunks made a "
+        "117M-parameter bf16 step on an H100 about 10x slower), 1 elsewhere (the window a CPU device streams its "
+        "offloaded state through).",
+        "a positive size in MiB, or \"auto\""))
     direct: bool = field(default=True, metadata=_doc(
         "Disk tier: read and write with O_DIRECT (no page cache) where the file system supports it (else "
         "buffered, said once); false: always buffered (the page cache then keeps a copy that RSS does not show)."))
@@ -217,6 +220,12 @@ class OffloadConfig(_Checked):
             return self.optimizer == "disk" or ((self.params != "cpu" or mixed) and self.fraction == 1.0)
         return self.step == "host"
 
+    def chunk_bytes(self, device_type: str, *, mixed: bool) -> int:
+        """Bytes of optimizer state per chunk on a ``device_type`` device (``chunk_mb``, "auto" resolved)."""
+        if self.chunk_mb == "auto":
+            return (64 if device_type == "cuda" and self.steps_on_host(device_type, mixed=mixed) else 1) * 2**20
+        return int(self.chunk_mb * 2**20)
+
     def __post_init__(self) -> None:
         self._check_fields()
         if not 0.0 <= self.fraction <= 1.0:
@@ -225,8 +234,8 @@ class OffloadConfig(_Checked):
             raise _bad("offload.path", self.path, 'a folder when optimizer or params = "disk"')
         if self.prefetch < 0:
             raise _bad("offload.prefetch", self.prefetch, "a count of chunks >= 0")
-        if not self.chunk_mb > 0:
-            raise _bad("offload.chunk_mb", self.chunk_mb, "a positive size in MiB")
+        if self.chunk_mb != "auto" and not self.chunk_mb > 0:
+            raise _bad("offload.chunk_mb", self.chunk_mb, 'a positive size in MiB, or "auto"')
         if self.step != "auto" and self.optimizer == "none":
             raise _bad("offload.step", self.step, '"auto" when optimizer = "none" (no offloaded step to place)')
         if self.overlap and self.optimizer == "none":

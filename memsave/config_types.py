@@ -14,6 +14,14 @@ def _bad(key: str, value: object, allowed: str) -> ValueError:
     return ValueError(f"profile key '{key}' = {value!r} is not allowed; expected {allowed}")
 
 
+def _allowed(annotation: Any) -> str:
+    """What one option of a union allows, in words (``a number``, ``'auto'``)."""
+    if typing.get_origin(annotation) is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(annotation))
+    return {float: "a number", int: "an integer", bool: "true or false", str: "a string"}.get(
+        annotation, getattr(annotation, "__name__", str(annotation)))
+
+
 def _check_type(key: str, value: Any, annotation: Any) -> Any:
     """Check ``value`` against a field annotation; return it converted where lossless (int -> float, list -> tuple)."""
     origin = typing.get_origin(annotation)
@@ -28,7 +36,7 @@ def _check_type(key: str, value: Any, annotation: Any) -> Any:
                 return _check_type(key, value, option)
             except ValueError:
                 continue
-        raise _bad(key, value, " or ".join(getattr(a, "__name__", str(a)) for a in typing.get_args(annotation)))
+        raise _bad(key, value, " or ".join(_allowed(a) for a in typing.get_args(annotation)))
     if origin is tuple:
         args = typing.get_args(annotation)
         if args[-1] is Ellipsis and isinstance(value, list | tuple):  # a list of any length

@@ -49,8 +49,8 @@ def offload_states(held: dict[str, int], states: dict[str, Any], prof: Profile, 
     resident = 0
     if moves_params or off.overlap:  # stepped unit by unit (a stable sort, as OffloadedState's)
         pieces = sorted(pieces, key=lambda piece: piece[0])
-    window, chunk_elems, elems = _chunks(pieces, per_elem + masters, int(off.chunk_mb * 2**20), off.fraction,
-                                         offload_last=off.overlap)
+    chunk = off.chunk_bytes(device_type, mixed=bool(masters))
+    window, chunk_elems, elems = _chunks(pieces, per_elem + masters, chunk, off.fraction, offload_last=off.overlap)
     moved = elems * per_elem
     moved_masters = min(held.get("master", 0), elems * masters)
     held[tier] = held.get(tier, 0) + moved + moved_masters

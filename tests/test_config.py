@@ -74,6 +74,20 @@ def test_overrides_apply() -> None:
     assert q.zero.stage == 1 and q.name == "custom"
 
 
+def test_offload_chunk_auto_is_64_mib_for_the_host_step_on_cuda_only() -> None:
+    """``[offload] chunk_mb = "auto"`` (the default): 64 MiB where the step runs on the host behind a GPU (pinned
+    host slots; 1 MiB chunks made a 117M-parameter bf16 step about 10x slower on an H100), 1 MiB where a CPU
+    device streams its state through a window or the state goes to the device; a number is taken as given."""
+    from memsave.config import OffloadConfig
+
+    host = OffloadConfig(optimizer="cpu")
+    assert host.chunk_mb == "auto" and OffloadConfig(optimizer="cpu", chunk_mb=4).chunk_bytes("cuda", mixed=True) == 4 * 2**20
+    assert host.chunk_bytes("cuda", mixed=True) == 64 * 2**20 and host.chunk_bytes("cpu", mixed=True) == 2**20
+    assert OffloadConfig(optimizer="cpu", step="device").chunk_bytes("cuda", mixed=True) == 2**20
+    assert OffloadConfig(optimizer="disk", path="/tmp").chunk_bytes("cpu", mixed=False) == 2**20
+    assert load_profile("zero3", ['offload.optimizer="cpu"', 'offload.chunk_mb="auto"']).offload.chunk_mb == "auto"
+
+
 # -- bad input -------------------------------------------------------------------------------------------------
 BAD_OVERRIDES = [
     # (overrides, fragments the message must contain: the key, the value, what is allowed)
@@ -88,6 +102,8 @@ BAD_OVERRIDES = [
     (["zero.stage=5"], ["zero.stage", "5", "0", "1, 2 or 3"]),
     (["zero.bucket_mb=0"], ["zero.bucket_mb", "0", "positive"]),
     (["offload.fraction=2"], ["offload.fraction", "2", "0 to 1"]),
+    (["offload.chunk_mb=0"], ["offload.chunk_mb", "0", "positive size in MiB", '"auto"']),
+    (['offload.chunk_mb="big"'], ["offload.chunk_mb", "'big'", "a number or 'auto'"]),
     (['offload.optimizer="gpu"'], ["offload.optimizer", "'gpu'", "'none'", "'cpu'", "'disk'"]),
     (['offload.optimizer="disk"'], ["offload.path", "''", "folder"]),
     (['recompute.policy="sometimes"'], ["recompute.policy", "'sometimes'", "none", "full", "every:K", "selective"]),

@@ -437,6 +437,10 @@ def test_calibrate_caches_and_hardware_files(tmp_path: Path, monkeypatch: pytest
     hw = calibrate(folder=tmp_path, collectives=False, engine_rounds=1, engine_steps=1)
     assert all(v > 0 for v in (hw.flops["fp32"], hw.mem_bw, hw.disk_bw, hw.memory)) and 0 < hw.efficiency <= 1
     assert "measured by memsave calibrate" in hw.source
+    # the measured step rates (memsave/plan/calibrate_step.py): fp32's share of the matmul rate, the host's cost
+    # per layer and what each recomputation adds to it; no host step rate on a CPU device (its own step_bw)
+    assert hw.efficiencies["fp32"] == hw.efficiency and hw.layer_overhead > 0 and hw.host_step_bw == 0
+    assert set(hw.recompute_overhead) == {"selective", "full"} and min(hw.recompute_overhead.values()) >= 0
     assert not (tmp_path / "cache").exists()  # no bus bandwidth measured: not cached
     full = calibrate(folder=tmp_path, engine_rounds=1, engine_steps=1)  # the figures' shape, not their accuracy
     assert 0 < full.intra_bw and calibrate(folder=tmp_path) == full  # from the cache, not measured again
@@ -455,7 +459,9 @@ def test_calibrate_caches_and_hardware_files(tmp_path: Path, monkeypatch: pytest
     rates = tmp_path / "rates.json"
     for change, match in (({"device": "tpu"}, "device = 'tpu' is not allowed"), ({"mem_bw": 0}, "mem_bw = 0 is not"),
                           ({"flops": {"fp32": 0}}, r"flops.fp32 = 0 is not"), ({"memory": "lots"}, "memory = 'lots'"),
-                          ({"efficiency": 2}, r"efficiency = 2 is not allowed; expected a number in \(0, 1\]")):
+                          ({"efficiency": 2}, r"efficiency = 2 is not allowed; expected a number in \(0, 1\]"),
+                          ({"efficiencies": {"int8": 0.5}}, r"efficiencies = \{'int8': 0.5\} is not allowed"),
+                          ({"recompute_overhead": {"full": -1}}, r"recompute_overhead.full = -1 is not allowed")):
         rates.write_text(json.dumps({**dataclasses.asdict(CPU), **change}))
         with pytest.raises(ValueError, match=match):
             load_hardware(rates)

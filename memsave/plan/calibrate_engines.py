@@ -84,7 +84,7 @@ def _candidate(fam: str, rows: int, m: int) -> Any:
                      offload="none", micro_batch=rows, micro_batches=m, sequence=tp > 1)
 
 
-def _worker(steps: int, peak: float, rounds: int) -> dict[str, Any]:
+def _worker(steps: int, flops: dict[str, float], rounds: int) -> dict[str, Any]:
     """In each of two ranks: the step rate of a plain forward and backward while the other rank runs too (the
     ranks share the machine as in training), then the median step seconds of every family (its profile as the
     planner writes it) at each width and micro-batch count, over ``rounds`` passes through all of them (the
@@ -94,13 +94,13 @@ def _worker(steps: int, peak: float, rounds: int) -> dict[str, Any]:
     from memsave.dist.init import init
     from memsave.models import GPT, TokenBatches
     from memsave.optim import build_optimizer
-    from memsave.plan.hardware import _step_rates
+    from memsave.plan.calibrate_step import step_rates
     from memsave.plan.profile import to_profile
 
     out: dict[str, Any] = {}
     device = init().device.type
     barrier(None)
-    out["rates"] = _step_rates(device, peak)
+    out["rates"] = step_rates(device, flops)
     seconds: dict[tuple[str, int], list[float]] = {}
     for _ in range(rounds):
         for fam, (_profile, tp, pp, shapes) in FAMILIES.items():
@@ -150,17 +150,21 @@ def fit_nonnegative(rows: Sequence[Sequence[float]], targets: Sequence[float]) -
 
 
 def engine_overheads(hw: Any, *, steps: int = 4, rounds: int = 2, timeout_s: float = 300) -> Any:
-    """``hw`` with the step rate measured on two ranks at once (``efficiency``, ``layer_overhead``) and ``engine``:
+    """``hw`` with the step rates measured on two ranks at once (``efficiencies``, ``layer_overhead``,
+    ``recompute_overhead``: memsave/plan/calibrate_step.py) and ``engine``:
     family -> (seconds per step, seconds per byte of a stage's parameters, the compute's stretch) beyond what
     :func:`memsave.plan.price` predicts for it without them (module docstring)."""
     from memsave._launch import spawn_local
     from memsave.plan.cost import _count_terms, price
     from memsave.plan.spec import from_gpt
 
-    per_rank = spawn_local(_worker, 2, (steps, hw.flops["fp32"], rounds), timeout_s=timeout_s)
-    efficiency = min(r["rates"][0] for r in per_rank)
-    overhead = max(r["rates"][1] for r in per_rank)
-    hw = dataclasses.replace(hw, engine={}, efficiency=efficiency, layer_overhead=overhead)
+    per_rank = spawn_local(_worker, 2, (steps, hw.flops, rounds), timeout_s=timeout_s)
+    rates = [r["rates"] for r in per_rank]
+    efficiencies = {k: min(r["efficiencies"][k] for r in rates) for k in rates[0]["efficiencies"]}
+    hw = dataclasses.replace(hw, engine={}, efficiency=efficiencies["fp32"], efficiencies=efficiencies,
+                             layer_overhead=max(r["layer_overhead"] for r in rates),
+                             recompute_overhead={k: max(r["recompute_overhead"][k] for r in rates)
+                                                 for k in rates[0]["recompute_overhead"]})
     fitted: dict[str, tuple[float, float, float]] = {}
     for fam, (_profile, tp, pp, shapes) in FAMILIES.items():
         rows, targets = [], []

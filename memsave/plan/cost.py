@@ -4,8 +4,9 @@ Memory: [Note: the planner's memory model] in memsave/plan/memory.py.
 
 [Note: the planner's time model] Step seconds are a sum of terms, each bytes or FLOPs over a rate of
 :class:`memsave.plan.hardware.Hardware`:
-- compute: FLOPs (Narayanan et al.'s count, recomputation included) spread over every rank, stretched by the
-  schedule's bubble;
+- compute: FLOPs (Narayanan et al.'s count, recomputation included) spread over every rank, plus the host's
+  measured cost per layer and micro-batch and what the recomputation policy adds to it ([Note: the host's cost
+  per layer] in memsave/plan/calibrate_step.py); stretched by the schedule's bubble;
 - the collectives, counted one by one as the engines issue them (:func:`collective_counts`), each paying its
   kind's latency and its bytes at its kind's bandwidth (both measured per kind by ``memsave calibrate``): the
   agreements, tensor parallelism's gathers and scatters (never hidden), data parallelism's reduction and
@@ -32,8 +33,9 @@ from memsave.plan.spec import ModelSpec
 
 __all__ = ["Candidate", "Priced", "collective_counts", "price"]
 
-# bytes per second of parameters, gradients and state a host-side AdamW step goes through behind a GPU: an
-# assumption (the order of DeepSpeed's CPU-Adam on a server CPU), not a measurement of this host
+# bytes per second of parameters, gradients and state a host-side AdamW step goes through behind a GPU, where no
+# measured ``host_step_bw`` is given (vendor entries): an assumption (the order of DeepSpeed's CPU-Adam on a
+# server CPU)
 _HOST_STEP_BW = 10e9
 
 
@@ -182,14 +184,19 @@ def _time(spec: ModelSpec, c: Candidate, hw: Hardware, seq: int, elem: int, gpus
     else:
         flops = (6 + 2 * rebuilds if c.recompute == "full" else 6) * spec.num_params * rows * seq
     compute = flops / world / hw.rate(c.precision)
+    layers = spec.stage_layers(c.pp, 0)
+    # the host's cost per layer and micro-batch on the busiest stage, and what the recomputation adds to it (each
+    # rebuild); without a measured figure for the policy, a forward more under full recomputation
+    per_layer = hw.layer_overhead * (1 + rebuilds / 3 if c.recompute == "full" else 1)
+    if c.recompute in hw.recompute_overhead:
+        per_layer = hw.layer_overhead + rebuilds * hw.recompute_overhead[c.recompute]
+    # added to the FLOPs' time, on a GPU too ([Note: the host's cost per layer] in memsave/plan/calibrate_step.py)
+    compute += per_layer * layers * c.micro_batches
     if c.pp > 1:
         from memsave.pp import bubble_formula  # layer 3
 
         compute /= 1 - bubble_formula(c.schedule, c.pp, c.micro_batches, c.virtual)
     eff = hw.bw_efficiency
-    layers = spec.stage_layers(c.pp, 0)
-    if hw.layer_overhead:  # per layer and micro-batch on the busiest stage; a forward more under full recompute
-        compute += hw.layer_overhead * layers * c.micro_batches * (1 + rebuilds / 3 if c.recompute == "full" else 1)
     psi = max(spec.stage_params(c.pp, s, c.tp) for s in range(c.pp))
     t: dict[str, float] = {"compute": compute}
     n = _count_terms(spec, c)
@@ -229,8 +236,9 @@ def _time(spec: ModelSpec, c: Candidate, hw: Hardware, seq: int, elem: int, gpus
         t["optimizer"] = ((state_bytes + shard * elem) / hw.step_bw if hw.step_bw
                           else 2 * (state_bytes + shard * elem) / (hw.mem_bw * eff))
     else:
-        # the step runs on the host: on a CPU device the measured rate; behind a GPU an assumed host rate
-        host_step = (hw.step_bw or hw.mem_bw * eff / 2) if hw.device == "cpu" else _HOST_STEP_BW
+        # the step runs on the host: on a CPU device the measured rate; behind a GPU the host's measured fused
+        # AdamW rate, else an assumed one
+        host_step = (hw.step_bw or hw.mem_bw * eff / 2) if hw.device == "cpu" else hw.host_step_bw or _HOST_STEP_BW
         t["optimizer"] = (state_bytes + shard * 4) / host_step
         tier_bw = (hw.disk_bw if c.offload.endswith(":disk") else hw.host_bw) * eff
         t["offload"] = 2 * shard * elem / (hw.host_bw * eff)  # gradients down, parameters back up

@@ -11,8 +11,10 @@
   link when every rank is on this machine, and each collective kind's latency and bandwidth (all-reduce,
   reduce-scatter, all-gather, a pipeline send): the mean of calls back to back at 16 KiB and 4 MiB;
 - a plain AdamW step: the bytes of parameters, gradients and state it goes through per second (``step_bw``);
-- a small reference GPT's forward and backward at two batch sizes: the share of the matmul rate a training
-  step reaches (``efficiency``) and the fixed cost per layer and micro-batch (``layer_overhead``);
+- a reference GPT's forward and backward: the share of the matmul rate a training step reaches per compute
+  dtype (``efficiencies``), the host's fixed cost per layer and micro-batch (``layer_overhead``) and what each
+  recomputation policy adds to it (``recompute_overhead``); behind a GPU, the host's fused AdamW rate
+  (``host_step_bw``, the offloaded optimizer's step): memsave/plan/calibrate_step.py;
 - each engine family's own cost per step and per byte of parameters and the stretch of its compute, on two local
   ranks at two model widths (memsave/plan/calibrate_engines.py).
 
@@ -38,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from memsave.plan.calibrate_step import host_step_rate, step_rates, timed
 
 __all__ = ["VENDOR", "Hardware", "calibrate", "load_hardware"]
 
@@ -69,6 +73,12 @@ class Hardware:
     latency: float = 20e-6  # per collective
     layer_overhead: float = 0.0  # seconds per layer and micro-batch besides its FLOPs (kernel launches, Python)
     step_bw: float = 0.0  # bytes of parameters, gradients and AdamW state an optimizer step goes through per second
+    # measured: compute dtype -> the share of its matmul rate a training step reaches (else ``efficiency``);
+    # recomputation policy -> seconds per layer and micro-batch it adds beyond its FLOPs; the host's fused AdamW
+    # rate behind a GPU (bytes per second, as ``step_bw``). [Note: the host's cost per layer]
+    efficiencies: dict[str, float] = dataclasses.field(default_factory=dict)
+    recompute_overhead: dict[str, float] = dataclasses.field(default_factory=dict)
+    host_step_bw: float = 0.0
     # collective kind (all_reduce, reduce_scatter, all_gather, p2p) -> (latency s, bytes/s of a rank's share),
     # measured on this machine's two local ranks; absent: ``latency`` and the link's bandwidth
     collectives: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
@@ -77,7 +87,7 @@ class Hardware:
     engine: dict[str, tuple[float, float, float]] = dataclasses.field(default_factory=dict)
 
     def rate(self, dtype: str) -> float:
-        return self.flops.get(dtype, self.flops.get("fp32", 0.0)) * self.efficiency
+        return self.flops.get(dtype, self.flops.get("fp32", 0.0)) * self.efficiencies.get(dtype, self.efficiency)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -132,7 +142,7 @@ def load_hardware(spec: str | Path) -> Hardware:
 
 
 _LIMITS = {**dict.fromkeys(("memory", "mem_bw", "intra_bw", "inter_bw", "host_bw", "disk_bw"), (None, False)),
-           **dict.fromkeys(("host_memory", "latency", "layer_overhead", "step_bw"), (None, True)),  # 0: none
+           **dict.fromkeys(("host_memory", "latency", "layer_overhead", "step_bw", "host_step_bw"), (None, True)),
            "efficiency": (1.0, False), "bw_efficiency": (1.0, False), "overlap": (1.0, True)}  # (at most, 0 allowed)
 
 
@@ -168,6 +178,13 @@ def _checked(data: dict[str, Any], path: Path) -> dict[str, Any]:
         raise ValueError(f"{path}: flops = {flops!r} is not allowed; expected a table of FLOP/s per compute dtype "
                          "(fp32, bf16, fp16), fp32 included")
     out["flops"] = {k: number(f"flops.{k}", v) for k, v in flops.items()}
+    for key, allowed, high in (("efficiencies", ("fp32", "bf16", "fp16"), 1.0),
+                               ("recompute_overhead", ("selective", "full"), None)):
+        table = out.get(key, {})
+        if not isinstance(table, dict) or not set(table) <= set(allowed):
+            raise ValueError(f"{path}: {key} = {table!r} is not allowed; expected a table keyed by "
+                             f"{', '.join(allowed)}")
+        out[key] = {k: number(f"{key}.{k}", v, 0.0, high, zero=high is None) for k, v in table.items()}
     for key, size in (("collectives", 2), ("engine", 3)):  # [latency, bandwidth]; [per step, per byte, stretch]
         table = out.get(key, {})
         if not isinstance(table, dict) or not all(isinstance(v, (list, tuple)) and len(v) == size
@@ -185,25 +202,11 @@ def _cache_file(device: str) -> Path:
     return root / f"calibration-{key}.json"
 
 
-def _timed(fn: Any, min_s: float = 0.3) -> float:
-    """Seconds per call of ``fn``: the best of repeated calls over at least ``min_s``."""
-    fn()
-    best, spent = float("inf"), 0.0
-    while spent < min_s:
-        t0 = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        best, spent = min(best, dt), spent + dt
-    return best
-
-
 def _matmul_flops(device: str, dtype: torch.dtype) -> float:
     # a CPU has no 16-bit matmul units: a 1024 one took 1.5 s a call (0.9 GFLOP/s; 256: 1.35 GFLOP/s in 0.3 s)
     n = 4096 if device == "cuda" else 1024 if dtype == torch.float32 else 256
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
-    return 2 * n**3 / _timed(lambda: torch.mm(a, b))
+    return 2 * n**3 / timed(lambda: torch.mm(a, b))
 
 
 def _copy_rates(device: str) -> tuple[float, float]:
@@ -211,11 +214,11 @@ def _copy_rates(device: str) -> tuple[float, float]:
     pinned host memory (on CPU the two are the same memory)."""
     x = torch.empty(32 * 2**20, device=device)
     y = torch.empty_like(x)
-    mem_bw = 2 * x.numel() * 4 / _timed(lambda: y.copy_(x))
+    mem_bw = 2 * x.numel() * 4 / timed(lambda: y.copy_(x))
     if device != "cuda":
         return mem_bw, mem_bw
     host = torch.empty(x.numel(), pin_memory=True)
-    return mem_bw, x.numel() * 4 / _timed(lambda: host.copy_(x))
+    return mem_bw, x.numel() * 4 / timed(lambda: host.copy_(x))
 
 
 def _disk(folder: Path, nbytes: int) -> tuple[float, float]:
@@ -301,34 +304,13 @@ def _collectives_worker(small: int, large: int) -> dict[str, tuple[float, float]
 
 def _optimizer_rate(device: str) -> float:
     """Bytes per second a plain AdamW step goes through (parameters, gradients and its two moments: 16 bytes
-    per fp32 parameter), on 4M parameters in 16 tensors."""
-    params = [torch.nn.Parameter(torch.randn(256, 1024, device=device)) for _ in range(16)]
+    per fp32 parameter), on 4M parameters in 16 tensors (on CUDA 64M: fewer would measure the kernel launches)."""
+    params = [torch.nn.Parameter(torch.randn(4096 if device == "cuda" else 256, 1024, device=device))
+              for _ in range(16)]
     for p in params:
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(params, lr=1e-3)
-    return 16 * sum(p.numel() for p in params) / _timed(opt.step)
-
-
-def _step_rates(device: str, peak: float) -> tuple[float, float]:
-    """(efficiency, layer_overhead): a small reference GPT's forward and backward at 1 and 8 rows, fitted to
-    ``time = flops / (peak * efficiency) + layers * overhead``."""
-    from memsave.models import GPT, gpt_config  # layer 0
-    from memsave.plan.formulas import gpt_step_flops
-
-    cfg = gpt_config("small", n_layer=2, d_model=256, n_head=4)
-    model = GPT(cfg).to(device)
-    seconds, flops = [], []
-    for rows in (1, 8):
-        ids = torch.randint(0, cfg.vocab_size, (rows, cfg.block_size), device=device)
-
-        def step(ids: torch.Tensor = ids) -> None:
-            model(ids, labels=ids).loss.backward()
-
-        seconds.append(_timed(step, min_s=0.5))
-        flops.append(gpt_step_flops(rows, cfg.block_size, cfg.n_layer, cfg.d_model, cfg.vocab_size))
-    rate = (flops[1] - flops[0]) / max(seconds[1] - seconds[0], 1e-9)
-    overhead = max(0.0, (seconds[0] - flops[0] / rate) / cfg.n_layer)
-    return min(1.0, rate / peak), overhead
+    return 16 * sum(p.numel() for p in params) / timed(opt.step)
 
 
 def calibrate(*, device: str | None = None, folder: str | Path | None = None, refresh: bool = False,
@@ -344,7 +326,7 @@ def calibrate(*, device: str | None = None, folder: str | Path | None = None, re
     # per collective) is measured again
     from memsave.plan.calibrate_engines import FAMILIES
 
-    if (data is not None and "collectives" in data and all(len(v) == 3 for v in data.get("engine", {}).values())
+    if (data is not None and "collectives" in data and "efficiencies" in data and all(len(v) == 3 for v in data.get("engine", {}).values())
             and set(data.get("engine") or FAMILIES) == set(FAMILIES)):
         for key in ("engine", "collectives"):
             data[key] = {k: tuple(v) for k, v in data.get(key, {}).items()}
@@ -360,11 +342,12 @@ def calibrate(*, device: str | None = None, folder: str | Path | None = None, re
     try:
         flops = {"fp32": _matmul_flops(device, torch.float32), "bf16": _matmul_flops(device, torch.bfloat16)}
         flops["fp16"] = _matmul_flops(device, torch.float16) if device == "cuda" else flops["bf16"]
-        efficiency, overhead = _step_rates(device, flops["fp32"])
+        rates = step_rates(device, flops)
         step_bw = _optimizer_rate(device)
     finally:
         torch.set_num_threads(threads)
     mem_bw, host_bw = _copy_rates(device)
+    host_step = host_step_rate(host_bw) if device == "cuda" else 0.0  # memsave's own host step, every core
     memory = float(torch.cuda.get_device_properties(0).total_memory if device == "cuda"
                    else psutil.virtual_memory().total)
     write, _read = _disk(Path(folder or tempfile.gettempdir()), 64 * 2**20)
@@ -381,8 +364,9 @@ def calibrate(*, device: str | None = None, folder: str | Path | None = None, re
     hw = Hardware(name=f"{platform.node()} ({device})", source=f"measured by memsave calibrate on "
                   f"{time.strftime('%Y-%m-%d')}{said}", device=device, memory=memory, flops=flops, mem_bw=mem_bw,
                   intra_bw=bus, inter_bw=bus, host_bw=host_bw, disk_bw=write,
-                  host_memory=float(psutil.virtual_memory().total), efficiency=efficiency,
-                  layer_overhead=overhead, step_bw=step_bw, overlap=0.0 if device == "cpu" else 0.8,
+                  host_memory=float(psutil.virtual_memory().total), efficiency=rates["efficiencies"]["fp32"],
+                  efficiencies=rates["efficiencies"], layer_overhead=rates["layer_overhead"],
+                  recompute_overhead=rates["recompute_overhead"], step_bw=step_bw, host_step_bw=host_step, overlap=0.0 if device == "cpu" else 0.8,
                   collectives=kinds, latency=kinds["all_reduce"][0] if kinds else Hardware.latency)
     if ranks:  # what each engine pays besides FLOPs and bytes, on two local ranks
         from memsave.plan.calibrate_engines import engine_overheads

@@ -94,8 +94,9 @@ def build_offloaded_state(optimizer: torch.optim.Optimizer, engine: ZeroEngine, 
     names = dict(engine.name_of) | {m: engine.name_of[s] for m, s in masters.items()}
     # the host step keeps host-tier state in host memory as it is (no chunk is moved: each steps in place)
     fraction = 0.0 if host_step and off.optimizer == "cpu" else off.fraction
+    chunk = off.chunk_bytes(device.type, mixed=bool(masters))
     state = OffloadedState(optimizer, tier, group_of=lambda s: f"unit{units[s]}", names=names,
-                           fraction=fraction, prefetch=off.prefetch, chunk_bytes=int(off.chunk_mb * 2**20),
+                           fraction=fraction, prefetch=off.prefetch, chunk_bytes=chunk,
                            bytes_per_element=per_elem, device=torch.device("cpu") if host_step else device,
                            staging=HostStaging(device, off.prefetch) if host_step else None,
                            group_order=([f"unit{u.index}" for u in engine.units]
