@@ -439,7 +439,7 @@ def test_calibrate_caches_and_hardware_files(tmp_path: Path, monkeypatch: pytest
     assert "measured by memsave calibrate" in hw.source
     # the measured step rates (memsave/plan/calibrate_step.py): fp32's share of the matmul rate, the host's cost
     # per layer and what each recomputation adds to it; no host step rate on a CPU device (its own step_bw)
-    assert hw.efficiencies["fp32"] == hw.efficiency and hw.layer_overhead > 0 and hw.host_step_bw == 0
+    assert hw.efficiencies["fp32"] == hw.efficiency and hw.layer_overhead >= 0 and hw.host_step_bw == 0
     assert set(hw.recompute_overhead) == {"selective", "full"} and min(hw.recompute_overhead.values()) >= 0
     assert not (tmp_path / "cache").exists()  # no bus bandwidth measured: not cached
     full = calibrate(folder=tmp_path, engine_rounds=1, engine_steps=1)  # the figures' shape, not their accuracy

@@ -236,8 +236,8 @@ def _time(spec: ModelSpec, c: Candidate, hw: Hardware, seq: int, elem: int, gpus
         t["optimizer"] = ((state_bytes + shard * elem) / hw.step_bw if hw.step_bw
                           else 2 * (state_bytes + shard * elem) / (hw.mem_bw * eff))
     else:
-        # the step runs on the host: on a CPU device the measured rate; behind a GPU the host's measured fused
-        # AdamW rate, else an assumed one
+        # the step runs on the host: on a CPU device the measured rate; behind a GPU the rate measured for
+        # memsave's host step (memsave/plan/calibrate_step.py), else an assumed one
         host_step = (hw.step_bw or hw.mem_bw * eff / 2) if hw.device == "cpu" else hw.host_step_bw or _HOST_STEP_BW
         t["optimizer"] = (state_bytes + shard * 4) / host_step
         tier_bw = (hw.disk_bw if c.offload.endswith(":disk") else hw.host_bw) * eff

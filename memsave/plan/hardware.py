@@ -13,8 +13,8 @@
 - a plain AdamW step: the bytes of parameters, gradients and state it goes through per second (``step_bw``);
 - a reference GPT's forward and backward: the share of the matmul rate a training step reaches per compute
   dtype (``efficiencies``), the host's fixed cost per layer and micro-batch (``layer_overhead``) and what each
-  recomputation policy adds to it (``recompute_overhead``); behind a GPU, the host's fused AdamW rate
-  (``host_step_bw``, the offloaded optimizer's step): memsave/plan/calibrate_step.py;
+  recomputation policy adds to it (``recompute_overhead``); behind a GPU, the rate of memsave's own host step
+  of an offloaded optimizer (``host_step_bw``): memsave/plan/calibrate_step.py;
 - each engine family's own cost per step and per byte of parameters and the stretch of its compute, on two local
   ranks at two model widths (memsave/plan/calibrate_engines.py).
 
@@ -74,8 +74,8 @@ class Hardware:
     layer_overhead: float = 0.0  # seconds per layer and micro-batch besides its FLOPs (kernel launches, Python)
     step_bw: float = 0.0  # bytes of parameters, gradients and AdamW state an optimizer step goes through per second
     # measured: compute dtype -> the share of its matmul rate a training step reaches (else ``efficiency``);
-    # recomputation policy -> seconds per layer and micro-batch it adds beyond its FLOPs; the host's fused AdamW
-    # rate behind a GPU (bytes per second, as ``step_bw``). [Note: the host's cost per layer]
+    # recomputation policy -> seconds per layer and micro-batch it adds beyond its FLOPs; behind a GPU, memsave's
+    # host step of an offloaded optimizer (bytes per second, as ``step_bw``). [Note: the host's cost per layer]
     efficiencies: dict[str, float] = dataclasses.field(default_factory=dict)
     recompute_overhead: dict[str, float] = dataclasses.field(default_factory=dict)
     host_step_bw: float = 0.0
