@@ -182,7 +182,8 @@ def _held(spec: ModelSpec, c: Candidate, psi: float, unit: float, elem: int, mix
     if on_disk and device_type == "cpu":  # stepped chunk by chunk through a window of prefetch + 2 buffers and
         # snapshots of its parameters, in (host) memory
         per_elem = moved / max(shard, 1.0)
-        window = min(_OFFLOAD.chunk_bytes(device_type, mixed=False), per_elem * unit / dp)  # a chunk: whole rows of one unit's shard
+        # a chunk: whole rows of one unit's shard
+        window = min(_OFFLOAD.chunk_bytes(device_type, mixed=False), per_elem * unit / dp)
         held["optimizer_state"] = (_OFFLOAD.prefetch + 2) * window
         held["comm"] += (_OFFLOAD.prefetch + 2) * window / per_elem * elem
     else:  # behind a GPU the step runs on the host, its window in host memory
