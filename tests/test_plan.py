@@ -470,6 +470,18 @@ def test_calibrate_caches_and_hardware_files(tmp_path: Path, monkeypatch: pytest
     assert all("vendor data sheet" in h.source and "assumption" in h.source for h in VENDOR.values())
 
 
+def test_calibrate_measures_the_host_step_only_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """memsave's own host step is measured by wrapping a model: on CUDA, from ``memsave calibrate`` in a process
+    of one rank, never from rank 0 of a multi-rank job's ``wrap(profile="auto")`` (calibrate(collectives=False)),
+    where that wrap's collectives would meet the other ranks waiting for rank 0's choice."""
+    from memsave.plan import hardware
+
+    assert hardware._measures_host_step("cuda", True) and not hardware._measures_host_step("cpu", True)
+    assert not hardware._measures_host_step("cuda", False)  # wrap(profile="auto")'s calibration
+    monkeypatch.setattr(hardware, "group_size", lambda group: 2)
+    assert not hardware._measures_host_step("cuda", True)
+
+
 def test_estimate_of_a_forward_that_reads_values_says_what_to_pass() -> None:
     """HF Llama without a cache and without an attention mask looks at its position ids' values (packed
     sequences), which the meta device does not have: a ValueError saying to pass a cache, and with the mask (eager) or

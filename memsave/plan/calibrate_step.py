@@ -101,6 +101,7 @@ def step_rates(device: str, flops: dict[str, float]) -> dict[str, Any]:
             per_layer[recompute] = max(0.0, (t[1] - t[0]) / 4)
         out["layer_overhead"] = per_layer["none"]
         out["recompute_overhead"] = {k: max(0.0, v - per_layer["none"]) for k, v in per_layer.items() if k != "none"}
+        torch.cuda.empty_cache()  # the largest shape's blocks (about 4 GiB in bf16) back to the device
         return out
     # a CPU: one thread's rate and its fixed cost ([Note: the host's cost per layer])
     small = {"n_layer": 2, "d_model": 256, "n_head": 4}

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from memsave.dist import group_size
 from memsave.plan.calibrate_step import host_step_rate, step_rates, timed
 
 __all__ = ["VENDOR", "Hardware", "calibrate", "load_hardware"]
@@ -313,6 +314,14 @@ def _optimizer_rate(device: str) -> float:
     return 16 * sum(p.numel() for p in params) / timed(opt.step)
 
 
+def _measures_host_step(device: str, collectives: bool) -> bool:
+    """Whether :func:`calibrate` measures memsave's own host step, which wraps a model of its own: on CUDA, where
+    collectives are measured too (``memsave calibrate``, the bench), in a process of one rank; never from rank 0
+    of a job's ``wrap(profile="auto")``, where that wrap's collectives would meet the other ranks' wait for rank
+    0's choice (a hang)."""
+    return device == "cuda" and collectives and group_size(None) == 1
+
+
 def calibrate(*, device: str | None = None, folder: str | Path | None = None, refresh: bool = False,
               collectives: bool = True, engine_rounds: int = 2, engine_steps: int = 4) -> Hardware:
     """This machine's :class:`Hardware`, measured (a few seconds) or read from the cache. ``collectives=False``
@@ -347,7 +356,7 @@ def calibrate(*, device: str | None = None, folder: str | Path | None = None, re
     finally:
         torch.set_num_threads(threads)
     mem_bw, host_bw = _copy_rates(device)
-    host_step = host_step_rate(host_bw) if device == "cuda" else 0.0  # memsave's own host step, every core
+    host_step = host_step_rate(host_bw) if _measures_host_step(device, collectives) else 0.0
     memory = float(torch.cuda.get_device_properties(0).total_memory if device == "cuda"
                    else psutil.virtual_memory().total)
     write, _read = _disk(Path(folder or tempfile.gettempdir()), 64 * 2**20)
@@ -361,6 +370,8 @@ def calibrate(*, device: str | None = None, folder: str | Path | None = None, re
         kinds = {k: (max(r[k][0] for r in per_rank), min(r[k][1] for r in per_rank)) for k in per_rank[0]}
         bus = kinds.pop("bus")[1]
     said = "" if ranks or not collectives else "; one GPU: collectives and engine costs not measured"
+    if device == "cuda" and not host_step:
+        said += "; the host step's rate not measured (assumed)"
     hw = Hardware(name=f"{platform.node()} ({device})", source=f"measured by memsave calibrate on "
                   f"{time.strftime('%Y-%m-%d')}{said}", device=device, memory=memory, flops=flops, mem_bw=mem_bw,
                   intra_bw=bus, inter_bw=bus, host_bw=host_bw, disk_bw=write,
