@@ -77,6 +77,52 @@ def test_recompute_is_bitwise_exact_with_dropout(policy: str) -> None:
     assert not any("forward" in b.__dict__ for b in model.blocks)
 
 
+class _BufferBlock(nn.Module):
+    """A unit whose forward updates buffers in place: BatchNorm's statistics, spectral_norm's power iteration, and
+    an EMA of its activations that the forward then reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.utils.parametrizations.spectral_norm(nn.Linear(8, 8))
+        self.bn = nn.BatchNorm1d(8)
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bn(self.fc(x))
+        with torch.no_grad():
+            self.ema.lerp_(h.mean(0), 0.5)
+        return x + torch.tanh(h) * self.ema
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_a_replay_updates_no_buffer_twice(policy: str) -> None:
+    """[Note: buffers a forward changes]: buffers, parameters and losses equal training without recomputation
+    (before the fix: num_batches_tracked 6 after 3 steps, running statistics moved twice, spectral_norm's weight
+    6.5e-2 off, the EMA-reading unit's gradients off)."""
+    torch.manual_seed(0)
+    base = nn.Sequential(_BufferBlock(), _BufferBlock(), nn.Linear(8, 3))
+    runs = []
+    for recomputed in (False, True):
+        model = copy.deepcopy(base)
+        if recomputed:
+            recompute.apply(list(model[:2]), policy, model=model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        g = torch.Generator().manual_seed(0)
+        losses = []
+        for _ in range(3):
+            loss = nn.functional.cross_entropy(model(torch.randn(8, 8, generator=g)), torch.randint(0, 3, (8,), generator=g))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        runs.append((losses, model.state_dict()))
+    (ref_losses, ref), (losses, got) = runs
+    assert got["0.bn.num_batches_tracked"].item() == 3
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    for k, v in ref.items():
+        assert torch.equal(got[k], v), f"{policy}: {k} differs by {(got[k].float() - v.float()).abs().max()}"
+
+
 def test_every_k_recomputes_units_0_k_2k() -> None:
     model = _gpt(n_layer=5)
     plan = recompute.apply(list(model.blocks), "every:2", model=model)
