@@ -123,6 +123,34 @@ def test_a_replay_updates_no_buffer_twice(policy: str) -> None:
         assert torch.equal(got[k], v), f"{policy}: {k} differs by {(got[k].float() - v.float()).abs().max()}"
 
 
+def test_selective_is_refused_around_a_gru_and_budget_recomputes_it_fully() -> None:
+    """[Note: no selective recomputation around a GRU]: torch's selective checkpoint trains an nn.GRU with wrong
+    gradients (17% off, no error); memsave refuses "selective" on such a unit, naming it and "full", and the
+    budget policy recomputes it fully, exactly."""
+    class Rec(nn.Module):
+        def __init__(self, cls: type[nn.Module]) -> None:
+            super().__init__()
+            self.rnn = cls(8, 8, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.rnn(x)[0]
+
+    torch.manual_seed(0)
+    base = nn.Sequential(Rec(nn.GRU), Rec(nn.LSTM), nn.Linear(8, 3))
+    other = copy.deepcopy(base)
+    with pytest.raises(NotImplementedError, match=r"unit '0', which holds an nn.GRU.*policy = \"full\""):
+        recompute.apply(list(other[:2]), "selective", model=other)
+    x = torch.randn(4, 5, 8)
+    runs = []
+    for policy in (None, "budget:1920B"):  # the least it can keep: every unit full
+        model = copy.deepcopy(base)
+        plan = recompute.apply(list(model[:2]), policy, model=model, example_inputs=(x,)) if policy else None
+        model(x).square().sum().backward()
+        runs.append([p.grad.clone() for p in model.parameters()])
+    assert plan is not None and plan.kinds[0] == "full", plan.kinds  # the GRU unit; the LSTM may be selective
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 def test_every_k_recomputes_units_0_k_2k() -> None:
     model = _gpt(n_layer=5)
     plan = recompute.apply(list(model.blocks), "every:2", model=model)

@@ -96,6 +96,18 @@ def _runner(model: nn.Module | None, example_inputs: ExampleInputs) -> Callable[
 
 
 _KINDS = ("none", "selective", "full")
+# [Note: no selective recomputation around a GRU] Under torch's selective checkpoint, an nn.GRU whose matrix
+# multiplies are kept (the default save list) trains with wrong gradients and no error on a CPU (17% off in its
+# parameters after a few steps; torch alone, without memsave, shows it); nn.RNN raises torch's "cached ... has
+# been mutated"; nn.LSTM is exact. Such a unit is refused selective recomputation (full is exact), and the budget
+# policy never chooses it there.
+_NO_SELECTIVE = (nn.GRU, nn.RNN)
+
+
+def _no_selective(unit: nn.Module) -> str | None:
+    """The type name of what in ``unit`` selective recomputation would get wrong, or None."""
+    found = next((m for m in unit.modules() if isinstance(m, _NO_SELECTIVE)), None)
+    return None if found is None else type(found).__name__
 
 
 def _group_names(names: Sequence[str]) -> str:
@@ -174,6 +186,8 @@ def _choose_for_budget(policy: RecomputePolicy, units: Sequence[nn.Module], name
         best: tuple[float, int, str, int] | None = None  # (-bytes saved per added compute, i, kind, estimate)
         for i in range(n):
             for kind in _KINDS[_KINDS.index(kinds[i]) + 1:]:
+                if kind == "selective" and _no_selective(units[i]) is not None:
+                    continue  # [Note: no selective recomputation around a GRU]
                 trial = list(kinds)
                 trial[i] = kind
                 after = estimate(trial)
@@ -199,6 +213,8 @@ def _choose_for_budget(policy: RecomputePolicy, units: Sequence[nn.Module], name
         for i in sorted(range(n), key=lambda i: -cost(i, kinds[i])):
             idx = _KINDS.index(kinds[i])
             for lower in _KINDS[:idx]:
+                if lower == "selective" and _no_selective(units[i]) is not None:
+                    continue
                 trial = list(kinds)
                 trial[i] = lower
                 after = estimate(trial)
@@ -307,6 +323,13 @@ def apply(
         kinds = ["full" if i % pol.every == 0 else "none" for i in range(n)]
     elif pol.kind == "selective":
         kinds = ["selective"] * n
+        for unit, name in zip(units, names, strict=True):
+            held = _no_selective(unit)
+            if held is not None:
+                raise NotImplementedError(
+                    f"[recompute] policy = \"selective\" on unit {name!r}, which holds an nn.{held}: torch's selective "
+                    "checkpoint trains it with wrong gradients (its cached matrix multiplies are changed in place); "
+                    "use policy = \"full\" (exact), or \"budget:<size>\", which recomputes such a unit fully")
     elif pol.kind == "budget":
         kinds, measured, estimate, summary = _choose_for_budget(pol, units, names, model, example_inputs, selective)
     chosen = [i for i in range(n) if kinds[i] != "none"]
