@@ -321,6 +321,36 @@ def _float_inputs(mesh: Any, profile: str) -> None:
         assert torch.equal(runs[0][1][k], v), f"float inputs [{profile}] {k}"
 
 
+def _channels_last(mesh: Any, profile: str) -> None:
+    """A channels_last convolution weight (not contiguous) under ZeRO-1/2: the all-gather after the step wrote it
+    through ``view`` and crashed ("view size is not compatible"); now its rows land in logical order, and the
+    parameters equal plain training on the global batch."""
+    def build() -> nn.Module:
+        return _convnet().to(memory_format=torch.channels_last)
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(step)
+        return torch.randn(4, 3, 8, 8, generator=g).contiguous(memory_format=torch.channels_last), torch.randint(
+            0, 5, (4,), generator=g)
+
+    ref = build()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model = build()
+    model, opt = memsave.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), _profile(profile), mesh=mesh)
+    lo, hi = 2 * mesh.dp_rank // mesh.dp_size, 2 * (mesh.dp_rank + 1) // mesh.dp_size
+    for step in range(STEPS):
+        x, y = batch(step)
+        nn.functional.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        opt.backward(nn.functional.cross_entropy(model(x[2 * lo : 2 * hi]), y[2 * lo : 2 * hi]))
+        opt.step()
+        opt.zero_grad()
+    got = model.state_dict()
+    for k, v in ref.state_dict().items():
+        assert_close_norm(got[k], v, f"channels_last [{profile}] {k}", 1e-5)
+
+
 def _skipped_by_user(mesh: Any, profile: str, clear: str) -> tuple[list[float], dict[str, torch.Tensor], int]:
     """A loss-spike guard (``norm = clip(); if spike: zero_grad(); continue``) at step 1, then a NaN loss at step 2,
     then a clean step. ``loss.backward()`` (allowed without a loss scale), cleared by ``clear`` ("optimizer" or
@@ -375,6 +405,8 @@ def _error_cases(world: int) -> str:
         _load_after_wrap(mesh, profile)
     for profile in ("ddp-bf16", "zero3-bf16"):
         _float_inputs(mesh, profile)
+    for profile in ("zero1", "zero2"):
+        _channels_last(mesh, profile)
     b = _local(_global_batch(0), rank)
     # 6. torch's clip_grad_norm_ over the model's parameters reads gradients that live in the shards: refused,
     # with foreach too (its lists of tensors went past the guard: zero1 returned a different norm on each rank

@@ -99,12 +99,17 @@ class ShardLayout:
             blocks[whole + 1 :].zero_()
 
     def unpack(self, staging: torch.Tensor, i: int, full: torch.Tensor) -> None:
-        """Gather parameter ``i``'s rows from ``staging`` (rank-major) into the contiguous ``full`` tensor."""
+        """Gather parameter ``i``'s rows from ``staging`` (rank-major) into ``full``; rows are in the tensor's
+        logical order, so a parameter in another memory format (a ``channels_last`` convolution weight) is
+        filled through a contiguous copy."""
         slot = self.slots[i]
         blocks = self._blocks(staging, i)
-        dst = full.view(slot.rows, slot.row_numel)
+        target = full if full.is_contiguous() else torch.empty(full.shape, dtype=full.dtype, device=full.device)
+        dst = target.view(slot.rows, slot.row_numel)
         whole = slot.rows // slot.rows_per_rank
         dst[: whole * slot.rows_per_rank].view(whole, slot.rows_per_rank, slot.row_numel).copy_(blocks[:whole])
         rem = slot.rows - whole * slot.rows_per_rank
         if rem:
             dst[whole * slot.rows_per_rank :].copy_(blocks[whole, :rem])
+        if target is not full:
+            full.copy_(target)

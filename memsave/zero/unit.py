@@ -209,9 +209,9 @@ class Unit:
         return guard
 
     def _own_rows(self, full: torch.Tensor, i: int) -> torch.Tensor:
-        slot = self.param_layout.slots[i]
-        start, stop = slot.local_rows(self.rank)
-        return full.reshape(slot.rows, slot.row_numel)[start:stop].view_as(self.shards[i])
+        """This rank's rows of a parameter-shaped ``full``, as a view (in any memory format: channels_last too)."""
+        start, stop = self.param_layout.slots[i].local_rows(self.rank)
+        return (full if full.dim() else full.view(1))[start:stop].view_as(self.shards[i])
 
     # -- gradients -----------------------------------------------------------------------------------------
     def _accumulates(self, j: int) -> bool:
