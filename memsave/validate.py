@@ -31,7 +31,7 @@ from memsave.optim import Adafactor
 from memsave.precision import LossScaler, compute_dtype, reduce_dtype_for, scaler_for
 from memsave.wrapped import WrappedOptimizer, is_wrapped_optimizer, shared_with_wrapped, wrapped_model_of
 from memsave.zero.offload import cpu_noop, estimate_state_bytes
-from memsave.zero.rows import ELEMENTWISE, check_shardable
+from memsave.zero.rows import ELEMENTWISE, check_shardable, is_elementwise
 
 __all__ = ["Plan", "check_offload", "effective_offload", "validate"]
 
@@ -379,10 +379,11 @@ def check_offload(optimizer: torch.optim.Optimizer, off: OffloadConfig, dp_size:
             f"{', '.join(f'{k} = {bad[k][0]!r}' for k in keys)} is not implemented: Adafactor's statistics span "
             "every row of a shard, so it steps whole shards in one call ([Note: whole-shard offload] in "
             f"memsave/offload/whole.py); set {' and '.join(f'{k} = {bad[k][2]}' for k in keys)}")
-    if name not in ELEMENTWISE and not isinstance(optimizer, Adafactor):
+    if not is_elementwise(optimizer) and not isinstance(optimizer, Adafactor):
         raise NotImplementedError(
             f"[offload] optimizer = {off.optimizer!r} with {name} is not implemented: offload steps the state chunk "
-            f"by chunk, which is exact only for elementwise optimizers ({', '.join(sorted(ELEMENTWISE))})")
+            f"by chunk, which is exact only for elementwise optimizers ({', '.join(sorted(ELEMENTWISE))}, or a "
+            "subclass of one of torch's)")
     if off.optimizer == "disk":
         per_elem, total = estimate_state_bytes(optimizer, dp_size)
         if master_elements is None:

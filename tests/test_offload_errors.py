@@ -262,3 +262,31 @@ def test_the_tracker_sees_the_disk_tier(tmp_path: Path) -> None:
     assert now["offload_disk"] == opt.offloaded_bytes()["disk"] >= 8 * own + 4 * padded, now
     assert now.get("params", 0) == 0, now  # every parameter shard is on disk between uses
     opt.close()
+
+
+def test_a_subclass_of_a_torch_optimizer_is_offloaded_and_a_closed_one_refuses_to_step(tmp_path: Path) -> None:
+    """A user's ``class MyAdamW(torch.optim.AdamW)`` (logging, a small tweak) was refused by disk offload by its
+    name; it trains bit for bit as AdamW. A class merely named like one of torch's is still refused. And a step
+    after ``close()`` raises, where an overlapped step returned and failed later ("cannot schedule new futures
+    after shutdown"), or never."""
+    class MyAdamW(torch.optim.AdamW):
+        pass
+
+    runs = []
+    for cls in (torch.optim.AdamW, MyAdamW):
+        model = ToyLM(seed=1)
+        model, opt = _wrap(_disk(tmp_path, "offload.overlap=true"), opt=cls(param_groups(model), lr=1e-2), model=model)
+        runs.append(([_step(model, opt, i) for i in range(2)], _params(model)))
+        opt.close()
+        with pytest.raises(RuntimeError, match=r"step\(\) after optimizer.close\(\)"):
+            opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
+    assert all(torch.equal(v, runs[1][1][k]) for k, v in runs[0][1].items())
+
+    class Adam(torch.optim.Optimizer):  # not torch's: its update is unknown
+        def __init__(self, params: Any) -> None:
+            super().__init__(params, {})
+
+    model = ToyLM(seed=1)
+    with pytest.raises(NotImplementedError, match="exact only for elementwise optimizers"):
+        _wrap(_disk(tmp_path), opt=Adam(model.parameters()), model=model)

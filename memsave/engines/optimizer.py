@@ -379,7 +379,8 @@ class MemsaveOptimizer(GradScalerSteps, WrappedOptimizer):
         return sum(self.param_offload.offloaded_bytes().values()) if self.param_offload is not None else 0
 
     def close(self) -> None:
-        """Release the offload tier (its files are removed); the optimizer cannot step afterwards."""
+        """Release the offload tier (its files are removed); the optimizer cannot step afterwards (it raises)."""
+        self.closed = True
         if self._settle_hook is not None:
             self._settle_hook.remove()
         try:

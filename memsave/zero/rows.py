@@ -19,11 +19,17 @@ from memsave._logging import warn_once
 from memsave.optim import Adafactor
 from memsave.zero.layout import ShardLayout
 
-__all__ = ["ELEMENTWISE", "RowSharding", "check_shardable"]
+__all__ = ["ELEMENTWISE", "RowSharding", "check_shardable", "is_elementwise"]
 
 # optimizers whose update of an element reads only that element: exact on row shards and on chunks
 ELEMENTWISE = {"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop", "Adadelta", "ASGD", "Rprop"}
 _NOT_SHARDABLE = {"LBFGS", "SparseAdam", "Adafactor", "Muon"}
+
+
+def is_elementwise(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is one of torch's elementwise optimizers (:data:`ELEMENTWISE`) or a subclass of one (a
+    user's ``class MyAdamW(torch.optim.AdamW)`` for logging: it was refused by its name)."""
+    return any(c.__name__ in ELEMENTWISE and c.__module__.startswith("torch.optim") for c in type(optimizer).__mro__)
 
 
 def check_shardable(optimizer: torch.optim.Optimizer, stage: int) -> None:
@@ -42,7 +48,7 @@ def check_shardable(optimizer: torch.optim.Optimizer, stage: int) -> None:
             f"optimizer already has state for {len(optimizer.state)} parameters; memsave.wrap must come before "
             "the first step (load a checkpoint with optimizer.load_state_dict after wrapping)"
         )
-    if name not in ELEMENTWISE and not isinstance(optimizer, Adafactor):
+    if not is_elementwise(optimizer) and not isinstance(optimizer, Adafactor):
         warn_once(f"ZeRO assumes {name} updates each element independently; if it does not, results differ")
 
 
