@@ -234,6 +234,12 @@ def check_model(model: nn.Module, profile: Profile) -> None:
                 f"{(name + '.' if name else '') + 'weight'!r} is a sparse tensor, which memsave's gradient buckets "
                 "and ZeRO shards do not hold; construct it with sparse=False (the default)"
             )
+        if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.max_norm is not None and profile.zero.stage == 3:
+            raise NotImplementedError(  # the forward renormalizes the gathered copy, freed at reshard: lost silently
+                f"{type(m).__name__} {name or '<root>'!r} has max_norm={m.max_norm}: its forward renormalizes the "
+                "looked-up rows of its weight in place, which under zero.stage = 3 land in the gathered copy and "
+                "are lost when it is freed; use zero.stage 0-2, or renormalize in the model's own code"
+            )
     if profile.zero.stage == 3 and hasattr(model, "_orig_mod") and hasattr(model, "_torchdynamo_orig_callable"):
         raise NotImplementedError(
             f"profile {profile.name!r} (zero.stage = 3): the model is torch.compile's wrapper (OptimizedModule), "

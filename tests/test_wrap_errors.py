@@ -96,6 +96,18 @@ def test_sparse_embeddings_are_refused_at_every_profile() -> None:
             _assert_optimizer_unchanged(opt, params)
     frozen = nn.Sequential(nn.Embedding(10, 4, sparse=True).requires_grad_(False), nn.Linear(4, 1))
     memsave.wrap(frozen, torch.optim.SGD(frozen[1].parameters(), lr=0.1), "ddp")  # no gradient, nothing sparse
+    # max_norm renormalizes the weight's rows in forward: at stage 3 into the gathered copy, lost at reshard (the
+    # looked-up rows kept norms of 1.46-2.54 for max_norm=1 and no error); refused there, as it was before anything
+    # changed; stages 0-2 train it as plain torch does
+    model = nn.Sequential()
+    model.add_module("embed", nn.Embedding(10, 4, max_norm=1.0))
+    model.add_module("out", nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before, params = _state(model), list(model.parameters())
+    with pytest.raises(NotImplementedError, match=r"Embedding 'embed' has max_norm=1.0: .* zero.stage 0-2"):
+        memsave.wrap(model, opt, "zero3", mesh=memsave.init())
+    _assert_unchanged(model, before, nn.Sequential)
+    _assert_optimizer_unchanged(opt, params)
 
 
 def test_nothing_trainable_under_plain_data_parallel_is_refused() -> None:
