@@ -62,7 +62,8 @@ def _prepare_model(model: nn.Module, mesh: Mesh, dtype: torch.dtype | None,
     A deferred model (meta tensors) is materialized here, whole (``per_unit`` False), or, at ZeRO-3, its buffers
     only: its parameters are materialized unit by unit as ZeRO takes them (:func:`_unit_materializer`)."""
     if dtype is not None:  # what copy.deepcopy(model) gives back (memsave/model_copy.py): the user's own dtypes
-        vars(model)[DTYPES_ATTR] = {n: p.dtype for n, p in model.named_parameters(remove_duplicate=False)}
+        vars(model)[DTYPES_ATTR] = {n: t.dtype for n, t in [*model.named_parameters(remove_duplicate=False),
+                                                            *model.named_buffers(remove_duplicate=False)]}
     if deferred is None:
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             if t.device.type == "meta":

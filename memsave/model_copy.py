@@ -24,7 +24,7 @@ from torch.nn.modules.module import _WrappedHook
 
 __all__ = ["DTYPES_ATTR", "plain_copy"]
 
-DTYPES_ATTR = "memsave_param_dtypes"  # on the wrapped model: each parameter's dtype before wrap cast it
+DTYPES_ATTR = "memsave_param_dtypes"  # on the wrapped model: each parameter's (and buffer's) dtype before wrap
 _LEFT_OUT = object()  # what memsave attached to a module, in a deep copy's memo: not copied
 # a module's hook dicts whose keys are flags on hooks of another dict: (flags, hooks)
 _HOOK_FLAGS = (("_forward_hooks_with_kwargs", "_forward_hooks"), ("_forward_hooks_always_called", "_forward_hooks"),
@@ -68,6 +68,10 @@ def plain_copy(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
         for name, p in clone.named_parameters():
             if dtypes.get(name, p.dtype) != p.dtype:
                 p.data = p.data.to(dtypes[name])
+        for name, b in clone.named_buffers():  # BatchNorm's statistics, cast with its weight
+            if dtypes.get(name, b.dtype) != b.dtype:
+                owner, _, attr = name.rpartition(".")
+                clone.get_submodule(owner)._buffers[attr] = b.to(dtypes[name])
     return clone
 
 

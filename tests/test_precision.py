@@ -371,3 +371,48 @@ def test_float_inputs_in_a_dataclass_or_a_batch_encoding_are_cast() -> None:
     for batch in (Batch(x, n=2), BatchEncoding({"x": x}), [{"x": x}][0]):
         assert torch.equal(model(batch), want), type(batch).__name__
     assert x.dtype == torch.float32
+
+
+@pytest.mark.parametrize("profile", ["ddp-bf16", "zero2-bf16", "zero3-bf16"])
+def test_batchnorm_and_spectral_norm_train_under_bf16_and_copy_back_to_fp32(profile: str) -> None:
+    """BatchNorm's running statistics and spectral_norm's power-iteration vectors (both forms) are cast with their
+    weights: torch's kernels refuse bf16 weights with fp32 statistics ("expected scalar type BFloat16 but found
+    Float", "addmv input tensors must have the same dtype"). The model trains close to fp32 training, every
+    other buffer keeps its dtype, and ``copy.deepcopy`` (an EMA copy) gets the fp32 dtypes of both back."""
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                              nn.utils.parametrizations.spectral_norm(nn.Linear(4 * 6 * 6, 8)),
+                              nn.utils.spectral_norm(nn.Linear(8, 8)), nn.BatchNorm1d(8, affine=False),
+                              nn.Linear(8, 5))
+        model.register_buffer("scale", torch.ones(()))
+        return model
+
+    def train(model: nn.Module, opt: torch.optim.Optimizer) -> list[float]:
+        losses = []
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 5, (4,), generator=g)
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    ref = build()
+    ref_losses = train(ref, torch.optim.SGD(ref.parameters(), lr=0.1))
+    model = build()
+    model, opt = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), profile, mesh=memsave.init())
+    losses = train(model, opt)
+    assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) < 0.05, (losses, ref_losses)
+    assert model[1].running_mean.dtype == torch.bfloat16 and model[1].num_batches_tracked.item() == 3
+    assert model[6].running_mean.dtype == torch.float32 and model.scale.dtype == torch.float32  # no weight beside
+    assert model[4].parametrizations.weight[0]._u.dtype == torch.bfloat16 and model[5].weight_u.dtype == torch.bfloat16
+    # an EMA copy (torch cannot deep-copy the old hook-based spectral_norm: a model without it)
+    small = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    small, _ = memsave.wrap(small, torch.optim.SGD(small.parameters(), lr=0.1), profile, mesh=memsave.init())
+    small(torch.randn(4, 3)).float().sum().backward()
+    ema = copy.deepcopy(small)
+    assert all(t.dtype == torch.float32 for t in [*ema.parameters(), *ema.buffers()] if t.is_floating_point())
+    assert ema.eval()(torch.randn(2, 3)).isfinite().all()

@@ -54,10 +54,33 @@ def scaler_for(cfg: PrecisionConfig) -> LossScaler | None:
 @torch.no_grad()
 def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
     """Store every floating-point parameter of ``model`` in ``dtype``, keeping the Parameter objects (so an
-    optimizer built over them still holds them)."""
+    optimizer built over them still holds them); and the buffers torch's kernels read with them and refuse in
+    fp32 beside 16-bit weights (:func:`_paired_buffers`). Every other buffer keeps its dtype."""
     for p in model.parameters():
         if p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)
+    for m, name in _paired_buffers(model):
+        b = m._buffers[name]
+        if b is not None and b.is_floating_point() and b.dtype != dtype:
+            m._buffers[name] = b.to(dtype)
+
+
+def _paired_buffers(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """BatchNorm's running statistics beside its weight (its CPU kernel: "expected scalar type BFloat16 but found
+    Float"), spectral_norm's power-iteration vectors (both forms: "addmv input tensors must have the same dtype"):
+    plain torch's ``model.bfloat16()`` casts them too."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+    from torch.nn.utils.spectral_norm import SpectralNorm
+
+    out: list[tuple[nn.Module, str]] = []
+    for m in model.modules():
+        if isinstance(m, _BatchNorm) and m.affine:
+            out += [(m, "running_mean"), (m, "running_var")]
+        elif type(m).__name__ == "_SpectralNorm":  # torch.nn.utils.parametrizations.spectral_norm
+            out += [(m, "_u"), (m, "_v")]
+        out += [(m, f"{h.name}{s}") for h in m._forward_pre_hooks.values() if isinstance(h, SpectralNorm)
+                for s in ("_u", "_v")]
+    return [(m, n) for m, n in out if n in m._buffers]
 
 
 def cast_forward_inputs(model: nn.Module, dtype: torch.dtype) -> Any:
