@@ -116,7 +116,36 @@ def _two_ranks(root: str) -> dict[str, Any]:
     _save_for_later(out, base, "two-tp", TP2)
     for name, fn in ckpt_faults.CASES.items():
         _case(out, name, lambda fn=fn: fn(base / "faults"))
+    _case(out, "buffers of rank 0", lambda: _buffers_of_rank_0(base / "buffers"))
     return out
+
+
+def _buffers_of_rank_0(path: Path) -> str:
+    """A replicated buffer that differs between ranks (BatchNorm's running statistics: each rank's forward
+    updates its own) is saved from rank 0, as ``model.state_dict()`` there gives it; the deduplication alone
+    saved rank 1's here."""
+    import torch.distributed as dist
+
+    import memsave
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+
+    def wrapped() -> tuple[Any, Any]:
+        model = build()
+        return memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), "zero2", mesh=memsave.init())
+
+    model, opt = wrapped()
+    model(torch.randn(8, 4) + 10.0 * dist.get_rank()).sum().backward()  # other statistics on each rank
+    opt.step()
+    expected = [model[1].running_mean.clone()]
+    dist.broadcast_object_list(expected, 0)
+    memsave.save(path, model, opt)
+    fresh, fresh_opt = wrapped()
+    memsave.load(path, fresh, fresh_opt)
+    assert torch.equal(fresh[1].running_mean, expected[0]), (fresh[1].running_mean, expected[0])
+    return "ok"
 
 
 def _one_rank_last(root: str) -> dict[str, Any]:
@@ -171,6 +200,7 @@ def test_fault_cases(outcomes: dict[str, Any]) -> None:
 
     for name in ckpt_faults.CASES:
         assert _ok(outcomes, name) == "ok", name
+    assert _ok(outcomes, "buffers of rank 0") == "ok"
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in one process, as meant

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import io
 import math
 import os
@@ -63,7 +64,16 @@ class _RectSavePlanner(SavePlanner):
         return SavePlan(items)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], dcp_md.Metadata]:
-        plans = dedup_save_plans(all_plans, save_to_lowest_rank=False)
+        # a replicated buffer can differ between ranks (BatchNorm's running statistics: each rank's forward
+        # updates its own): the copy saved is the first rank's that holds it, as model.state_dict() there gives
+        # (deduplication alone picked any rank's); the rest is deduplicated for balance
+        seen: set[str] = set()
+        kept = []
+        for plan in all_plans:
+            items = [i for i in plan.items if not (i.index.fqn.startswith("buffer/") and i.index.fqn in seen)]
+            seen |= {i.index.fqn for i in items if i.index.fqn.startswith("buffer/")}
+            kept.append(dataclasses.replace(plan, items=items))
+        plans = dedup_save_plans(kept, save_to_lowest_rank=False)
         return create_default_global_save_plan(plans)
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
