@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
@@ -262,9 +263,10 @@ class RecomputedForward:
 # spectral_norm's power iteration, a user's EMA) would update it again when the unit is replayed in backward, and
 # the replay would compute from the updated value: num_batches_tracked 6 after 3 steps, spectral_norm's weights
 # 6.5e-2 off training without recomputation. So the first call copies the unit's buffers and keeps the copies of
-# those it changed (another tensor held, its version moved, or its values: BatchNorm's kernel writes its
+# those it changed (another tensor held, its version moved, or a training BatchNorm's: its kernel writes its
 # statistics without moving their version); each replay runs with a fresh copy of those in their place, and its
-# own updates land there. The buffers the first call left (and anything since) are put back after.
+# own updates land there. The buffers the first call left (and anything since) are put back after. No value is
+# compared (a host sync per buffer on a GPU).
 
 
 def _buffers_before(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor, int, torch.Tensor]]:
@@ -276,14 +278,12 @@ def _buffers_before(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tenso
 def _changed_buffers(before: list[tuple[nn.Module, str, torch.Tensor, int, torch.Tensor]]
                      ) -> list[tuple[nn.Module, str, torch.Tensor]]:
     return [(m, name, copy) for m, name, b, version, copy in before
-            if m._buffers.get(name) is not b or b._version != version or not torch.equal(b, copy)]
+            if m._buffers.get(name) is not b or b._version != version
+            or (isinstance(m, _BatchNorm) and m.training and m.track_running_stats)]
 
 
 @contextlib.contextmanager
 def _buffers_as_before(changed: list[tuple[nn.Module, str, torch.Tensor]]) -> Iterator[None]:
-    if not changed:
-        yield
-        return
     now = [m._buffers[name] for m, name, _ in changed]
     with torch.no_grad():
         for m, name, copy in changed:
