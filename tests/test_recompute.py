@@ -86,12 +86,14 @@ class _BufferBlock(nn.Module):
         self.fc = nn.utils.parametrizations.spectral_norm(nn.Linear(8, 8))
         self.bn = nn.BatchNorm1d(8)
         self.register_buffer("ema", torch.zeros(8))
+        self.register_buffer("ema_data", torch.zeros(8))  # written through .data: its version does not move
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.bn(self.fc(x))
         with torch.no_grad():
             self.ema.lerp_(h.mean(0), 0.5)
-        return x + torch.tanh(h) * self.ema
+        self.ema_data.data.mul_(0.5).add_(h.detach().mean(0), alpha=0.5)
+        return x + torch.tanh(h) * self.ema + h * self.ema_data
 
 
 @pytest.mark.parametrize("policy", ["full", "selective"])

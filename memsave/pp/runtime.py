@@ -200,7 +200,7 @@ class StageRunner(Messages):
             local = set(self.local_stages)
             self.probe = Probe(self.split.stage_of, lambda n: self.split.stage_of[n] in local, self.device)
             try:
-                layout = self.probe.run(forward_and_loss, self.n_stages)
+                layout = self.probe.run(forward_and_loss, self.n_stages, self.model)
             except BaseException as exc:
                 announce_failure(f"{type(exc).__name__}: {exc}")
                 raise

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
@@ -65,6 +65,7 @@ __all__ = ["RecomputedForward", "RecomputedRegion", "is_recomputed", "recompute_
 # reads the same cached tensors (freed with the graph after ``W``). torch >= 2.12 indexes the entries per op
 # call and marks a read one ``_CONSUMED`` (kept: :class:`_KeptEntries`); torch 2.11 keeps a list per op and pops
 # its head (kept: :class:`_KeptListEntries` reads from its first entry at every recompute instead).
+_SMALL_BUFFER = 1 << 20  # bytes: [Note: buffers a forward changes]
 _SPLIT_BACKWARD: contextvars.ContextVar[bool] = contextvars.ContextVar("memsave_split_backward", default=False)
 _LIST_LAYOUT = not hasattr(torch_checkpoint, "_CONSUMED")
 
@@ -230,18 +231,15 @@ class RecomputedForward:
         first_call = [(args, kwargs)]
         regions, frame = _REGIONS.get(), []  # frame: emptied below (the frame holds `run`: no cycle through it)
         note, start = regions is not None, torch._C._autograd._get_sequence_nr()
-
-        changed: list[tuple[nn.Module, str, torch.Tensor]] = []  # [Note: buffers a forward changes]
+        before = _buffers_before(self.module)  # [Note: buffers a forward changes]: outside the checkpoint's modes
+        changed: list[tuple[nn.Module, str, torch.Tensor]] = []
 
         def run(*saved: Any) -> Any:
             if first_call:
                 if note:
                     frame.append(_checkpoint_frame())
                 call_args, call_kwargs = first_call.pop()
-                before = _buffers_before(self.module)
-                out = forward(*call_args, **call_kwargs)
-                changed.extend(_changed_buffers(before))
-                return out
+                return forward(*call_args, **call_kwargs)
             old_args, old_kwargs = snapshot(frozen)
             replay = [s if t else a for a, s, t in zip(old_args, saved, is_tensor)]  # saved: + the anchors
             with _buffers_as_before(changed):
@@ -249,6 +247,7 @@ class RecomputedForward:
 
         out = checkpoint(run, *args, *_device_anchors(args, kwargs), use_reentrant=False, preserve_rng_state=True,
                          context_fn=self._context_fn)
+        changed.extend(_changed_buffers(before))
         if regions is not None:
             found = frame.pop() if frame else None
             if found is not None:
@@ -259,35 +258,36 @@ class RecomputedForward:
         return out
 
 
-# [Note: buffers a forward changes] A forward that updates a buffer in place (BatchNorm's running statistics,
-# spectral_norm's power iteration, a user's EMA) would update it again when the unit is replayed in backward, and
-# the replay would compute from the updated value: num_batches_tracked 6 after 3 steps, spectral_norm's weights
-# 6.5e-2 off training without recomputation. So the first call copies the unit's buffers and keeps the copies of
-# those it changed (another tensor held, its version moved, or a training BatchNorm's: its kernel writes its
-# statistics without moving their version); each replay runs with a fresh copy of those in their place, and its
-# own updates land there. The buffers the first call left (and anything since) are put back after. No value is
-# compared (a host sync per buffer on a GPU).
+# [Note: buffers a forward changes] A forward updating a buffer (BatchNorm's statistics, spectral_norm, an EMA)
+# updated it again in its replay in backward, which computed from the new value (num_batches_tracked 6 after 3
+# steps; spectral_norm's weights 6.5e-2 off). So the first call copies the unit's buffers of up to 1 MiB, kept to
+# backward; each replay runs on fresh copies (one per tensor: a shared buffer stays shared), the buffers put back
+# after. Larger ones (masks, tables) are watched: one the forward changes is said once (its replay sees it).
 
 
-def _buffers_before(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor, int, torch.Tensor]]:
+def _buffers_before(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor, int, torch.Tensor | None]]:
     with torch.no_grad():
-        return [(m, name, b, b._version, b.clone()) for m in module.modules() for name, b in m._buffers.items()
-                if b is not None]
+        kept = {id(b): b.clone() for b in module.buffers() if b.numel() * b.element_size() <= _SMALL_BUFFER}
+    return [(m, name, b, b._version, kept.get(id(b))) for m in module.modules() for name, b in m._buffers.items()
+            if b is not None]
 
 
-def _changed_buffers(before: list[tuple[nn.Module, str, torch.Tensor, int, torch.Tensor]]
+def _changed_buffers(before: list[tuple[nn.Module, str, torch.Tensor, int, torch.Tensor | None]]
                      ) -> list[tuple[nn.Module, str, torch.Tensor]]:
-    return [(m, name, copy) for m, name, b, version, copy in before
-            if m._buffers.get(name) is not b or b._version != version
-            or (isinstance(m, _BatchNorm) and m.training and m.track_running_stats)]
+    for m, name, b, version, kept in before:
+        if kept is None and (m._buffers.get(name) is not b or b._version != version):
+            warn_once(f"[recompute]: buffer {name!r} of {type(m).__name__} (over 1 MiB) changed in a recomputed "
+                      "forward; its replay in backward sees the new value ([Note: buffers a forward changes])")
+    return [(m, name, kept) for m, name, _, _, kept in before if kept is not None]
 
 
 @contextlib.contextmanager
 def _buffers_as_before(changed: list[tuple[nn.Module, str, torch.Tensor]]) -> Iterator[None]:
     now = [m._buffers[name] for m, name, _ in changed]
-    with torch.no_grad():
-        for m, name, copy in changed:
-            m._buffers[name] = copy.clone()  # a zero-bubble schedule replays twice: each from the first values
+    with torch.no_grad(), _disable_current_modes():  # not an op of the replay (selective recomputation counts
+        fresh = {id(kept): kept.clone() for _, _, kept in changed}  # those); each replay from the first values
+    for m, name, kept in changed:
+        m._buffers[name] = fresh[id(kept)]
     try:
         yield
     finally:
