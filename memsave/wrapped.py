@@ -375,8 +375,8 @@ class WrappedOptimizer(torch.optim.Optimizer, abc.ABC):
                 "outside the engine's communication schedule; call backward and step yourself"
             )
         if getattr(self, "closed", False):  # an overlapped step would fail later, in another call, or never
-            raise RuntimeError("optimizer.step() after optimizer.close(): its offload tier (and folder) was released; "
-                               "wrap the model and optimizer again to go on training")
+            raise RuntimeError("optimizer.step() after optimizer.close(): what it held (an offload tier and its "
+                               "folder, if any) was released; wrap the model and optimizer again to go on training")
         self.step_was_skipped = grad_scaler is not None and not self._scaler_says_step(grad_scaler)
         if not self.step_was_skipped:
             self._step()

@@ -142,6 +142,9 @@ def test_selective_is_refused_around_a_gru_and_budget_recomputes_it_fully() -> N
     other = copy.deepcopy(base)
     with pytest.raises(NotImplementedError, match=r"unit '0', which holds an nn.GRU.*policy = \"full\""):
         recompute.apply(list(other[:2]), "selective", model=other)
+    cell = nn.Sequential(nn.GRUCell(8, 8))
+    with pytest.raises(NotImplementedError, match=r"which holds an nn.GRUCell"):
+        recompute.apply([cell[0]], "selective", model=cell)
     x = torch.randn(4, 5, 8)
     runs = []
     for policy in (None, "budget:1920B"):  # the least it can keep: every unit full

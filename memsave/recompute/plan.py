@@ -99,9 +99,9 @@ _KINDS = ("none", "selective", "full")
 # [Note: no selective recomputation around a GRU] Under torch's selective checkpoint, an nn.GRU whose matrix
 # multiplies are kept (the default save list) trains with wrong gradients and no error on a CPU (17% off in its
 # parameters after a few steps; torch alone, without memsave, shows it); nn.RNN raises torch's "cached ... has
-# been mutated"; nn.LSTM is exact. Such a unit is refused selective recomputation (full is exact), and the budget
-# policy never chooses it there.
-_NO_SELECTIVE = (nn.GRU, nn.RNN)
+# been mutated"; nn.LSTM is exact. The cells alike (GRUCell's gradients up to 1.64 off). Such a unit is refused
+# selective recomputation (full is exact), and the budget policy never chooses it there.
+_NO_SELECTIVE = (nn.GRU, nn.RNN, nn.GRUCell, nn.RNNCell)
 
 
 def _no_selective(unit: nn.Module) -> str | None:

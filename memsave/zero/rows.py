@@ -27,9 +27,12 @@ _NOT_SHARDABLE = {"LBFGS", "SparseAdam", "Adafactor", "Muon"}
 
 
 def is_elementwise(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` is one of torch's elementwise optimizers (:data:`ELEMENTWISE`) or a subclass of one (a
-    user's ``class MyAdamW(torch.optim.AdamW)`` for logging: it was refused by its name)."""
-    return any(c.__name__ in ELEMENTWISE and c.__module__.startswith("torch.optim") for c in type(optimizer).__mro__)
+    """Whether ``optimizer`` is one of torch's elementwise optimizers (:data:`ELEMENTWISE`) or a subclass of one
+    that keeps its ``step`` (a user's ``class MyAdamW(torch.optim.AdamW)`` for logging: it was refused by its
+    name). A subclass with a ``step`` of its own may do anything there (divide by the global gradient norm)."""
+    base = next((c for c in type(optimizer).__mro__
+                 if c.__name__ in ELEMENTWISE and c.__module__.startswith("torch.optim")), None)
+    return base is not None and type(optimizer).step is base.step
 
 
 def check_shardable(optimizer: torch.optim.Optimizer, stage: int) -> None:
