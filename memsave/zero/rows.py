@@ -32,7 +32,7 @@ def is_elementwise(optimizer: torch.optim.Optimizer) -> bool:
     name). A subclass with a ``step`` of its own may do anything there (divide by the global gradient norm)."""
     base = next((c for c in type(optimizer).__mro__
                  if c.__name__ in ELEMENTWISE and c.__module__.startswith("torch.optim")), None)
-    return base is not None and type(optimizer).step is base.step
+    return base is not None and type(optimizer).step is getattr(base, "step", None)
 
 
 def check_shardable(optimizer: torch.optim.Optimizer, stage: int) -> None:
