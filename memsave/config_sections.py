@@ -197,7 +197,7 @@ class OffloadConfig(_Checked):
         "Optimizer state per chunk in MiB (row slices of the shards, small tensors packed together); the step "
         "holds prefetch + 2 chunks in memory. \"auto\": 64 for the host step on a CUDA device (its chunks are "
         "pinned host slots: each costs a copy down, a CPU step and a copy up, and 1 MiB chunks made a "
-        "117M-parameter bf16 step on an H100 about 10x slower), 1 elsewhere (the window a CPU device streams its "
+        "110M-parameter bf16 optimizer step on an H100 5-7x slower), 1 elsewhere (the window a CPU device streams its "
         "offloaded state through).",
         "a positive size in MiB, or \"auto\""))
     direct: bool = field(default=True, metadata=_doc(

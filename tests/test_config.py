@@ -76,7 +76,7 @@ def test_overrides_apply() -> None:
 
 def test_offload_chunk_auto_is_64_mib_for_the_host_step_on_cuda_only() -> None:
     """``[offload] chunk_mb = "auto"`` (the default): 64 MiB where the step runs on the host behind a GPU (pinned
-    host slots; 1 MiB chunks made a 117M-parameter bf16 step about 10x slower on an H100), 1 MiB where a CPU
+    host slots; 1 MiB chunks made a 110M-parameter bf16 optimizer step 5-7x slower on an H100), 1 MiB where a CPU
     device streams its state through a window or the state goes to the device; a number is taken as given."""
     from memsave.config import OffloadConfig
 
