@@ -335,7 +335,8 @@ def calibrate(*, device: str | None = None, folder: str | Path | None = None, re
     # per collective) is measured again
     from memsave.plan.calibrate_engines import FAMILIES
 
-    if (data is not None and "collectives" in data and "efficiencies" in data and all(len(v) == 3 for v in data.get("engine", {}).values())
+    if (data is not None and "collectives" in data and "efficiencies" in data
+            and all(len(v) == 3 for v in data.get("engine", {}).values())
             and set(data.get("engine") or FAMILIES) == set(FAMILIES)):
         for key in ("engine", "collectives"):
             data[key] = {k: tuple(v) for k, v in data.get(key, {}).items()}
@@ -345,13 +346,17 @@ def calibrate(*, device: str | None = None, folder: str | Path | None = None, re
     if collectives:  # the first plan on a machine would otherwise sit silent for about a minute
         print(f"memsave calibrate: measuring this machine's rates ({device}; about a minute with the two-rank "
               f"engine costs), once: cached in {cache}", file=sys.stderr, flush=True)
+    # two local ranks: on CPU, or on two GPUs (one GPU cannot host two NCCL ranks); there the step rates are
+    # measured with both ranks running (engine_overheads), not here as well
+    ranks = collectives and (device == "cpu" or torch.cuda.device_count() >= 2)
     threads = torch.get_num_threads()
     if device == "cpu":  # one rank per core, as memsave's launcher runs CPU ranks: rates of one thread
         torch.set_num_threads(1)
     try:
         flops = {"fp32": _matmul_flops(device, torch.float32), "bf16": _matmul_flops(device, torch.bfloat16)}
         flops["fp16"] = _matmul_flops(device, torch.float16) if device == "cuda" else flops["bf16"]
-        rates = step_rates(device, flops)
+        rates: dict[str, Any] = (step_rates(device, flops) if not ranks else
+                 {"efficiencies": {"fp32": 1.0}, "layer_overhead": 0.0, "recompute_overhead": {}})
         step_bw = _optimizer_rate(device)
     finally:
         torch.set_num_threads(threads)
@@ -361,8 +366,6 @@ def calibrate(*, device: str | None = None, folder: str | Path | None = None, re
                    else psutil.virtual_memory().total)
     write, _read = _disk(Path(folder or tempfile.gettempdir()), 64 * 2**20)
     bus, kinds = mem_bw, {}
-    # two local ranks: on CPU, or on two GPUs (one GPU cannot host two NCCL ranks)
-    ranks = collectives and (device == "cpu" or torch.cuda.device_count() >= 2)
     if ranks:
         from memsave._launch import spawn_local
 
@@ -377,7 +380,8 @@ def calibrate(*, device: str | None = None, folder: str | Path | None = None, re
                   intra_bw=bus, inter_bw=bus, host_bw=host_bw, disk_bw=write,
                   host_memory=float(psutil.virtual_memory().total), efficiency=rates["efficiencies"]["fp32"],
                   efficiencies=rates["efficiencies"], layer_overhead=rates["layer_overhead"],
-                  recompute_overhead=rates["recompute_overhead"], step_bw=step_bw, host_step_bw=host_step, overlap=0.0 if device == "cpu" else 0.8,
+                  recompute_overhead=rates["recompute_overhead"], step_bw=step_bw, host_step_bw=host_step,
+                  overlap=0.0 if device == "cpu" else 0.8,
                   collectives=kinds, latency=kinds["all_reduce"][0] if kinds else Hardware.latency)
     if ranks:  # what each engine pays besides FLOPs and bytes, on two local ranks
         from memsave.plan.calibrate_engines import engine_overheads
