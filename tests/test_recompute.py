@@ -125,6 +125,31 @@ def test_a_replay_updates_no_buffer_twice(policy: str) -> None:
         assert torch.equal(got[k], v), f"{policy}: {k} differs by {(got[k].float() - v.float()).abs().max()}"
 
 
+def test_a_large_buffer_a_recomputed_forward_changes_is_said(monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: buffers a forward changes]: buffers over 1 MiB are not copied for the replay; one the forward changes
+    is said, naming it, and one it leaves alone is not."""
+    from memsave import _logging
+
+    class Big(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.register_buffer("table", torch.zeros(2**19))  # 2 MiB of fp32
+            self.register_buffer("mask", torch.ones(2**19))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.table[:4].add_(1.0)
+            return self.fc(x) * self.mask[:4]
+
+    said: list[str] = []
+    monkeypatch.setattr(_logging, "_warned", set())
+    monkeypatch.setattr(_logging.get_logger(), "warning", lambda msg, *a, **k: said.append(msg))
+    model = nn.Sequential(Big())
+    recompute.apply([model[0]], "full", model=model)
+    model(torch.randn(2, 4)).sum().backward()
+    assert len(said) == 1 and "buffer 'table' of Big (over 1 MiB) changed" in said[0], said
+
+
 def test_selective_is_refused_around_a_gru_and_budget_recomputes_it_fully() -> None:
     """[Note: no selective recomputation around a GRU]: torch's selective checkpoint trains an nn.GRU with wrong
     gradients (17% off, no error); memsave refuses "selective" on such a unit, naming it and "full", and the

@@ -232,7 +232,7 @@ class RecomputedForward:
         regions, frame = _REGIONS.get(), []  # frame: emptied below (the frame holds `run`: no cycle through it)
         note, start = regions is not None, torch._C._autograd._get_sequence_nr()
         before = _buffers_before(self.module)  # [Note: buffers a forward changes]: outside the checkpoint's modes
-        changed: list[tuple[nn.Module, str, torch.Tensor]] = []
+        replayed: list[tuple[nn.Module, str, torch.Tensor]] = []
 
         def run(*saved: Any) -> Any:
             if first_call:
@@ -242,12 +242,12 @@ class RecomputedForward:
                 return forward(*call_args, **call_kwargs)
             old_args, old_kwargs = snapshot(frozen)
             replay = [s if t else a for a, s, t in zip(old_args, saved, is_tensor)]  # saved: + the anchors
-            with _buffers_as_before(changed):
+            with _buffers_as_before(replayed):
                 return forward(*replay, **old_kwargs)
 
         out = checkpoint(run, *args, *_device_anchors(args, kwargs), use_reentrant=False, preserve_rng_state=True,
                          context_fn=self._context_fn)
-        changed.extend(_changed_buffers(before))
+        replayed.extend(_replayed_buffers(before))
         if regions is not None:
             found = frame.pop() if frame else None
             if found is not None:
@@ -272,7 +272,7 @@ def _buffers_before(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tenso
             if b is not None]
 
 
-def _changed_buffers(before: list[tuple[nn.Module, str, torch.Tensor, int, torch.Tensor | None]]
+def _replayed_buffers(before: list[tuple[nn.Module, str, torch.Tensor, int, torch.Tensor | None]]
                      ) -> list[tuple[nn.Module, str, torch.Tensor]]:
     for m, name, b, version, kept in before:
         if kept is None and (m._buffers.get(name) is not b or b._version != version):
@@ -282,16 +282,16 @@ def _changed_buffers(before: list[tuple[nn.Module, str, torch.Tensor, int, torch
 
 
 @contextlib.contextmanager
-def _buffers_as_before(changed: list[tuple[nn.Module, str, torch.Tensor]]) -> Iterator[None]:
-    now = [m._buffers[name] for m, name, _ in changed]
-    with torch.no_grad(), _disable_current_modes():  # not an op of the replay (selective recomputation counts
-        fresh = {id(kept): kept.clone() for _, _, kept in changed}  # those); each replay from the first values
-    for m, name, kept in changed:
+def _buffers_as_before(replayed: list[tuple[nn.Module, str, torch.Tensor]]) -> Iterator[None]:
+    now = [m._buffers[name] for m, name, _ in replayed]
+    with torch.no_grad(), _disable_current_modes() if replayed else contextlib.nullcontext():  # not an op of the
+        fresh = {id(kept): kept.clone() for _, _, kept in replayed}  # replay; each replay from the first values
+    for m, name, kept in replayed:
         m._buffers[name] = fresh[id(kept)]
     try:
         yield
     finally:
-        for (m, name, _), b in zip(changed, now, strict=True):
+        for (m, name, _), b in zip(replayed, now, strict=True):
             m._buffers[name] = b
 
 
