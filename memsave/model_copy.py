@@ -9,18 +9,28 @@ user's model was fp32, and an EMA kept in a bf16 copy silently stops moving (``e
 updates are below bf16's resolution; a review saw 13.6% of the elements ever change). So the copy's parameters
 get back the dtypes they had before wrap (as FSDP2's sharded parameters keep theirs): the low-precision values,
 widened; an fp32 EMA then follows them exactly.
+
+One exception: ``torch.optim.swa_utils.AveragedModel`` averages with ``torch._foreach_lerp_`` unless given an
+``avg_fn``, and that kernel needs the copy and the model in one dtype: an fp32 copy of a bf16 model raised in its
+second ``update_parameters`` (with a ``multi_avg_fn``, or with neither function on CUDA). A copy made for such an
+``AveragedModel`` keeps the wrapped model's dtypes (what it
+gets on a model cast with ``model.bfloat16()``), with a warning that its average is held in bf16; given an
+``avg_fn`` (``get_ema_avg_fn``, ``get_swa_avg_fn``: plain arithmetic, which promotes) it is widened as any copy.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import sys
 import types
 from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.nn.modules.module import _WrappedHook
+
+from memsave._logging import warn_once
 
 __all__ = ["DTYPES_ATTR", "plain_copy"]
 
@@ -64,6 +74,13 @@ def plain_copy(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
         vars(memo[id(m)])["forward"] = copy.deepcopy(original, memo)
 
     dtypes = vars(module).get(DTYPES_ATTR, {})
+    widened = [p for n, p in clone.named_parameters() if dtypes.get(n, p.dtype) != p.dtype]
+    if widened and _for_foreach_average(widened[0].device):
+        warn_once("torch.optim.swa_utils.AveragedModel of a model wrapped with a bf16/fp16 profile holds its average "
+                  "in the model's dtype (its foreach update needs one dtype on both sides), where an update smaller "
+                  "than the format's resolution rounds away (an EMA with decay 0.999 barely moves in bf16); for an "
+                  "fp32 average pass avg_fn=torch.optim.swa_utils.get_ema_avg_fn(decay) (or get_swa_avg_fn())")
+        dtypes = {}
     with torch.no_grad():  # [Note: the copy's dtypes]
         for name, p in clone.named_parameters():
             if dtypes.get(name, p.dtype) != p.dtype:
@@ -73,6 +90,28 @@ def plain_copy(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
                 owner, _, attr = name.rpartition(".")
                 clone.get_submodule(owner)._buffers[attr] = b.to(dtypes[name])
     return clone
+
+
+def _for_foreach_average(device: torch.device) -> bool:
+    """Whether this copy is made by ``AveragedModel.__init__`` for an update that runs torch's foreach kernels,
+    which need one dtype ([Note: the copy's dtypes]): a ``multi_avg_fn``, or neither function on a device with
+    foreach kernels (elsewhere its default update is plain arithmetic, which promotes)."""
+    from torch.optim.swa_utils import AveragedModel
+    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+    code = AveragedModel.__init__.__code__
+    frame = sys._getframe(1)
+    for _ in range(12):  # plain_copy <- __deepcopy__ <- copy.deepcopy <- AveragedModel.__init__ (or a subclass's)
+        if frame is None:
+            return False
+        if frame.f_code is code:
+            args = frame.f_locals
+            if args.get("avg_fn") is not None:
+                return False
+            where = torch.device(args["device"]) if args.get("device") is not None else device
+            return args.get("multi_avg_fn") is not None or where.type in _get_foreach_kernels_supported_devices()
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def _is_memsave(obj: Any) -> bool:

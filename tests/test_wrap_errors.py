@@ -313,6 +313,41 @@ def test_deepcopy_of_a_wrapped_model_is_a_plain_copy_with_the_full_weights() -> 
     assert run_ranks(_deepcopy_ranks, 2, timeout=240) == ["ok", "ok"]
 
 
+def test_averaged_model_of_a_bf16_wrapped_model_updates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's ``AveragedModel`` (an EMA, SWA) of a model wrapped under a bf16 profile ([Note: the copy's dtypes]):
+    with a ``multi_avg_fn`` its foreach update needs the model's dtype (an fp32 copy raised in the second update),
+    and the average equals torch's kernels on the bf16 weights, with a warning; with an ``avg_fn`` (or neither,
+    off CUDA) the average is fp32 (torch's own arithmetic on the bf16 weights); under fp32 the weights' own
+    dtype, without warning."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn, get_ema_multi_avg_fn
+
+    cases = (("ddp-bf16", {"multi_avg_fn": get_ema_multi_avg_fn(0.9)}, torch.bfloat16, True),
+             ("ddp-bf16", {}, torch.float32, False),  # SWA's mean: plain arithmetic off CUDA (foreach kernels on it)
+             ("ddp-bf16", {"avg_fn": get_ema_avg_fn(0.9)}, torch.float32, False),
+             ("ddp", {"multi_avg_fn": get_ema_multi_avg_fn(0.9)}, torch.float32, False))
+    for profile, kwargs, dtype, warns in cases:
+        model, opt = _wrap(profile)
+        with _said(monkeypatch) as said:
+            averaged = AveragedModel(model, **kwargs)
+        assert any("AveragedModel" in m for m in said) == warns, (profile, kwargs, said)
+        assert {p.dtype for p in averaged.parameters()} == {dtype}, (profile, kwargs)
+        ref: list[torch.Tensor] = []
+        for step in range(3):
+            _step(model, opt, step)
+            averaged.update_parameters(model)
+            weights = [p.detach().to(dtype) for p in model.parameters()]
+            if step == 0:
+                ref = [w.clone() for w in weights]
+            elif "multi_avg_fn" in kwargs:
+                torch._foreach_lerp_(ref, weights, 0.1)
+            elif "avg_fn" in kwargs:  # torch's arithmetic: the increment in the model's dtype, the sum in fp32
+                ref = [0.9 * e + 0.1 * p.detach() for e, p in zip(ref, model.parameters())]
+            else:
+                ref = [e + (w - e) / (step + 1) for e, w in zip(ref, weights)]
+        got = list(averaged.parameters())
+        assert len(got) == len(ref) and all(torch.equal(g, r) for g, r in zip(got, ref)), (profile, kwargs)
+
+
 def test_a_wrapped_model_is_freed_after_del() -> None:
     """[Note: hooks held by tensors] ``del model, opt`` frees the model, its engine and gradients (a sweep or a
     notebook in one process grew by the model per wrap: the engine's gradient hooks are held on the tensors' C++
