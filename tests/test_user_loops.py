@@ -9,6 +9,7 @@ Every case below failed on the main branch before these fixes (the closing note 
 from __future__ import annotations
 
 import copy
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -137,8 +138,11 @@ def _train(model: nn.Module, opt: Any, loss_fn: Callable, rank: int | None, *, z
             if rank is not None:
                 model.unshard()
             for p in model.parameters():
-                p.data.clamp_(-0.05, 0.05)
-            if rank is not None and clip == "reshard":
+                if clip == "assign":  # as often written: a new tensor assigned ([Note: replaced data])
+                    p.data = p.data.clamp(-0.05, 0.05)
+                else:
+                    p.data.clamp_(-0.05, 0.05)
+            if rank is not None and clip in ("reshard", "assign"):
                 model.reshard()
         if zero == "every_other":  # gradients accumulated over two steps on purpose, as plain torch allows
             if step % 2:
@@ -224,6 +228,12 @@ def _equivalence_cases(world: int) -> str:
     for clip in ("reshard", "next_backward"):
         _compare(toy, "zero3", _toy_loss, mesh, f"clipping p.data, freed by {clip}", clip=clip)
     _compare(llama_tied, "zero3", _hf_loss, mesh, "clipping p.data, HF Llama tied", clip="reshard")
+    # [Note: replaced data] p.data = p.data.clamp(...): the step went on from the old rows (stages 1-2), the edit
+    # was dropped at reshard (stage 3), silently
+    with tempfile.TemporaryDirectory() as folder:  # (each rank its own)
+        disk = memsave.load_profile("zero2", ['offload.optimizer="disk"', f"offload.path={folder!r}"])
+        for profile in ("zero1", "zero2", "zero3", disk):
+            _compare(toy, profile, _toy_loss, mesh, "clipping by assigning p.data", clip="assign")
     # a backward that raised (out of memory), caught, the next batches trained: the engines' half-done state of
     # it is dropped ([Note: a backward that raised]); before, every later backward raised a false error
     for profile in ("ddp", "zero2", "zero3", "zero3-recompute"):
@@ -424,6 +434,31 @@ def _error_cases(world: int) -> str:
         assert opt.clip_grad_norm(1.0).isfinite()  # the right way still works
         model.zero_grad(set_to_none=False)  # torch's _foreach_zero_ over the guards: cleared, not refused
         torch._foreach_zero_([p.grad for p in model.parameters() if p.grad is not None])
+    # [Note: guarded param_groups] torch's clip over the optimizer's own param_groups (PyTorch Lightning's): under
+    # ZeRO each rank clipped its rows by their own norm, under bf16 it found no gradient (a norm of 0); refused,
+    # and the optimizer's clip and step then give what they give without the attempt. Under ddp (fp32) the
+    # param_groups are the parameters: torch's clip works there, bit for bit the optimizer's.
+    for profile in ("zero1", "zero2", "zero3", "ddp-bf16", "zero2-bf16", "ddp"):
+        got = []
+        for attempt in (True, False):
+            model = ToyLM(n_blocks=2)
+            model, opt = memsave.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), profile, mesh=mesh)
+            for step in range(2):
+                opt.backward(_toy_loss(model, _local(_global_batch(step), rank)))
+                held = [p for g in opt.param_groups for p in g["params"]]
+                if attempt and profile == "ddp":
+                    norm = torch.nn.utils.clip_grad_norm_(held, 0.1)
+                elif attempt:
+                    for foreach in (False, True):
+                        with pytest.raises(RuntimeError, match=r"param_groups hold .*optimizer\.clip_grad_norm"):
+                            torch.nn.utils.clip_grad_norm_(held, 0.1, foreach=foreach)
+                if not (attempt and profile == "ddp"):
+                    norm = opt.clip_grad_norm(0.1)
+                opt.step()
+                opt.zero_grad()
+            got.append((float(norm), {k: v.clone() for k, v in model.state_dict().items()}))
+        assert got[0][0] == got[1][0], (profile, got[0][0], got[1][0])
+        assert all(torch.equal(v, got[1][1][k]) for k, v in got[0][1].items()), profile
     # [Note: gradients a step would ignore] a step whose gradients never reached the shards changed nothing,
     # silently: the last backward inside no_sync(), or torch.autograd.grad with .grad assigned by hand
     for profile in ("zero1", "zero2", "zero3"):
@@ -539,6 +574,21 @@ def _error_cases(world: int) -> str:
     assert torch.equal(model.blocks[1].fc1.weight.detach(), ref_weight)
     model.reshard()
     assert model.blocks[1].fc1.weight.shape == ref_weight.shape  # metadata stays readable while sharded
+    # [Note: replaced data] p.data assigned while the unit is sharded: the next gather would overwrite it
+    with pytest.raises(RuntimeError, match=r"p\.data = \.\.\. on a ZeRO-3 parameter while its unit is sharded"):
+        model.blocks[1].fc1.weight.data = torch.zeros_like(ref_weight)
+    model.unshard()
+    assert torch.equal(model.blocks[1].fc1.weight.detach(), ref_weight)
+    model.reshard()
+    # ...and a new tensor of another shape is refused at the step, naming the parameter, before anything moved
+    model = ToyLM(n_blocks=2)
+    model, opt = memsave.wrap(model, torch.optim.AdamW(model.parameters()), "zero2", mesh=mesh)
+    opt.backward(_toy_loss(model, b))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.blocks[0].fc1.weight.data = model.blocks[0].fc1.weight.data[:1].clone()
+    with pytest.raises(RuntimeError, match=r"'blocks\.0\.fc1\.weight': its \.data was replaced by a tensor of shape"):
+        opt.step()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items() if k != "blocks.0.fc1.weight")
     return "ok"
 
 

@@ -95,6 +95,7 @@ class DataParallelEngine:
         self.in_scaled_backward = False
         self.load_listeners: list[Callable[[Any], None]] = []  # called after model.load_state_dict (with None)
         self.zero_grad_listeners: list[Callable[[], None]] = []  # called by model.zero_grad()
+        self.sync_listeners: list[Callable[[], None]] = []  # called after each sync (the optimizer's guards)
         self._frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
         # [Note: hooks held by tensors] weakly: a tensor's hook is held where the collector cannot see it
         on_grad = weak_method(self._on_grad_ready)
@@ -252,6 +253,8 @@ class DataParallelEngine:
         self.num_syncs += 1
         if self.marks_part_grads:  # [Note: a rank's part of the gradient]
             part_grad.mark(self._order, part=self._holds_part, scaled=self.loss_scaled)
+        for listener in self.sync_listeners:
+            listener()
 
     @property
     def marks_part_grads(self) -> bool:

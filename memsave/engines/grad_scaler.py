@@ -27,7 +27,14 @@ import torch
 
 from memsave import dist as mdist
 
-__all__ = ["GradScalerSteps", "step_with_grad_scaler"]
+__all__ = ["GRAD_SCALER_REFUSED", "GradScalerSteps", "step_with_grad_scaler"]
+
+GRAD_SCALER_REFUSED = (
+    "torch.amp.GradScaler on a model wrapped with a bf16/fp16 profile: the profile already scales the loss and "
+    "unscales the gradients into fp32 masters ([precision] loss_scale). Drop the scaler: call loss.backward() (or "
+    "optimizer.backward(loss)) and optimizer.step(); optimizer.mp.loss_scale is the scale, "
+    "optimizer.clip_grad_norm(c) clips the unscaled gradient. (GradScaler with torch.autocast belongs to an fp32 "
+    "profile.)")
 
 warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
 
@@ -66,12 +73,7 @@ class GradScalerSteps:
         masters (torch's bare "No inf checks were recorded"): refused by name. Under fp32, ``step(grad_scaler=)``
         ([Note: one skip decision for GradScaler])."""
         if self.mp is not None:
-            raise NotImplementedError(
-                "torch.amp.GradScaler on a model wrapped with a bf16/fp16 profile: the profile already scales the "
-                "loss and unscales the gradients into fp32 masters ([precision] loss_scale). Drop the scaler: call "
-                "loss.backward() (or optimizer.backward(loss)) and optimizer.step(); optimizer.mp.loss_scale is the "
-                "scale, optimizer.clip_grad_norm(c) clips the unscaled gradient. (GradScaler with torch.autocast "
-                "belongs to an fp32 profile.)")
+            raise NotImplementedError(GRAD_SCALER_REFUSED)
         return True
 
     def _scaler_says_step(self, scaler: Any) -> bool:

@@ -109,6 +109,13 @@ class MemsaveOptimizer(GradScalerSteps, WrappedOptimizer):
         self._opt_full: dict[torch.Tensor, nn.Parameter] = ({m: self._full_of[s] for m, s in self.mp.pairs} if self.mp is not None
                           else dict(self._full_of))
         self._placement = {t: placements[stepped[p]] for t, p in self._opt_full.items()}
+        # [Note: guarded param_groups] in memsave/engines/part_grad.py: what the user's param_groups hold, guarded
+        split = any(engine.mesh.degree(a) > 1 for k in kinds for a in k)
+        self._guards = part_grad.StepGuards(
+            [t for t in self._opt_full if split and t in self._full_of and t is not self._full_of[t]],
+            [t for t in self._opt_full if t not in self._full_of])
+        if self._guards.shards or self._guards.masters:
+            engine.sync_listeners.append(weak_method(self._guards.mark))
         self._norm_parts = kinds  # the sets of sharded axes a norm sums over (some may hold nothing on this rank)
         self._unmarks = bool(getattr(engine, "marks_part_grads", False))  # (no pass over the grads where none is)
         # norms sum in the model's registration order, as torch's clip_grad_norm_(model.parameters()) does
@@ -197,6 +204,7 @@ class MemsaveOptimizer(GradScalerSteps, WrappedOptimizer):
         one flat all-reduce. The sum is linear, so gradient accumulation over several backwards is summed once."""
         if self._unmarks:  # the optimizer reads them now ([Note: a rank's part of the gradient])
             part_grad.unmark(self._full_of.values())
+        self._guards.unmark()
         syncs = self.engine.num_syncs
         if self._read_at != syncs:  # [Note: what a step derives from its gradients]
             self._read_at = syncs

@@ -18,6 +18,17 @@ The same holds under fp16 with ``ddp`` at any layout, for another reason: ``.gra
 loss scale (:class:`ScaledGrad`). A total norm over it is that many times too large (or inf), and torch's clip
 would scale the scaled values, which the optimizer then unscales: the step's gradient norm came out 0.00085 where
 ``clip_grad_norm(1.0)`` gives 1.0, with no error.
+
+[Note: guarded param_groups] The optimizer's ``param_groups`` hold what it steps, which is not always the
+model's parameters: under ZeRO this rank's rows of each (shards), under bf16/fp16 their fp32 masters. A loop
+that clips over them (``clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], c)``: PyTorch
+Lightning's ``gradient_clip_val``, fairseq, Megatron clip what the optimizer holds) read plain tensors: under
+ZeRO each rank clipped its rows by the norm of its rows (a different factor per rank, parameters 21% off after
+three steps), under mixed precision it found no gradients at all (the masters get theirs in the step: a norm of
+0, nothing clipped), with no error (a review). So after each sync :class:`StepGuards` marks the shards'
+gradients :class:`ShardGrad` (torch's total norm refused, everything else plain) and gives each master a
+:class:`MasterGrad` (metadata only: any value read refused); the optimizer's first read (its clip, its step,
+``full_grads``) takes the marks off before it makes the masters' real gradients.
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ from typing import Any
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
-__all__ = ["PartGrad", "ScaledGrad", "mark", "unmark"]
+__all__ = ["MasterGrad", "PartGrad", "ScaledGrad", "ShardGrad", "StepGuards", "mark", "unmark"]
 
 _REFUSED = (torch.linalg.vector_norm, torch._foreach_norm)
 PART = ("this rank holds part of the model's gradient (tensor or pipeline parallelism: its slices, its stages), "
@@ -88,3 +99,75 @@ def unmark(params: Iterable[torch.nn.Parameter]) -> None:
     for p in params:
         if isinstance(p.grad, PartGrad):
             p.grad.__class__ = torch.Tensor  # type: ignore[assignment]
+
+
+SHARDS = ("the optimizer's param_groups hold what this rank steps, under ZeRO its rows of each parameter, so a "
+          "total norm over their gradients, as torch.nn.utils.clip_grad_norm_ over the param_groups takes (PyTorch "
+          "Lightning's gradient clipping), is the norm of this rank's rows only")
+MASTERS = ("under bf16/fp16 the optimizer's param_groups hold the fp32 master weights, whose gradients are made "
+           "(cast and unscaled) only when the optimizer clips or steps: a read before that, as "
+           "torch.nn.utils.clip_grad_norm_ over the param_groups (PyTorch Lightning's gradient clipping), found none")
+
+
+class ShardGrad(PartGrad):
+    """The gradient of a ZeRO shard in the optimizer's ``param_groups`` ([Note: guarded param_groups])."""
+
+    why = SHARDS
+
+
+class MasterGrad(torch.Tensor):
+    """An fp32 master's ``.grad`` before the optimizer makes it: metadata only ([Note: guarded param_groups])."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        from memsave.zero.guards import _describe, _passes  # (layer 2; imported when first read)
+
+        kind, name = _describe(func)
+        if kind == "call" and name in ("zero_", "detach_") and args and isinstance(args[0], MasterGrad):
+            return args[0]  # zero_grad(set_to_none=False): nothing to clear
+        if name == "_foreach_zero_":
+            rest = [t for t in args[0] if not isinstance(t, MasterGrad)]
+            if rest:
+                with DisableTorchFunctionSubclass():
+                    torch._foreach_zero_(rest)
+            return None
+        if name.startswith("_amp_"):  # GradScaler.unscale_(optimizer): its step would be refused by name
+            from memsave.engines.grad_scaler import GRAD_SCALER_REFUSED
+
+            raise NotImplementedError(GRAD_SCALER_REFUSED)
+        if not _passes(func):
+            raise RuntimeError(f"{name or func} of an fp32 master's gradient: {MASTERS}{ADVICE}")
+        with DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return f"MasterGrad(shape={tuple(self.shape)}: made by the optimizer when it clips or steps)"
+
+
+class StepGuards:
+    """[Note: guarded param_groups] ``shards``: stepped tensors that are this rank's rows of a parameter (their
+    gradients are marked); ``masters``: fp32 masters that are copies (given a :class:`MasterGrad`)."""
+
+    def __init__(self, shards: list[torch.Tensor], masters: list[torch.Tensor]) -> None:
+        self.shards, self.masters = shards, masters
+        self._guards: dict[int, torch.Tensor] = {}  # id(master) -> its guard (an expanded zero: no storage)
+
+    def mark(self) -> None:
+        for s in self.shards:
+            if type(s.grad) is torch.Tensor:
+                s.grad.__class__ = ShardGrad
+        for m in self.masters:
+            guard = self._guards.get(id(m))
+            if guard is None or guard.shape != m.shape:
+                with DisableTorchFunctionSubclass():
+                    guard = torch.zeros((), dtype=m.dtype, device=m.device).expand(m.shape).as_subclass(MasterGrad)
+                self._guards[id(m)] = guard
+            m.grad = guard
+
+    def unmark(self) -> None:
+        for s in self.shards:
+            if isinstance(s.grad, ShardGrad):
+                s.grad.__class__ = torch.Tensor  # type: ignore[assignment]
+        for m in self.masters:
+            if isinstance(m.grad, MasterGrad):
+                m.grad = None

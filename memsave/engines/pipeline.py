@@ -102,6 +102,7 @@ class PipelineEngine:
         self.inner, self.runner, self.split = inner, runner, split
         self.model, self.mesh, self.agreement = inner.model, inner.mesh, inner.agreement
         self.load_listeners, self.zero_grad_listeners = inner.load_listeners, inner.zero_grad_listeners
+        self.sync_listeners = inner.sync_listeners
         self.schedule_name, self.virtual, self.gather = schedule, virtual, gather
         self.balance: Any = None  # [parallel] balance = params / time: the memsave.pp.Balance (set by wrap)
         self.balance_by = "count"  # the [parallel] balance that chose the split (set by wrap)

@@ -35,6 +35,7 @@ class Engine(Protocol):
     in_scaled_backward: bool
     load_listeners: list[Callable[[Any], None]]  # called after model.load_state_dict
     zero_grad_listeners: list[Callable[[], None]]  # called by model.zero_grad(): what was derived from the gradients
+    sync_listeners: list[Callable[[], None]]  # called after each gradient synchronization (num_syncs moved)
 
     # -- a schedule drives these -----------------------------------------------------------------------------
     def unshard(self, unit: Any = None) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from memsave.phases import UnitState
+from memsave.zero.replaced import adopt_replaced
 from memsave.zero.unit import Unit
 
 __all__ = ["EditWindows", "write_back"]
@@ -58,6 +59,7 @@ class EditWindows:
         offload = self._param_offload()
         if offload is not None:
             offload.load(u)  # the shard in memory, to compare
+        adopt_replaced(u.names, u.params, u.full_views)  # [Note: replaced data] in memsave/zero/replaced.py
         changed = [i for i in range(len(u.params)) if not torch.equal(u.shards[i], u._own_rows(u.full_views[i], i))]
         if not changed:
             if offload is not None:

@@ -32,6 +32,7 @@ from memsave.phases import MemoryCategory
 from memsave.wrapped import check_still_frozen, sync_suspended, unscaled_backward_error, weak_method
 from memsave.zero.edit_window import EditWindows, write_back
 from memsave.zero.guards import check_grads_at_step
+from memsave.zero.replaced import adopt_replaced_in_units
 from memsave.zero.schedule import Stage3Schedule
 from memsave.zero.unit import Unit
 
@@ -49,16 +50,14 @@ class ZeroEngine:
         if config.stage not in (1, 2, 3):
             raise ValueError(f"zero.stage={config.stage} is not a ZeRO stage; expected 1, 2 or 3")
         self.model, self.mesh, self.config, self.stage = model, mesh, config, config.stage
-        # [Note: collective order] Gathers and reduce-scatters travel on separate groups: each kind is issued in
-        # the static unit order on every rank, but how the two interleave depends on what each rank's backward
-        # skips, so on one group they could pair up the wrong operations (a hang).
+        # [Note: collective order] Gathers and reduce-scatters travel on separate groups: each kind comes in unit
+        # order on every rank, but their interleaving follows what each backward skips (one group: a hang).
         self.group, self.dp_size = mesh.dp_group, mesh.dp_size
         self.reduce_dtype = reduce_dtype  # None: the parameters' own dtype ([Note: reduce dtype] in unit.py)
         self.reduce_group, agreed = mesh.new_group("dp", owner=self), mesh.new_group("dp", owner=self)
         self.agreement = mdist.Agreement(agreed, mesh.device)  # [Note: control-flow agreement]
         self.require_grad_sync = True
-        # before_unit(params): called with each unit's parameters just before the unit takes them (deferred
-        # initialization materializes them there: [Note: materialization] in memsave/deferred/materialize.py)
+        # before_unit(params): before a unit takes them ([Note: materialization] in memsave/deferred/materialize.py)
         self.units = self._build_units(list(units) if units is not None else default_units(model), before_unit)
         self.shard_of: dict[nn.Parameter, nn.Parameter] = {}
         self.name_of: dict[torch.Tensor, str] = {}
@@ -67,11 +66,9 @@ class ZeroEngine:
                 self.shard_of[p], self.name_of[s] = s, n
         self._param_of: dict[torch.Tensor, nn.Parameter] = {s: p for p, s in self.shard_of.items()}
         self._unit_of = {p: u for u in self.units for p in u.params}
-        self._slot_of: dict[torch.Tensor, tuple[Unit, int]] = {s: (u, i) for u in self.units
-                                                               for i, s in enumerate(u.shards)}
+        self._slot_of: dict[torch.Tensor, tuple[Unit, int]] = {s: (u, i) for u in self.units for i, s in enumerate(u.shards)}
         self._trainable = [p for u in self.units for i, p in enumerate(u.params) if i in u.trainable]
-        self._frozen = [(n, p) for u in self.units for i, (n, p) in enumerate(zip(u.names, u.params))
-                        if i not in u.trainable]
+        self._frozen = [(u.names[i], p) for u in self.units for i, p in enumerate(u.params) if i not in u.trainable]
         self._trainable_slot = {u.params[i]: (u, j) for u in self.units for j, i in enumerate(u.trainable)}
         self._used = torch.zeros(len(self._trainable), dtype=torch.int32, device=mesh.device)
         self._used_index = {p: k for k, p in enumerate(self._trainable)}
@@ -89,6 +86,7 @@ class ZeroEngine:
         # called after model.load_state_dict, with the new rows of shards that are offloaded (else None)
         self.load_listeners: list[Callable[[dict[torch.Tensor, torch.Tensor] | None], None]] = []
         self.zero_grad_listeners: list[Callable[[], None]] = []  # called by model.zero_grad()
+        self.sync_listeners: list[Callable[[], None]] = []  # called after each sync (the optimizer's guards)
         self.before_zero_in_place: Callable[[], None] | None = None  # set by the optimizer (offload overlap)
         for u in self.units:
             u.on_sharded_read = weak_method(self._sharded_read)  # [Note: hooks held by tensors]
@@ -232,10 +230,10 @@ class ZeroEngine:
     def before_step(self) -> None:
         """Refuse gradients the shards never got ([Note: gradients a step would ignore]); stage 3: reshard."""
         check_grads_at_step(self)
+        adopt_replaced_in_units(self.units)  # [Note: replaced data] (stages 1-2; at stage 3 in the edit windows)
         self.reshard()
 
-    def after_step(self) -> None:
-        """Stages 1-2: every rank stepped its rows; gather them so all ranks hold the full parameters."""
+    def after_step(self) -> None:  # stages 1-2: every rank stepped its rows; gathered, all hold the parameters
         self.gather_params_after_step()
 
     # -- gradients -----------------------------------------------------------------------------------------
@@ -309,6 +307,8 @@ class ZeroEngine:
             self._used.zero_()
             self._next_reduce = 0
             self.num_syncs += 1
+            for listener in self.sync_listeners:  # the optimizer's guards ([Note: guarded param_groups])
+                listener()
         self._ready.clear()
         if self.schedule is not None:
             self.schedule.end_backward()

@@ -110,6 +110,11 @@ class ShardedParameter(nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if _describe(func) == ("set", "data") and args and isinstance(args[0], ShardedParameter):
+            raise RuntimeError(  # [Note: replaced data] in memsave/zero/replaced.py
+                "p.data = ... on a ZeRO-3 parameter while its unit is sharded: the unit's next gather would "
+                "overwrite it. Gather first (model.unshard(), assign or write in place, model.reshard(): the "
+                "edit is written back into the shards)")
         if not _passes(func):
             for a in _arguments(args, kwargs):
                 if isinstance(a, ShardedParameter):  # each one: a list may span units

@@ -105,6 +105,7 @@ class Unit:
             if stage == 3:
                 self._init_stage3()
             self.shards = [self._make_shard(i) for i in range(len(self.params))]
+        self.originals = [p.detach() for p in self.params] if stage < 3 else []  # [Note: replaced data]
         # stages 2-3 (or a reduce dtype of its own): the averaged rows of this rank; allocated by the first reduce
         # after zero_grad(set_to_none=True), freed by it (as torch frees .grad)
         self.flat_grad: torch.Tensor | None = None
