@@ -191,7 +191,7 @@ def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
     if t.optimizer is not None and manifest.get("optimizer") is None:
         raise ValueError(f"memsave.load: {path} was saved without an optimizer; pass optimizer=None")
     t.engine.reshard()  # ZeRO-3: the shards are what is read into
-    po = offloaded_params_in(t)  # [offload] params: the shards in memory for the read, written back after
+    po = offloaded_params_in(t.engine)  # [offload] params: the shards in memory for the read, written back after
     try:
         rects = model_rects(t, for_load=True, keys=keys)
         opt_load = None
@@ -203,6 +203,9 @@ def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
         offloaded_params_out(po)
     if opt_load is not None:
         opt_load.install()
+    else:  # a model-only load: the fp32 masters (and offloaded rows) follow the loaded parameters, as after
+        for listener in t.engine.load_listeners:  # model.load_state_dict (zero3-bf16: the next step cast the
+            listener(None)  # old masters back over the load, silently)
     if rng:
         _restore_rng(path, manifest, t)
     return Loaded(path, decode(manifest.get("extra", {})), manifest)

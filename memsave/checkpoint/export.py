@@ -23,7 +23,7 @@ from torch import nn
 
 from memsave.checkpoint.commit import read_manifest
 from memsave.checkpoint.layout import held_params
-from memsave.checkpoint.state import buffers
+from memsave.checkpoint.state import buffers, offloaded_params_in, offloaded_params_out
 from memsave.dist import Shard
 from memsave.dist.dcp import Rect, load_rects, read_metadata, tensor_keys
 from memsave.wrapped import MemsaveModule
@@ -103,9 +103,11 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True) -> 
     aliases: dict[nn.Parameter, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(p, []).append(name)
+    po = None
     if isinstance(model, MemsaveModule):
         engine = model.memsave_engine
         engine.reshard()
+        po = offloaded_params_in(engine)  # [offload] params: every shard in memory for the read, written back after
         rows = {p: s for p, s in engine.stepped() if isinstance(engine.placement_of(s).dp, Shard)}
         held = held_params(model, engine.mesh, int(getattr(engine, "stage", 0)), rows)
         rects = [r for h in held for r in h.rects(h.name, h.local.detach(), (True,) * h.local.dim(), h.local_rows)]
@@ -127,18 +129,21 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True) -> 
     # file by file, one open at a time: an open file's pages that were read stay resident until it is closed
     sources.sort(key=lambda rs: str(where[rs[1]]))
     current: tuple[Path, Any] | None = None
-    with torch.no_grad():
-        for r, source in sources:
-            used.add(source)
-            if current is None or current[0] != where[source]:
-                current = None  # the previous file's mapping goes before the next is opened
-                current = (where[source], safe_open(str(where[source]), framework="pt"))
-            piece = current[1].get_slice(source)
-            if tuple(piece.get_shape()) != r.shape:
-                raise ValueError(f"load_weights: {source} in {where[source]} has shape {tuple(piece.get_shape())}, "
-                                 f"the model's is {r.shape}")
-            index = tuple(slice(o, o + n) for o, n in zip(r.offsets, r.tensor.shape))
-            r.tensor.copy_(piece[index] if index else piece[:])
+    try:
+        with torch.no_grad():
+            for r, source in sources:
+                used.add(source)
+                if current is None or current[0] != where[source]:
+                    current = None  # the previous file's mapping goes before the next is opened
+                    current = (where[source], safe_open(str(where[source]), framework="pt"))
+                piece = current[1].get_slice(source)
+                if tuple(piece.get_shape()) != r.shape:
+                    raise ValueError(f"load_weights: {source} in {where[source]} has shape "
+                                     f"{tuple(piece.get_shape())}, the model's is {r.shape}")
+                index = tuple(slice(o, o + n) for o, n in zip(r.offsets, r.tensor.shape))
+                r.tensor.copy_(piece[index] if index else piece[:])
+    finally:
+        offloaded_params_out(po)
     if strict and missing:
         raise ValueError(f"load_weights: {path} has no weights for {sorted(set(missing))[:8]}")
     if isinstance(model, MemsaveModule):

@@ -24,7 +24,7 @@ from memsave.engines import MemsaveOptimizer
 from memsave.offload.chunks import MASTER
 from memsave.wrapped import MemsaveModule
 
-__all__ = ["Target", "buffers", "model_rects", "offloaded_params_in", "offloaded_params_out", "optimizer_meta",
+__all__ = ["Target", "buffers", "engine_param_offload", "model_rects", "offloaded_params_in", "offloaded_params_out", "optimizer_meta",
            "optimizer_rects", "target_of"]
 
 
@@ -76,7 +76,7 @@ def model_rects(t: Target, *, for_load: bool, keys: dict[str, Any] | None = None
     the rank holds (ZeRO-3: its rows; otherwise the whole TP slice). On load a parameter whose checkpoint holds an
     fp32 master is read from it when the parameter itself is fp32 (the master is the exact value)."""
     rects: list[Rect] = []
-    po = t.optimizer.param_offload if t.optimizer is not None else None
+    po = engine_param_offload(t.engine)
     unit_of = {id(p): u for u in getattr(t.engine, "units", ()) for p in u.params} if po is not None else {}
     for h in t.held.values():
         key = f"model/{h.name}"
@@ -115,10 +115,16 @@ def _offloaded_param(po: Any, unit: Any, value: torch.Tensor, size: tuple[int, .
     return rows if tuple(rows.shape) == size and at == 0 else rows.as_strided(size, stride, at).clone()
 
 
-def offloaded_params_in(t: Target) -> Any:
+def engine_param_offload(engine: Any) -> Any:
+    """The ZeRO-3 engine's ``[offload] params`` (under pp its stages' engine's), None without: the engine holds it
+    whether or not the optimizer is given (a model-only load read into evicted shards: garbage, or a crash)."""
+    return getattr(getattr(engine, "inner", engine), "param_offload", None)
+
+
+def offloaded_params_in(engine: Any) -> Any:
     """Load with ``[offload] params``: every unit's shard in memory and marked changed (see the Note above); call
     :func:`offloaded_params_out` after the read."""
-    po = t.optimizer.param_offload if t.optimizer is not None else None
+    po = engine_param_offload(engine)
     if po is not None:
         for u in po.units:
             po.enter(u)
