@@ -163,7 +163,8 @@ def engine_overheads(hw: Any, *, steps: int = 4, rounds: int = 2, timeout_s: flo
     efficiencies = {k: min(r["efficiencies"][k] for r in rates) for k in rates[0]["efficiencies"]}
     hw = dataclasses.replace(hw, engine={}, efficiency=efficiencies["fp32"], efficiencies=efficiencies,
                              layer_overhead=max(r["layer_overhead"] for r in rates),
-                             recompute_overhead={k: max(r["recompute_overhead"][k] for r in rates)
+                             # the mean of the two ranks' (both measured the same dispatch at once)
+                             recompute_overhead={k: statistics.mean(r["recompute_overhead"][k] for r in rates)
                                                  for k in rates[0]["recompute_overhead"]})
     fitted: dict[str, tuple[float, float, float]] = {}
     for fam, (_profile, tp, pp, shapes) in FAMILIES.items():

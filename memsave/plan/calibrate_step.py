@@ -17,7 +17,13 @@ longer of the two for 17. So the cost model (memsave/plan/cost.py) adds them on 
   profile casts them; on a CPU (fp32) from 1 and 8 rows of a small GPT, with the fixed cost fitted beside;
 - on CUDA, the host's cost per layer and micro-batch (``layer_overhead``) from a model too small for the device to
   matter (2 and 6 blocks of 8 tokens, the difference per block), and what each recomputation policy adds to it
-  (``recompute_overhead``) the same way; on a CPU, each policy's time beyond its FLOPs at 1 row.
+  (``recompute_overhead``) the same way, on a CPU too (the median of three passes).
+
+[Note: recomputation's cost per layer on CPU] The CPU calibration first took each policy's time beyond its
+FLOPs at the FLOP-bound shape (1 row of 128 tokens, width 256). There the policy's FLOPs were most of a
+difference of two noisy times: full recomputation came out at 7.0 ms a layer in one calibration, and the bench's
+rows with it were predicted 15-67% high (one run, 2026-11-27). On blocks of 8 tokens the FLOPs are nothing: this
+machine measured 1.7-2.9 ms a layer for full and 4.9-7.7 ms for selective (its dispatch mode sees every op twice).
 
 Behind a GPU, an offloaded optimizer steps on the host ([Note: host step] in memsave/offload/host_step.py);
 :func:`host_step_rate` measures memsave's own step there.
@@ -25,6 +31,7 @@ Behind a GPU, an offloaded optimizer steps on the host ([Note: host step] in mem
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -91,14 +98,7 @@ def step_rates(device: str, flops: dict[str, float]) -> dict[str, Any]:
             out["efficiencies"][name] = min(1.0, rate / flops[name])
             del model
         out["efficiencies"]["fp16"] = out["efficiencies"]["bf16"]
-        per_layer = {}
-        for recompute in ("none", "selective", "full"):
-            t = []
-            for layers in (2, 6):
-                model, cfg = _gpt(device, torch.bfloat16, recompute, d_model=64, n_head=2, n_layer=layers,
-                                  block_size=8, vocab_size=256)
-                t.append(_seconds(model, cfg, device, 1, 0.2))
-            per_layer[recompute] = max(0.0, (t[1] - t[0]) / 4)
+        per_layer = _per_layer(device, torch.bfloat16, reps=1)
         out["layer_overhead"] = per_layer["none"]
         out["recompute_overhead"] = {k: max(0.0, v - per_layer["none"]) for k, v in per_layer.items() if k != "none"}
         torch.cuda.empty_cache()  # the largest shape's blocks (about 4 GiB in bf16) back to the device
@@ -111,11 +111,26 @@ def step_rates(device: str, flops: dict[str, float]) -> dict[str, Any]:
     overhead = max(0.0, (t[0] - fl(cfg, 1) / rate) / cfg.n_layer)
     out["efficiencies"]["fp32"] = min(1.0, rate / flops["fp32"])
     out["layer_overhead"] = overhead
-    for recompute in ("selective", "full"):
-        model, cfg = _gpt(device, torch.float32, recompute, **small)
-        extra = _seconds(model, cfg, device, 1, 0.3) - t[0] - (fl(cfg, 1, recompute) - fl(cfg, 1)) / rate
-        out["recompute_overhead"][recompute] = max(0.0, extra / cfg.n_layer)
+    # as on CUDA, not at the FLOP-bound shape above ([Note: recomputation's cost per layer on CPU])
+    per_layer = _per_layer(device, torch.float32, reps=3)
+    out["recompute_overhead"] = {k: max(0.0, v - per_layer["none"]) for k, v in per_layer.items() if k != "none"}
     return out
+
+
+def _per_layer(device: str, dtype: torch.dtype, reps: int) -> dict[str, float]:
+    """Seconds per layer and micro-batch of a forward and backward under each recomputation policy: the slope
+    between 2 and 6 blocks of a width-64 GPT on 8 tokens, where the FLOPs are nothing and the host's dispatch
+    is all; the median of ``reps`` passes over the policies (the machine's speed drifts between them)."""
+    got: dict[str, list[float]] = {"none": [], "selective": [], "full": []}
+    for _ in range(reps):
+        for recompute, times in got.items():
+            t = []
+            for layers in (2, 6):
+                model, cfg = _gpt(device, dtype, recompute, d_model=64, n_head=2, n_layer=layers, block_size=8,
+                                  vocab_size=256)
+                t.append(_seconds(model, cfg, device, 1, 0.2))
+            times.append(max(0.0, (t[1] - t[0]) / 4))
+    return {k: statistics.median(v) for k, v in got.items()}
 
 
 def host_step_rate(host_bw: float) -> float:
