@@ -323,7 +323,7 @@ def _measures_host_step(device: str, collectives: bool) -> bool:
 
 
 def calibrate(*, device: str | None = None, folder: str | Path | None = None, refresh: bool = False,
-              collectives: bool = True, engine_rounds: int = 2, engine_steps: int = 4) -> Hardware:
+              collectives: bool = True, engine_rounds: int = 3, engine_steps: int = 4) -> Hardware:
     """This machine's :class:`Hardware`, measured (a few seconds) or read from the cache. ``collectives=False``
     skips the two-rank all-reduce (the bus bandwidth is then taken as the memory bandwidth, and the result is
     not cached). ``engine_rounds``: passes over the engine families (memsave/plan/calibrate_engines.py), each
