@@ -240,6 +240,9 @@ def _disk(folder: Path, nbytes: int) -> tuple[float, float]:
     return write, read
 
 
+COLLECTIVE_BYTES = (16 * 2**10, 4 * 2**20)  # the two sizes each collective kind is timed at
+
+
 def _mean_seconds(fn: Any, min_s: float) -> float:
     """Mean seconds per call of ``fn`` called back to back (the mean, not the best: a step pays every call's
     latency, the slow ones too) over about ``min_s``, the same number of calls on every rank (rank 0's count)."""
@@ -369,7 +372,7 @@ def calibrate(*, device: str | None = None, folder: str | Path | None = None, re
     if ranks:
         from memsave._launch import spawn_local
 
-        per_rank = spawn_local(_collectives_worker, 2, (16 * 2**10, 4 * 2**20), timeout_s=120)
+        per_rank = spawn_local(_collectives_worker, 2, COLLECTIVE_BYTES, timeout_s=120)
         kinds = {k: (max(r[k][0] for r in per_rank), min(r[k][1] for r in per_rank)) for k in per_rank[0]}
         bus = kinds.pop("bus")[1]
     said = "" if ranks or not collectives else "; one GPU: collectives and engine costs not measured"
