@@ -218,6 +218,7 @@ def _remove_recorded(record: Path) -> None:
         folder = Path(line)
         if line and folder.name.startswith(folders.PREFIX) and folder.exists() and folders.remove_folder(folder):
             get_logger().info("removed the offload folder %s of a process that was stopped or died", folder)
+            folders.remove_made(folder.parent)  # and the path above it, if memsave made it and it is empty now
 
 
 @contextlib.contextmanager

@@ -146,6 +146,26 @@ def test_direct_io_fallback_is_said_once(tmp_path: Path, monkeypatch) -> None:
     assert not list(tmp_path.glob("memsave-offload-*"))
 
 
+def test_an_offload_path_memsave_made_goes_with_its_last_folder(tmp_path: Path) -> None:
+    """zero3-infinity's relative default path left an empty memsave-offload/ behind every run: a path memsave
+    created goes with the last folder in it; one that existed, or holds anything else, stays."""
+    made = tmp_path / "made" / "here"
+    tiers_ = [DiskTier(str(made), rank=r, needed_bytes=0) for r in range(2)]
+    tiers_[0].close()
+    assert made.exists()  # rank 1's folder is still in it
+    tiers_[1].close()
+    assert not made.exists() and (tmp_path / "made").exists()  # only the folder the path names was made for it
+    existing = tmp_path / "mine"
+    existing.mkdir()
+    DiskTier(str(existing), rank=0, needed_bytes=0).close()
+    assert existing.exists() and not list(existing.iterdir())
+    made_then_used = tmp_path / "shared"
+    tier = DiskTier(str(made_then_used), rank=0, needed_bytes=0)
+    (made_then_used / "notes.txt").write_text("the user's")
+    tier.close()
+    assert (made_then_used / "notes.txt").exists()
+
+
 # -- failed I/O in the middle of a step -----------------------------------------------------------------------
 class _Faults:
     """Make the ``n``-th read or write (from now) fail as a full disk (after writing half) / a bad sector would."""

@@ -47,8 +47,20 @@ from typing import Any
 
 from memsave._logging import get_logger
 
-__all__ = ["PREFIX", "RECORD_ENV", "cleanup_on_signals", "live_folders", "new_folder", "remove_folder",
-           "remove_live_folder", "remove_live_folders", "remove_stale"]
+__all__ = [
+    "MADE",
+    "PREFIX",
+    "RECORD_ENV",
+    "cleanup_on_signals",
+    "live_folders",
+    "mark_made",
+    "new_folder",
+    "remove_folder",
+    "remove_live_folder",
+    "remove_live_folders",
+    "remove_made",
+    "remove_stale",
+]
 
 PREFIX = "memsave-offload-"
 RECORD_ENV = "MEMSAVE_OFFLOAD_RECORD"  # a file each new folder's path is appended to ([Note: offload files])
@@ -138,10 +150,36 @@ def live_folders() -> list[Path]:
 
 
 def remove_live_folder(folder: Path) -> None:
-    """Remove ``folder``, one this process holds, and forget it."""
+    """Remove ``folder``, one this process holds, and forget it; then the ``path`` above it if memsave made it
+    and nothing else is left in it (:func:`mark_made`)."""
     remove_folder(folder)
     with _live_lock:
         _live.discard(folder)
+    remove_made(folder.parent)
+
+
+MADE = ".memsave-made"  # in an offload path that memsave created: it goes with the last folder in it
+
+
+def mark_made(root: Path) -> None:
+    """``root`` (``[offload] path``) did not exist and memsave created it: marked, so that the process removing
+    the last offload folder in it removes it too (``zero3-infinity``'s relative default left an empty
+    ``memsave-offload/`` in the working directory after every run). A folder that existed is never removed."""
+    try:
+        (root / MADE).touch()
+    except OSError:
+        pass
+
+
+def remove_made(root: Path) -> None:
+    """Remove ``root`` if memsave made it (:func:`mark_made`) and only its marker is left. Not called where a
+    new folder may follow (:func:`remove_stale`, before this run's own)."""
+    try:
+        if {p.name for p in root.iterdir()} == {MADE}:
+            (root / MADE).unlink()
+            root.rmdir()
+    except OSError:  # another rank's folder or the user's files came in, or another rank removed it first
+        pass
 
 
 def remove_live_folders() -> None:

@@ -37,6 +37,7 @@ from memsave.offload.folders import (
     RECORD_ENV,
     cleanup_on_signals,
     live_folders,
+    mark_made,
     new_folder,
     remove_folder,
     remove_live_folder,
@@ -116,7 +117,10 @@ def check_disk_path(path: str, needed_bytes: int) -> Path:
     naming ``offload.path``, the value and what is needed."""
     root = Path(path).expanduser()
     try:
+        made = not root.exists()
         root.mkdir(parents=True, exist_ok=True)
+        if made:
+            mark_made(root)
         probe = root / f".{PREFIX}probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         probe.write_bytes(b"\0" * 16)
         probe.unlink()
