@@ -39,6 +39,9 @@ from typing import Any
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
+from memsave.engines.grad_scaler import GRAD_SCALER_REFUSED
+from memsave.zero.guards import ReducedGrad, _describe, make_reduced_grad
+
 __all__ = ["MasterGrad", "PartGrad", "ScaledGrad", "ShardGrad", "StepGuards", "mark", "unmark"]
 
 _REFUSED = (torch.linalg.vector_norm, torch._foreach_norm)
@@ -107,6 +110,7 @@ SHARDS = ("the optimizer's param_groups hold what this rank steps, under ZeRO it
 MASTERS = ("under bf16/fp16 the optimizer's param_groups hold the fp32 master weights, whose gradients are made "
            "(cast and unscaled) only when the optimizer clips or steps: a read before that, as "
            "torch.nn.utils.clip_grad_norm_ over the param_groups (PyTorch Lightning's gradient clipping), found none")
+_MASTER_READ = f"an fp32 master's gradient was read: {MASTERS}{ADVICE}"
 
 
 class ShardGrad(PartGrad):
@@ -115,33 +119,15 @@ class ShardGrad(PartGrad):
     why = SHARDS
 
 
-class MasterGrad(torch.Tensor):
-    """An fp32 master's ``.grad`` before the optimizer makes it: metadata only ([Note: guarded param_groups])."""
+class MasterGrad(ReducedGrad):
+    """An fp32 master's ``.grad`` before the optimizer makes it: metadata only, as a ZeRO parameter's reduced
+    gradient ([Note: guarded param_groups]); ``GradScaler.unscale_`` on it is refused as its step is."""
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        from memsave.zero.guards import _describe, _passes  # (layer 2; imported when first read)
-
-        kind, name = _describe(func)
-        if kind == "call" and name in ("zero_", "detach_") and args and isinstance(args[0], MasterGrad):
-            return args[0]  # zero_grad(set_to_none=False): nothing to clear
-        if name == "_foreach_zero_":
-            rest = [t for t in args[0] if not isinstance(t, MasterGrad)]
-            if rest:
-                with DisableTorchFunctionSubclass():
-                    torch._foreach_zero_(rest)
-            return None
-        if name.startswith("_amp_"):  # GradScaler.unscale_(optimizer): its step would be refused by name
-            from memsave.engines.grad_scaler import GRAD_SCALER_REFUSED
-
+        if _describe(func)[1].startswith("_amp_"):
             raise NotImplementedError(GRAD_SCALER_REFUSED)
-        if not _passes(func):
-            raise RuntimeError(f"{name or func} of an fp32 master's gradient: {MASTERS}{ADVICE}")
-        with DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
-
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
-        return f"MasterGrad(shape={tuple(self.shape)}: made by the optimizer when it clips or steps)"
+        return super().__torch_function__(func, types, args, kwargs)
 
 
 class StepGuards:
@@ -150,18 +136,16 @@ class StepGuards:
 
     def __init__(self, shards: list[torch.Tensor], masters: list[torch.Tensor]) -> None:
         self.shards, self.masters = shards, masters
-        self._guards: dict[int, torch.Tensor] = {}  # id(master) -> its guard (an expanded zero: no storage)
+        self._guards: list[torch.Tensor | None] = [None] * len(masters)  # each master's (an expanded zero)
 
     def mark(self) -> None:
         for s in self.shards:
             if type(s.grad) is torch.Tensor:
                 s.grad.__class__ = ShardGrad
-        for m in self.masters:
-            guard = self._guards.get(id(m))
-            if guard is None or guard.shape != m.shape:
-                with DisableTorchFunctionSubclass():
-                    guard = torch.zeros((), dtype=m.dtype, device=m.device).expand(m.shape).as_subclass(MasterGrad)
-                self._guards[id(m)] = guard
+        for k, m in enumerate(self.masters):
+            guard = self._guards[k]
+            if guard is None or guard.shape != m.shape:  # (an offloaded master's storage is emptied)
+                guard = self._guards[k] = make_reduced_grad(m, _MASTER_READ, cls=MasterGrad)
             m.grad = guard
 
     def unmark(self) -> None:

@@ -192,12 +192,13 @@ class ReducedGrad(torch.Tensor):
         return f"ReducedGrad(shape={tuple(self.shape)}: {self._memsave_message})"
 
 
-def make_reduced_grad(like: torch.Tensor, message: str, storage: torch.Tensor | None = None) -> ReducedGrad:
+def make_reduced_grad(like: torch.Tensor, message: str, storage: torch.Tensor | None = None,
+                      cls: type[ReducedGrad] = ReducedGrad) -> ReducedGrad:
     """A guard of ``like``'s shape; ``storage`` (stage 1: the full gradient) is aliased, else an expanded zero."""
     with DisableTorchFunctionSubclass():
         base = storage if storage is not None else torch.zeros((), dtype=like.dtype, device=like.device).expand(
             like.shape)
-        guard = base.as_subclass(ReducedGrad)
+        guard = base.as_subclass(cls)
     guard._memsave_message = message
     guard._memsave_cleared = False
     guard._memsave_aliases = storage is not None
