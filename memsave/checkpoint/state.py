@@ -24,8 +24,8 @@ from memsave.engines import MemsaveOptimizer
 from memsave.offload.chunks import MASTER
 from memsave.wrapped import MemsaveModule
 
-__all__ = ["Target", "buffers", "engine_param_offload", "model_rects", "offloaded_params_in", "offloaded_params_out", "optimizer_meta",
-           "optimizer_rects", "target_of"]
+__all__ = ["Target", "buffers", "engine_param_offload", "model_rects", "offloaded_params_in",
+           "offloaded_params_out", "optimizer_meta", "optimizer_rects", "target_of"]
 
 
 @dataclasses.dataclass

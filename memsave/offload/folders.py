@@ -47,20 +47,8 @@ from typing import Any
 
 from memsave._logging import get_logger
 
-__all__ = [
-    "MADE",
-    "PREFIX",
-    "RECORD_ENV",
-    "cleanup_on_signals",
-    "live_folders",
-    "mark_made",
-    "new_folder",
-    "remove_folder",
-    "remove_live_folder",
-    "remove_live_folders",
-    "remove_made",
-    "remove_stale",
-]
+__all__ = ["MADE", "PREFIX", "RECORD_ENV", "cleanup_on_signals", "live_folders", "mark_made", "new_folder",
+           "remove_folder", "remove_live_folder", "remove_live_folders", "remove_made", "remove_stale"]
 
 PREFIX = "memsave-offload-"
 RECORD_ENV = "MEMSAVE_OFFLOAD_RECORD"  # a file each new folder's path is appended to ([Note: offload files])

@@ -28,10 +28,8 @@ __all__ = ["adopt_replaced", "adopt_replaced_in_units"]
 
 
 @torch.no_grad()
-def adopt_replaced(names: Sequence[str], params: Sequence[nn.Parameter], storages: Sequence[torch.Tensor]) -> int:
-    """Each parameter not on its storage any more: the new values copied into it, and pointed back at it. Returns
-    how many were."""
-    n = 0
+def adopt_replaced(names: Sequence[str], params: Sequence[nn.Parameter], storages: Sequence[torch.Tensor]) -> None:
+    """Each parameter not on its storage any more: the new values copied into it, and pointed back at it."""
     for name, p, own in zip(names, params, storages):
         if p.data_ptr() == own.data_ptr() or own.numel() == 0:
             continue
@@ -43,10 +41,9 @@ def adopt_replaced(names: Sequence[str], params: Sequence[nn.Parameter], storage
                 "p.copy_(new) or p.data.copy_(new)")
         own.copy_(p.detach())
         p.data = own
-        n += 1
-    return n
 
 
-def adopt_replaced_in_units(units: Sequence[Any]) -> int:
+def adopt_replaced_in_units(units: Sequence[Any]) -> None:
     """Stages 1-2, before the step: every unit's parameters ([Note: replaced data])."""
-    return sum(adopt_replaced(u.names, u.params, u.originals) for u in units)
+    for u in units:
+        adopt_replaced(u.names, u.params, u.originals)
