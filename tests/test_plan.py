@@ -448,6 +448,7 @@ def test_calibrate_caches_and_hardware_files(tmp_path: Path, monkeypatch: pytest
     assert set(full.collectives) == {"all_reduce", "reduce_scatter", "all_gather", "p2p"}
     assert all(lat > 0 and bw > 0 for lat, bw in full.collectives.values())
     assert set(full.engine) == set(FAMILIES) and all(len(v) == 3 and min(v) >= 0 for v in full.engine.values())
+    assert all(v[2] >= 1 for v in full.engine.values())  # [Note: no stretch below one]
     assert len(list((tmp_path / "cache").iterdir())) == 1
     bad = tmp_path / "rates.toml"
     bad.write_text('flops = {fp32 = 1e12}\nbandwith = 1e9\n')
@@ -521,3 +522,15 @@ def test_engine_fit_is_exact_and_never_negative() -> None:
     falling = [0.05 - 1e-9 * b + 1.0 * c for _, b, c in rows]  # a per-byte cost below zero is not physical
     fitted = fit_nonnegative(rows, falling)
     assert min(fitted) >= 0 and fitted[1] == 0.0
+
+
+def test_calibrated_collectives_keep_the_faster_of_two_measurements() -> None:
+    """[Note: collectives measured twice] Per kind, the lower latency and the higher bandwidth of the two
+    measurements, each the slowest rank's; a busy moment in one of them (latency 4x) does not reach the figures."""
+    from memsave.plan.calibrate_engines import _faster
+    from memsave.plan.hardware import slowest_rank
+
+    quiet, busy = {"all_reduce": (2.0e-3, 1.0e9)}, {"all_reduce": (8.1e-3, 1.6e9)}
+    assert _faster(quiet, busy) == {"all_reduce": (2.0e-3, 1.6e9)} == _faster(busy, quiet)
+    ranks = [{"all_reduce": (1e-3, 2e9), "bus": (0.0, 3e9)}, {"all_reduce": (2e-3, 1e9), "bus": (0.0, 4e9)}]
+    assert slowest_rank(ranks) == ({"all_reduce": (2e-3, 1e9)}, 3e9)

@@ -174,13 +174,13 @@ def engine_overheads(hw: Any, *, steps: int = 4, rounds: int = 2, timeout_s: flo
     :func:`memsave.plan.price` predicts for it without them (module docstring)."""
     from memsave._launch import spawn_local
     from memsave.plan.cost import _count_terms, price
+    from memsave.plan.hardware import slowest_rank
     from memsave.plan.spec import from_gpt
 
     per_rank = spawn_local(_worker, 2, (steps, hw.flops, rounds), timeout_s=timeout_s)
     if hw.collectives:  # [Note: collectives measured twice]
-        again = {k: (max(r["collectives"][k][0] for r in per_rank), min(r["collectives"][k][1] for r in per_rank))
-                 for k in per_rank[0]["collectives"]}
-        bus = max(hw.intra_bw, again.pop("bus")[1])
+        again, bus = slowest_rank([r["collectives"] for r in per_rank])
+        bus = max(hw.intra_bw, bus)
         kinds = _faster(hw.collectives, again)
         hw = dataclasses.replace(hw, collectives=kinds, latency=kinds["all_reduce"][0], intra_bw=bus, inter_bw=bus)
     rates = [r["rates"] for r in per_rank]

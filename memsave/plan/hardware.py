@@ -262,6 +262,12 @@ def _mean_seconds(fn: Any, min_s: float) -> float:
     return (time.perf_counter() - t0) / int(reps.item())
 
 
+def slowest_rank(per_rank: list[dict[str, tuple[float, float]]]) -> tuple[dict[str, tuple[float, float]], float]:
+    """Each kind's figures of :func:`_collectives_worker`, the slowest rank's (as a collective ends); the bus apart."""
+    kinds = {k: (max(r[k][0] for r in per_rank), min(r[k][1] for r in per_rank)) for k in per_rank[0]}
+    return kinds, kinds.pop("bus")[1]
+
+
 def _collectives_worker(small: int, large: int) -> dict[str, tuple[float, float]]:
     """Run in each of two spawned ranks: for each collective kind memsave's engines issue, (latency in seconds,
     bandwidth in bytes per second of each rank's share) from its mean time at ``small`` and ``large`` bytes
@@ -368,13 +374,11 @@ def calibrate(*, device: str | None = None, folder: str | Path | None = None, re
     memory = float(torch.cuda.get_device_properties(0).total_memory if device == "cuda"
                    else psutil.virtual_memory().total)
     write, _read = _disk(Path(folder or tempfile.gettempdir()), 64 * 2**20)
-    bus, kinds = mem_bw, {}
+    bus, kinds = mem_bw, dict[str, tuple[float, float]]()
     if ranks:
         from memsave._launch import spawn_local
 
-        per_rank = spawn_local(_collectives_worker, 2, COLLECTIVE_BYTES, timeout_s=120)
-        kinds = {k: (max(r[k][0] for r in per_rank), min(r[k][1] for r in per_rank)) for k in per_rank[0]}
-        bus = kinds.pop("bus")[1]
+        kinds, bus = slowest_rank(spawn_local(_collectives_worker, 2, COLLECTIVE_BYTES, timeout_s=120))
     said = "" if ranks or not collectives else "; one GPU: collectives and engine costs not measured"
     if device == "cuda" and not host_step:
         said += "; the host step's rate not measured (assumed)"
