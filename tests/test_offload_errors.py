@@ -21,7 +21,7 @@ import torch
 import memsave
 from memsave import _logging
 from memsave.offload import tiers
-from memsave.offload.tiers import DiskTier
+from memsave.offload.tiers import DiskTier, check_disk_path
 from memsave.optim import Adafactor
 from tests.toy import ToyLM, param_groups, toy_batch
 
@@ -164,6 +164,28 @@ def test_an_offload_path_memsave_made_goes_with_its_last_folder(tmp_path: Path) 
     (made_then_used / "notes.txt").write_text("the user's")
     tier.close()
     assert (made_then_used / "notes.txt").exists()
+
+
+def test_an_offload_path_removed_by_another_rank_mid_open_is_made_again(tmp_path: Path, monkeypatch) -> None:
+    """Ranks share the path and drift apart (wrap, close, wrap): one rank's close removed the path between
+    another's check of it and its folder (FileNotFoundError in CI). Both steps make it again, still memsave's."""
+    from memsave.offload import folders
+
+    root = tmp_path / "off"
+    check_disk_path(str(root), 0)  # rank 1 checks (and makes) the path ...
+    folders.remove_made(root)  # ... rank 0 closes its last folder and removes it ...
+    assert not root.exists()
+    folder = folders.new_folder(root, 1)  # ... rank 1 opens its folder all the same
+    folders.remove_live_folder(folder)
+    assert not root.exists()  # and the path it made again goes with it
+    check_disk_path(str(root), 0)  # a folder comes in between a removal's look and its rmdir: the mark is put back
+    folder = folders.new_folder(root, 1)
+    monkeypatch.setattr(Path, "iterdir", lambda self: iter([self / folders.MADE]))  # what it saw a moment before
+    folders.remove_made(root)
+    monkeypatch.undo()
+    assert (root / folders.MADE).exists()
+    folders.remove_live_folder(folder)
+    assert not root.exists()
 
 
 # -- failed I/O in the middle of a step -----------------------------------------------------------------------

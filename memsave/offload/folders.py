@@ -47,7 +47,7 @@ from typing import Any
 
 from memsave._logging import get_logger
 
-__all__ = ["MADE", "PREFIX", "RECORD_ENV", "cleanup_on_signals", "live_folders", "mark_made", "new_folder",
+__all__ = ["MADE", "PREFIX", "RECORD_ENV", "cleanup_on_signals", "live_folders", "make_root", "mark_made", "new_folder",
            "remove_folder", "remove_live_folder", "remove_live_folders", "remove_made", "remove_stale"]
 
 PREFIX = "memsave-offload-"
@@ -159,15 +159,33 @@ def mark_made(root: Path) -> None:
         pass
 
 
+def make_root(root: Path) -> None:
+    """Create ``root`` where it is missing, marked as memsave's (:func:`mark_made`)."""
+    made = not root.exists()
+    root.mkdir(parents=True, exist_ok=True)
+    if made:
+        mark_made(root)
+
+
 def remove_made(root: Path) -> None:
     """Remove ``root`` if memsave made it (:func:`mark_made`) and only its marker is left. Not called where a
-    new folder may follow (:func:`remove_stale`, before this run's own)."""
+    new folder may follow (:func:`remove_stale`, before this run's own).
+
+    [Note: a shared path] Ranks on one host share ``path``, and one rank may close while another is opening
+    (wrap, close, wrap: ranks drift apart between collectives). Removal can therefore run between another
+    rank's :func:`make_root` and its :func:`new_folder`; both of those create ``root`` again where it is gone,
+    and a removal that finds a folder came in after its check puts the marker back, so ``root`` stays
+    memsave's and goes with the last folder."""
     try:
-        if {p.name for p in root.iterdir()} == {MADE}:
-            (root / MADE).unlink()
-            root.rmdir()
-    except OSError:  # another rank's folder or the user's files came in, or another rank removed it first
-        pass
+        if {p.name for p in root.iterdir()} != {MADE}:
+            return
+        (root / MADE).unlink()
+    except OSError:  # another rank removed it first
+        return
+    try:
+        root.rmdir()
+    except OSError:  # another rank's folder (or the user's file) came in between: still memsave's
+        mark_made(root)
 
 
 def remove_live_folders() -> None:
@@ -184,7 +202,14 @@ def new_folder(root: Path, rank: int) -> Path:
     _record(folder)
     with _live_lock:
         _live.add(folder)
-    folder.mkdir()
+    for attempt in range(3):
+        try:
+            folder.mkdir()
+            break
+        except FileNotFoundError:  # another rank removed root after this one checked it ([Note: a shared path])
+            if attempt == 2:
+                raise
+            make_root(root)
     (folder / "OWNER").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
     return folder
 

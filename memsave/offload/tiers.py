@@ -37,7 +37,7 @@ from memsave.offload.folders import (
     RECORD_ENV,
     cleanup_on_signals,
     live_folders,
-    mark_made,
+    make_root,
     new_folder,
     remove_folder,
     remove_live_folder,
@@ -116,18 +116,21 @@ def check_disk_path(path: str, needed_bytes: int) -> Path:
     """Create ``path`` if needed, check it is a writable folder with room for ``needed_bytes``; else ValueError
     naming ``offload.path``, the value and what is needed."""
     root = Path(path).expanduser()
-    try:
-        made = not root.exists()
-        root.mkdir(parents=True, exist_ok=True)
-        if made:
-            mark_made(root)
-        probe = root / f".{PREFIX}probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        probe.write_bytes(b"\0" * 16)
-        probe.unlink()
-    except OSError as exc:
-        raise ValueError(f"profile key 'offload.path' = {path!r} is not a writable folder ({exc}); choose a folder "
-                         "on local storage this process can write") from exc
-    free = shutil.disk_usage(root).free
+    for attempt in range(3):  # another rank may remove root meanwhile ([Note: a shared path] in folders.py)
+        try:
+            make_root(root)
+            probe = root / f".{PREFIX}probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            probe.write_bytes(b"\0" * 16)
+            probe.unlink()
+            free = shutil.disk_usage(root).free
+            break
+        except FileNotFoundError:
+            if attempt == 2:
+                raise ValueError(f"profile key 'offload.path' = {path!r} kept disappearing while it was checked; "
+                                 "choose a folder no other program removes") from None
+        except OSError as exc:
+            raise ValueError(f"profile key 'offload.path' = {path!r} is not a writable folder ({exc}); choose a "
+                             "folder on local storage this process can write") from exc
     if free < needed_bytes:
         raise ValueError(
             f"profile key 'offload.path' = {path!r} has {free / 2**20:,.1f} MiB free, and offloading needs "
