@@ -289,6 +289,14 @@ class PipelineEngine:
     @contextlib.contextmanager
     def _backward_ctx(self, last: bool) -> Iterator[None]:
         if last:
+            # [Note: a tie unused on its stage] A tied weight no micro-batch reached here (a tied embedding fed
+            # inputs_embeds) gets a zero gradient before the syncing backward: the engine reduces it as present,
+            # and the tie's sum then gives this holder the other stages' part. Left None, the sum over the tie
+            # was dropped here: the step skipped this copy, the global norm left out its gradient, and the
+            # copies drifted apart (a review: a tied Llama fed inputs_embeds, 9e-2 off after save_pretrained).
+            for p, _ in self.ties:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
             yield
         else:
             with self.inner.no_sync():

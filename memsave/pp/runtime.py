@@ -153,8 +153,11 @@ class StageRunner(Messages):
                 return probe.call(name, forward, args, kwargs)
             if ctx is None:
                 raise RuntimeError(
-                    "under pipeline parallelism (pp > 1) each rank holds only its stages: run training steps with "
-                    "model.pipeline_step(micro_batches, ...) (or memsave.Trainer), not model(...)")
+                    f"{name!r} was called outside a pipeline step: under pipeline parallelism (pp > 1) each rank "
+                    "holds only its stages, so the model (or one of its parts) cannot run a forward by itself. "
+                    "Train with model.pipeline_step(micro_batches, ...) (or memsave.Trainer), evaluate with "
+                    "model.pipeline_loss(micro_batches, ...); for generate() or other forwards, "
+                    "model.save_pretrained(folder) (every rank) and load it in a process without pp")
             idx = ctx.counts.get(name, 0)
             ctx.counts[name] = idx + 1
             key = (name, idx)
