@@ -260,6 +260,37 @@ def test_estimate_matches_the_measurement_for_every_profile(world_size: int, tmp
         assert load_report(path) == json.loads(json.dumps(rep))
 
 
+def _late_grads(cases: list[tuple[str, bool]]) -> list[tuple[int, int, int, int]]:
+    mesh = memsave.init()
+    out = []
+    for profile, tied in cases:
+        prof = memsave.load_profile(profile, ['recompute.policy="full"'])
+        data = TokenBatches(seq_len=16, batch_size=4, dp_rank=mesh.dp_rank, dp_size=mesh.dp_size)
+        with torch.device("meta"):
+            meta = GPT(gpt_config("tiny", dropout=0.0, tie_weights=tied))
+        est = estimate(meta, prof, world_size=mesh.dp_size, batch=data.batch(0), device="cpu")
+        model = _gpt("tiny", dropout=0.0, tie_weights=tied)
+        model, opt = memsave.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), prof, mesh=mesh)
+        tracker = MemoryTracker(model, opt)
+        for i in range(2):
+            _step(model, opt, data.batch(i), wrapped=True)
+        out.append((est.peak_total, tracker.peak["total"], est.bytes.get("grads", 0), tracker.peak["bytes"]["grads"]))
+        tracker.close()
+        opt.close()
+    return out
+
+
+def test_estimate_holds_an_untied_heads_gradient_through_backward() -> None:
+    """At ZeRO-2/3 the root's gradients are reduced at backward's end, and an untied head's and the final norm's
+    exist from its start: with full recomputation the peak is in the first block's backward, with them. Left out,
+    the estimate was 3.7% under the tracker (an HF Llama: 6.1%, and profile="auto" chose a configuration it then
+    exceeded the budget with: a review)."""
+    cases = [(p, tied) for p in ("zero2", "zero3") for tied in (False, True)]
+    for rank in run_ranks(_late_grads, 2, cases, timeout=240):
+        for (profile, tied), (est, peak, est_grads, grads) in zip(cases, rank):
+            assert est == pytest.approx(peak, rel=0.005) and est_grads == grads, (profile, tied, est, peak)
+
+
 def _vit(meta: bool = False) -> torch.nn.Module:
     from transformers import ViTConfig, ViTForImageClassification
 

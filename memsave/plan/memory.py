@@ -140,8 +140,10 @@ def device_bytes(spec: ModelSpec, c: Candidate, seq: int,
             points.append(dict(held, grads=held["grads"] + accumulated, activations=stage_act * after + logits))
         # the last backward: one micro-batch's activations, the accumulated gradients beside
         base = dict(held, grads=held["grads"] + accumulated)
+        # the final norm's and an untied head's gradients, from backward's start to the root's reduce at its end
+        late = elem * (spec.final_params + spec.head_params / c.tp) if c.pp == 1 and not accumulating else 0.0
         points += _backward(c, base, persistent, layers, layer_act, stage_act - layer_act * layers, rebuilt, unit,
-                            root, psi, elem)
+                            root, psi, elem, late)
         # the step: every reduced gradient (mixed: beside its fp32 copy on the masters, offloaded ones too)
         step = dict(held, grads=persistent + (4.0 * psi / (c.dp if c.stage >= 1 else 1) if mixed else 0.0))
         points.append(step)
@@ -201,14 +203,17 @@ def _held(spec: ModelSpec, c: Candidate, psi: float, unit: float, elem: int, mix
 
 
 def _backward(c: Candidate, base: dict[str, float], persistent: float, layers: int, layer_act: float, head: float,
-              rebuilt: float, unit: float, root: float, psi: float, elem: int) -> list[dict[str, float]]:
+              rebuilt: float, unit: float, root: float, psi: float, elem: int, late: float = 0.0
+              ) -> list[dict[str, float]]:
     """The samples of the last backward, unit by unit, as memsave.estimate's walk takes them: before a unit's
     backward with ``d`` units done (the largest is at the first units or the last: every other step only trades
-    a unit's activations for its reduced gradient), and the end."""
-    points = [dict(base, activations=layer_act * layers + head + rebuilt)]
+    a unit's activations for its reduced gradient), and the end. ``late``: the gradients of the root's
+    parameters used after the last unit, held throughout at stages 1-3."""
     stage, dp = c.stage, c.dp
     if stage == 0:
-        return points
+        return [dict(base, activations=layer_act * layers + head + rebuilt)]
+    first = base["grads"] + late if stage >= 2 else max(base["grads"], late)
+    points = [dict(base, activations=layer_act * layers + head + rebuilt, grads=first)]
     reduced = elem * unit * (1.0 if stage == 1 else 1.0 / dp)  # what one unit's reduce-scatter leaves
     staging = elem * unit + (elem * unit / dp if stage == 1 else 0.0)  # one reduce-scatter in flight
     gather = c.pp > 1  # at stage 3 a stage's units stay gathered for the step ([parallel] gather = "step")
@@ -217,7 +222,7 @@ def _backward(c: Candidate, base: dict[str, float], persistent: float, layers: i
             continue
         left = layers - d
         p = dict(base, activations=layer_act * left + (rebuilt if left else 0.0))
-        grads = d * reduced
+        grads = late + d * reduced
         p["grads"] = max(base["grads"], grads) if stage == 1 else base["grads"] + grads
         p["comm"] = base["comm"] + min(d, REDUCES_IN_FLIGHT) * staging
         if stage == 3:
