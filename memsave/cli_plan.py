@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from memsave.plan import (
     to_toml,
 )
 from memsave.plan import plan as make_plan
-from memsave.plan.search import ANALYTIC_HEADROOM, HEADROOM
+from memsave.plan.search import ANALYTIC_HEADROOM, HEADROOM, _at_least
 from memsave.plan.spec import from_gpt
 from memsave.recompute.policy import parse_size
 
@@ -83,6 +84,8 @@ def _size(flag: str, text: str | None) -> float | None:
     try:
         return float(parse_size(text))
     except ValueError as exc:
+        if text.strip().startswith("-"):
+            raise UsageError(f"{flag} {text!r} is not allowed; expected a positive size such as 16GiB") from None
         raise UsageError(f"{flag} {text!r}: {exc}") from None
 
 
@@ -133,6 +136,9 @@ def _check_flags(args: argparse.Namespace) -> None:
                         ("--micro-batches", args.micro_batches), ("--micro-batch", args.micro_batch)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} {value} is not allowed; expected a positive integer")
+    for flag, path in (("--write", args.write), ("--json", args.json)):  # before the plan, not after it printed
+        if path is not None and not path.parent.is_dir():
+            raise UsageError(f"{flag} {str(path)!r}: the folder {str(path.parent)!r} does not exist")
 
 
 def _explain(args: argparse.Namespace, overrides: Sequence[str], spec: Any, hw: Any, budget: float,
@@ -149,6 +155,10 @@ def _explain(args: argparse.Namespace, overrides: Sequence[str], spec: Any, hw: 
         raise ValueError(f"--explain {args.explain}: pp {pp} > the model's {spec.layers} layers")
     dp = args.world // (tp * pp)
     mb = args.micro_batch or max(1, args.global_batch // (dp * args.micro_batches))
+    if args.micro_batch and mb * dp * args.micro_batches != args.global_batch:
+        raise ValueError(f"--explain {args.explain}: --micro-batch {mb} x --micro-batches {args.micro_batches} x dp "
+                         f"{dp} = {mb * dp * args.micro_batches} sequences a step, not --global-batch "
+                         f"{args.global_batch}; give sizes whose product is the global batch")
     off = ("none" if prof.offload.optimizer == "none" else "optimizer"
            + ("+params" if prof.offload.params != "none" else "")
            + (":disk" if prof.offload.optimizer == "disk" else ""))
@@ -161,7 +171,7 @@ def _explain(args: argparse.Namespace, overrides: Sequence[str], spec: Any, hw: 
     try:
         held = exact(c) if exact is not None else None
     except Exception as exc:  # as the search: said, and the closed forms instead
-        held, note = None, f"  memsave.estimate failed ({type(exc).__name__}: {exc}"[:300] + "); closed forms used\n"
+        held, note = None, f"  memsave.estimate failed ({type(exc).__name__}: {exc}); closed forms used\n"
     if held is not None:
         p = dataclasses.replace(p, device={k: float(v) for k, v in held.items() if k not in OFF_DEVICE},
                                 host=held.get("offload_host", 0) or p.host, disk=held.get("offload_disk", 0) or p.disk,
@@ -172,6 +182,9 @@ def _explain(args: argparse.Namespace, overrides: Sequence[str], spec: Any, hw: 
 def run_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
     overrides = split_overrides(extra, hint="")
     _check_flags(args)
+    if overrides and not args.explain:
+        raise UsageError(f"profile overrides ({' '.join(extra)}) apply to --explain PROFILE only: the plan "
+                         "searches every configuration itself (to price one, pass it with --explain)")
     spec, model, batch = _model(args.model, args.seq_len)
     try:
         hw = load_hardware(args.hardware)
@@ -200,9 +213,12 @@ def run_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
         margin = HEADROOM if p.exact else ANALYTIC_HEADROOM
         need = p.peak * (1 + margin)
         print(f"{args.explain}: {c.label()}\n{note}{_breakdown(p)}")
-        print(("fits" if need <= budget else "does not fit") + f": {format_bytes(int(p.peak))} + {margin:.0%} "
+        shown = (_at_least(need), format_bytes(int(budget)))
+        if shown[0] == shown[1]:  # alike at 0.1: the bytes
+            shown = (f"{math.ceil(need):,} B", f"{int(budget):,} B")
+        print(("fits" if need <= budget else "does not fit") + f": {_at_least(p.peak)} + {margin:.0%} "
               f"headroom ({'of an exact figure' if p.exact else 'of a closed-form figure'}, as the search keeps) "
-              f"= {format_bytes(int(need))} {'<=' if need <= budget else '>'} {format_bytes(int(budget))}")
+              f"= {shown[0]} {'<=' if need <= budget else '>'} {shown[1]}")
         return 0
     try:
         result = make_plan(spec, hw, world=args.world, global_batch=args.global_batch, seq=args.seq_len,
@@ -219,8 +235,12 @@ def run_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
     print(f"binding constraint of the choice: {result.binding()}")
     for fam, why in result.rejected.items():
         print(f"rejected {fam}: {why}")
+    by_reason: dict[str, list[str]] = {}  # one estimator error is usually every mesh's: said once
     for mesh, why in result.unpriced.items():
-        print(f"not priced {mesh}: {why}")
+        by_reason.setdefault(why, []).append(mesh)
+    for why, meshes in by_reason.items():
+        how = "closed forms used" if spec.heads and spec.vocab else "not priced"
+        print(f"{how} for {', '.join(meshes)}: {why}")
     if args.write is not None:
         args.write.write_text(to_toml(result.best.candidate, why=f"binding: {result.binding()}", seq=args.seq_len,
                                       model=args.model, path=args.write))

@@ -260,7 +260,7 @@ def warn_unused_optimizer_section(profile: Profile, optimizer: torch.optim.Optim
     """``[optimizer]`` describes the optimizer the trainer and ``memsave demo`` build; :func:`wrap` steps the one it
     is given. Said once when the section is set and the optimizer passed is not the one it describes."""
     cfg, default = profile.optimizer, OptimizerConfig()
-    if cfg == default:
+    if cfg == default or profile.name == "auto":  # (auto: the planner wrote it from the optimizer passed)
         return
     from memsave.optim import build_optimizer  # layer 1
 

@@ -11,6 +11,7 @@ fp32 as the model was built. Rank 0 decides and every rank takes its choice, so 
 from __future__ import annotations
 
 import dataclasses
+import math
 import pickle
 from typing import Any
 
@@ -25,7 +26,7 @@ from memsave.memory.schema import OFF_DEVICE, format_bytes
 from memsave.plan.cost import Candidate, price
 from memsave.plan.hardware import calibrate
 from memsave.plan.profile import exact_peak, to_profile
-from memsave.plan.search import HEADROOM, PlanError
+from memsave.plan.search import HEADROOM, PlanError, _at_least
 from memsave.plan.spec import from_module
 from memsave.recompute.policy import parse_size
 
@@ -45,11 +46,13 @@ def _budget(budget: Any) -> tuple[float | None, str | None]:
     try:
         if isinstance(budget, bool) or not isinstance(budget, (str, int, float)):
             raise ValueError("expected an int or a size string")
+        if isinstance(budget, float) and math.isfinite(budget) and not budget.is_integer():  # 1.5: a unit forgotten?
+            raise ValueError("expected a whole number of bytes or a size string such as '1.5GiB'")
         limit = float(parse_size(budget) if isinstance(budget, str) else budget)
     except ValueError as exc:
         return None, f"budget = {budget!r} is not allowed: {exc}"
-    if not limit > 0:
-        return None, f"budget = {budget!r} is not allowed; expected a positive size"
+    if not 0 < limit < math.inf:
+        return None, f"budget = {budget!r} is not allowed; expected a positive, finite size"
     return limit, None
 
 
@@ -147,7 +150,7 @@ def _choose(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh, tp: 
     if not fits:
         assert smallest is not None
         return (f'profile = "auto": nothing fits {format_bytes(int(limit))} per rank; the smallest is '
-                f"{smallest[1].label()} at {format_bytes(int(smallest[0] * (1 + HEADROOM)))} with {HEADROOM:.0%} "
+                f"{smallest[1].label()} at {_at_least(smallest[0] * (1 + HEADROOM))} with {HEADROOM:.0%} "
                 "headroom: raise budget= to that, or lower the micro-batch")
     fits.sort(key=lambda f: (f[0], f[1]))
     return fits[0][2], fits[0][3]

@@ -334,15 +334,15 @@ def _measures_host_step(device: str, collectives: bool) -> bool:
 def calibrate(*, device: str | None = None, folder: str | Path | None = None, refresh: bool = False,
               collectives: bool = True, engine_rounds: int = 3, engine_steps: int = 4) -> Hardware:
     """This machine's :class:`Hardware`, measured (a few seconds) or read from the cache. ``collectives=False``
-    skips the two-rank all-reduce (the bus bandwidth is then taken as the memory bandwidth, and the result is
-    not cached). ``engine_rounds``: passes over the engine families (memsave/plan/calibrate_engines.py), each
+    skips the two-rank all-reduce (the bus bandwidth is then the memory bandwidth; cached apart, read only by
+    such calls, which take the full cache where there is one). ``engine_rounds``: passes over the engine families (memsave/plan/calibrate_engines.py), each
     measuring every point again at a later moment; ``engine_steps``: timed steps per point and pass."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cache = _cache_file(device)
-    data = json.loads(cache.read_text()) if cache.is_file() and not refresh else None
-    # a cache from before the per-kind collectives, the three engine figures or the present families (tp+sp:
-    # per collective) is measured again
-    from memsave.plan.calibrate_engines import FAMILIES
+    alone = cache.with_name(cache.stem + "-one-rank.json")  # collectives=False: wrap(profile="auto") on rank 0
+    read = cache if cache.is_file() or collectives else alone
+    data = json.loads(read.read_text()) if read.is_file() and not refresh else None
+    from memsave.plan.calibrate_engines import FAMILIES  # (an older cache's figures are measured again)
 
     if (data is not None and "collectives" in data and "efficiencies" in data
             and all(len(v) == 3 for v in data.get("engine", {}).values())
@@ -352,9 +352,10 @@ def calibrate(*, device: str | None = None, folder: str | Path | None = None, re
         return Hardware(**data)
     import psutil
 
-    if collectives:  # the first plan on a machine would otherwise sit silent for about a minute
-        print(f"memsave calibrate: measuring this machine's rates ({device}; about a minute with the two-rank "
-              f"engine costs), once: cached in {cache}", file=sys.stderr, flush=True)
+    print(  # the first plan on a machine would otherwise sit silent for about a minute (one rank: about 8 s)
+f"memsave calibrate: measuring this machine's rates ({device}; "
+          f"{'about a minute with the two-rank engine costs' if collectives else 'one rank, a few seconds'}), once: "
+          f"cached in {cache if collectives else alone}", file=sys.stderr, flush=True)
     # two local ranks: on CPU, or on two GPUs (one GPU cannot host two NCCL ranks); there the step rates are
     # measured with both ranks running (engine_overheads), not here as well
     ranks = collectives and (device == "cpu" or torch.cuda.device_count() >= 2)
@@ -394,7 +395,7 @@ def calibrate(*, device: str | None = None, folder: str | Path | None = None, re
         from memsave.plan.calibrate_engines import engine_overheads
 
         hw = engine_overheads(hw, steps=engine_steps, rounds=engine_rounds)
-    if collectives:  # a calibration without the collective bandwidth is used once, never cached
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(hw.to_dict(), indent=1) + "\n")
+    target = cache if collectives else alone  # (one without the collectives: read only where none are wanted)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(hw.to_dict(), indent=1) + "\n")
     return hw

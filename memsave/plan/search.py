@@ -50,7 +50,8 @@ class Plan:
     host_budget: float
     disk_budget: float
     considered: int
-    unpriced: dict[str, str] = dataclasses.field(default_factory=dict)  # mesh -> why its memory is unknown
+    # mesh -> why its memory is not memsave.estimate's (a transformer's are then the closed forms', else unknown)
+    unpriced: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def best(self) -> Priced:
@@ -205,7 +206,7 @@ def plan(spec: ModelSpec, hw: Hardware, *, world: int, global_batch: int, seq: i
             measured = measure(p.candidate)
         except Exception as exc:  # the estimator cannot run this one: said, never priced
             mesh = p.candidate.label().split(" zero")[0]
-            unpriced.setdefault(mesh, f"memsave.estimate failed ({type(exc).__name__}: {exc})"[:300])
+            unpriced.setdefault(mesh, f"memsave.estimate failed ({type(exc).__name__}: {exc})")
             return None
         host, disk = measured.get("offload_host", 0), measured.get("offload_disk", 0)
         device = {k: float(v) for k, v in measured.items() if k not in OFF_DEVICE}
@@ -232,9 +233,9 @@ def plan(spec: ModelSpec, hw: Hardware, *, world: int, global_batch: int, seq: i
                 skipped.append(p)
                 continue
             q = estimated(p)
-            if q is None:
-                continue
-            p = q
+            if q is None and not (spec.heads and spec.vocab):
+                continue  # no closed forms to fall back on: said in ``unpriced``
+            p = q or p  # a transformer's closed forms where the estimator failed (said, with their headroom)
         judge(p)
     if not fits and skipped:
         # nothing fits: the smallest budget named must be an exact figure where one can be had, not a closed form
