@@ -239,8 +239,7 @@ def run_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
     for mesh, why in result.unpriced.items():
         by_reason.setdefault(why, []).append(mesh)
     for why, meshes in by_reason.items():
-        how = "closed forms used" if spec.heads and spec.vocab else "not priced"
-        print(f"{how} for {', '.join(meshes)}: {why}")
+        print(f"memory of {', '.join(meshes)}: {why}")
     if args.write is not None:
         args.write.write_text(to_toml(result.best.candidate, why=f"binding: {result.binding()}", seq=args.seq_len,
                                       model=args.model, path=args.write))

@@ -72,6 +72,11 @@ def reuse(kind: str, meta: nn.Module, modules: list[nn.Module], prof: Profile, b
     return cache[key]  # type: ignore[no-any-return]
 
 
+class MetaValueError(ValueError):
+    """The model's forward read a tensor's value, which a meta tensor has none of: the estimate cannot run it (the
+    configuration may still be fine; the planner then uses its closed forms)."""
+
+
 def _run_forward(model: nn.Module, batch: Any) -> Callable[[], Any]:
     def call() -> Any:
         if callable(batch):
@@ -88,7 +93,7 @@ def _run_forward(model: nn.Module, batch: Any) -> Callable[[], Any]:
         except RuntimeError as exc:  # a forward that branches on a tensor's value cannot run on the meta device
             if "meta tensors" not in str(exc):
                 raise
-            raise ValueError(
+            raise MetaValueError(
                 f"the estimate runs {type(model).__name__}'s forward on the meta device, where a tensor has no values, "
                 f"and the forward read one ({exc}). Hugging Face models read a padded \"attention_mask\" under sdpa "
                 "(an all-ones one is left out here, as they leave it out at run time): estimate with a batch of the "

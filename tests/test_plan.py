@@ -539,6 +539,27 @@ def test_engine_fit_is_exact_and_never_negative() -> None:
     assert min(fitted) >= 0 and fitted[1] == 0.0
 
 
+def test_a_model_the_estimator_cannot_run_is_planned_by_its_closed_forms() -> None:
+    """A forward that reads values on the meta device (HF models under some inputs): the plan goes on with a
+    transformer's closed forms and says so per mesh, once; any other failure (tp without a plan) leaves the mesh
+    unpriced, never run by closed forms alone (a review: the plan failed, its message cut at 300 characters)."""
+    from memsave.estimate_activations import MetaValueError
+
+    spec = from_gpt(gpt_config("tiny", dropout=0.0))
+    advice = "put \"use_cache\": True in the example batch" + " (a long message)" * 30
+
+    def exact(c: Candidate) -> dict[str, int]:
+        if c.tp > 1:
+            raise ValueError("tensor parallelism: memsave has no plan for this model")
+        raise MetaValueError(advice)
+
+    result = plan(spec, CPU, world=2, global_batch=4, seq=32, budget=2**30, exact=exact)
+    assert result.ranked and all(p.candidate.tp == 1 and not p.exact for p in result.ranked)
+    why = result.unpriced
+    assert all(v.endswith("; the closed forms used") and advice in v for k, v in why.items() if "tp2" not in k)
+    assert any("tp2" in k and v.endswith("; not priced") for k, v in why.items()), why
+
+
 def test_calibrated_collectives_keep_the_faster_of_two_measurements() -> None:
     """[Note: collectives measured twice] Per kind, the lower latency and the higher bandwidth of the two
     measurements, each the slowest rank's; a busy moment in one of them (latency 4x) does not reach the figures."""

@@ -242,6 +242,11 @@ def test_closed_forms_equal_the_estimator_on_hf_gpt2() -> None:
             p = price(spec, c, GPU if device == "cuda" else dataclasses.replace(CPU, flops=GPU.flops), seq)
             err = (p.peak - p.device.get("transient", 0)) / want - 1
             assert -UNDER <= err <= OVER, f"{pdrop} {device} {c.label()}: {err:+.1%}"
+    # the model itself (memsave plan --model MODULE:FUNCTION): its Conv1D layers read as the config says (it was
+    # refused, "no nn.Linear"), the parameters counted as the config counts them
+    module = from_module(meta)
+    assert (module.hidden, module.layers, module.layer_params, module.layer_split) == (
+        spec.hidden, spec.layers, spec.layer_params, 12 * 96 * 96)
 
 
 def test_the_cuda_allocators_transients_are_added_where_they_happen(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from memsave.estimate_activations import activations_cached
+from memsave.estimate_activations import MetaValueError, activations_cached
 from memsave.memory.schema import OFF_DEVICE, format_bytes
 from memsave.plan.cost import Candidate, Priced, price
 from memsave.plan.hardware import Hardware
@@ -204,10 +204,13 @@ def plan(spec: ModelSpec, hw: Hardware, *, world: int, global_batch: int, seq: i
         assert measure is not None
         try:
             measured = measure(p.candidate)
-        except Exception as exc:  # the estimator cannot run this one: said, never priced
+        except Exception as exc:  # the estimator cannot run this one: said; priced by the closed forms only where
+            # the forward reads values on the meta device (else the configuration itself is in question)
             mesh = p.candidate.label().split(" zero")[0]
-            unpriced.setdefault(mesh, f"memsave.estimate failed ({type(exc).__name__}: {exc})")
-            return None
+            closed = isinstance(exc, MetaValueError) and bool(spec.heads and spec.vocab)
+            unpriced.setdefault(mesh, f"memsave.estimate failed ({type(exc).__name__}: {exc}); "
+                                      + ("the closed forms used" if closed else "not priced"))
+            return p if closed else None
         host, disk = measured.get("offload_host", 0), measured.get("offload_disk", 0)
         device = {k: float(v) for k, v in measured.items() if k not in OFF_DEVICE}
         return dataclasses.replace(p, device=device, host=host or p.host, disk=disk or p.disk, exact=True)
@@ -233,9 +236,9 @@ def plan(spec: ModelSpec, hw: Hardware, *, world: int, global_batch: int, seq: i
                 skipped.append(p)
                 continue
             q = estimated(p)
-            if q is None and not (spec.heads and spec.vocab):
-                continue  # no closed forms to fall back on: said in ``unpriced``
-            p = q or p  # a transformer's closed forms where the estimator failed (said, with their headroom)
+            if q is None:
+                continue  # said in ``unpriced``
+            p = q
         judge(p)
     if not fits and skipped:
         # nothing fits: the smallest budget named must be an exact figure where one can be had, not a closed form

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from memsave.models import GPTConfig
@@ -162,6 +163,19 @@ def from_hf_config(config: dict[str, Any] | str | Path, name: str | None = None)
                      family="llama", intermediate=ffn, kv_heads=kv, head_dim=head_dim)
 
 
+def _matmuls(block: nn.Module) -> list[tuple[int, int]]:
+    """(input width, weight elements) of the block's ``nn.Linear`` layers and Hugging Face ``Conv1D`` ones (GPT-2's:
+    a weight of (in, out))."""
+    out = []
+    for m in block.modules():
+        weight = getattr(m, "weight", None)
+        if isinstance(m, nn.Linear) or (type(m).__name__ == "Conv1D" and isinstance(weight, torch.Tensor)
+                                        and weight.dim() == 2):
+            assert isinstance(weight, torch.Tensor)
+            out.append((int(weight.shape[1 if isinstance(m, nn.Linear) else 0]), weight.numel()))
+    return out
+
+
 def from_module(model: nn.Module, name: str | None = None) -> ModelSpec:
     """Any module (on the meta device is best): its blocks are memsave's units (the largest ``nn.ModuleList``,
     else ``nn.Sequential`` children), the hidden size the width of the first block's first ``nn.Linear`` input.
@@ -174,11 +188,11 @@ def from_module(model: nn.Module, name: str | None = None) -> ModelSpec:
         raise ValueError(f"{type(model).__name__}: no repeated blocks (nn.ModuleList, nn.Sequential children) to plan "
                          "over; pass units= or plan with a config")
     counts = [sum(p.numel() for p in u.parameters()) for u in units]
-    linears = [m for m in units[0].modules() if isinstance(m, nn.Linear)]
+    linears = _matmuls(units[0])
     if not linears:
-        raise ValueError(f"{type(model).__name__}: its block {type(units[0]).__name__} has no nn.Linear to read the "
-                         "hidden size from")
-    h = linears[0].in_features
+        raise ValueError(f"{type(model).__name__}: its block {type(units[0]).__name__} has no nn.Linear (or Hugging "
+                         "Face Conv1D) to read the hidden size from; plan with its config.json instead")
+    h = linears[0][0]
     in_blocks = {id(p) for u in units for p in u.parameters()}
     before = after = 0  # outside the blocks: registered before the first (the embedding) or after (norm, head)
     seen = False
@@ -189,7 +203,7 @@ def from_module(model: nn.Module, name: str | None = None) -> ModelSpec:
             after += p.numel()
         else:
             before += p.numel()
-    split = sum(m.weight.numel() for m in units[0].modules() if isinstance(m, nn.Linear))
+    split = sum(n for _, n in linears)
     embeds = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     vocab = max((e.num_embeddings for e in embeds), default=0)
     config = getattr(model, "config", None)  # a Hugging Face model's, or the reference GPT's
