@@ -295,7 +295,7 @@ class PipelineEngine:
             # was dropped here: the step skipped this copy, the global norm left out its gradient, and the
             # copies drifted apart (a review: a tied Llama fed inputs_embeds, 9e-2 off after save_pretrained).
             for p, _ in self.ties:
-                if p.grad is None:
+                if p.grad is None and p.requires_grad:  # (a frozen tie stays without one)
                     p.grad = torch.zeros_like(p)
             yield
         else:
