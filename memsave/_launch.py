@@ -205,7 +205,8 @@ def _stop(procs: Sequence[Any], *, graceful: bool) -> None:
             if p.is_alive():
                 p.kill()
         for p in procs:
-            p.join()
+            if p.pid is not None:  # (one whose start() raised was never started: its own error goes on)
+                p.join()
 
 
 def _remove_recorded(record: Path) -> None:

@@ -35,6 +35,7 @@ from memsave._logging import set_rank_source
 from memsave.checkpoint.resume import resume_trainer, save_trainer
 from memsave.dist import Mesh
 from memsave.memory import MemoryReport, MemoryTracker, account, peak_rss_bytes, report
+from memsave.memory.tracker import accounting_holders
 from memsave.trainer_config import Batch, BatchSource, TrainConfig, cosine_schedule
 from memsave.wrapped import WrappedOptimizer
 
@@ -297,7 +298,9 @@ class Trainer:
         return LogRecord(
             step=step + 1, steps=self._end_step, loss=loss, lr=float(self.optimizer.param_groups[0]["lr"]),
             grad_norm=None if norm is None else float(norm), tokens_per_s=tokens_per_s,
-            peak_rss_bytes=peak_rss_bytes(), model_state_bytes=account((self.model, self.optimizer)).model_state(),
+            peak_rss_bytes=peak_rss_bytes(),
+            # the engine stands for the model (accounting_holders: a ZeRO-3 placeholder is not "params")
+            model_state_bytes=account(accounting_holders(self.model, (self.optimizer,))).model_state(),
             loss_scale=None if scaler is None else scaler.scale,
             skipped_steps=self._skipped(),
         )

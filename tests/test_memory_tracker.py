@@ -257,6 +257,7 @@ def test_estimate_matches_the_measurement_for_every_profile(world_size: int, tmp
             assert [p for p in phases if p != "idle"] == ["forward", "backward", "optimizer"], (r["profile"], phases)
         path = tmp_path / f"{r['profile']}-{world_size}.json"
         memsave.memory.save_report(rep, path)
+        assert path.stat().st_mode & 0o777 == 0o644  # readable as the HTML beside it (mkstemp's 0600 stayed)
         assert load_report(path) == json.loads(json.dumps(rep))
 
 

@@ -67,10 +67,13 @@ def case_end_to_end(mesh: memsave.Mesh, profile: str) -> dict:
     assert result.tokens_per_s > 0 and model.training
     assert [r.rank for r in result.report.ranks] == list(range(mesh.world_size))
     assert result.report.profile == profile and result.report.ranks[0].bytes["params"] > 0
+    now = memsave.report(model, opt).ranks[mesh.rank].bytes  # (collective)
     if mesh.is_main:
         assert [r.step for r in logs] == [2, 4, 6]
         assert all(r.grad_norm is not None and r.grad_norm > 0 and r.model_state_bytes > 0 for r in logs)
         assert logs[-1].loss == result.losses[-1]
+        # the logged model state is the report's (under zero3 it counted each sharded parameter's placeholder)
+        assert logs[-1].model_state_bytes == sum(now.get(c, 0) for c in ("params", "grads", "master", "optimizer_state"))
     return {"losses": result.losses, "eval": result.eval_losses}
 
 

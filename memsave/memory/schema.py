@@ -89,6 +89,7 @@ def save_report(data: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1)
             f.write("\n")
+        os.chmod(tmp, 0o644)  # readable as the HTML beside it (mkstemp makes a file the owner's alone)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
