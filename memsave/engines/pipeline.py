@@ -289,11 +289,8 @@ class PipelineEngine:
     @contextlib.contextmanager
     def _backward_ctx(self, last: bool) -> Iterator[None]:
         if last:
-            # [Note: a tie unused on its stage] A tied weight no micro-batch reached here (a tied embedding fed
-            # inputs_embeds) gets a zero gradient before the syncing backward: the engine reduces it as present,
-            # and the tie's sum then gives this holder the other stages' part. Left None, the sum over the tie
-            # was dropped here: the step skipped this copy, the global norm left out its gradient, and the
-            # copies drifted apart (a review: a tied Llama fed inputs_embeds, 9e-2 off after save_pretrained).
+            # [Note: a tie unused on its stage] A tied weight unused here (an embedding fed inputs_embeds) gets a zero
+            # gradient, reduced as present: the tie's sum brings the other stages' part (None: never stepped).
             for p, _ in self.ties:
                 if p.grad is None and p.requires_grad:  # (a frozen tie stays without one)
                     p.grad = torch.zeros_like(p)
@@ -306,20 +303,16 @@ class PipelineEngine:
     def _sum_tied_grads(self) -> None:
         stepped = dict(self.inner.stepped())
         for p, group in self.ties:
-            g = self.inner.grad_of(stepped[p])
-            if g is None:
-                g = torch.zeros_like(stepped[p])
-            mdist.all_reduce(g, group, count_as="pp_tie")
+            g = self.inner.grad_of(stepped[p])  # (None: a frozen tie, the collective all the same)
+            mdist.all_reduce(g if g is not None else torch.zeros_like(stepped[p]), group, count_as="pp_tie")
         self._ties_summed = bool(self.ties)
 
     @torch.no_grad()
     def _restart_tie_copies(self) -> None:
-        """[Note: tied gradients summed once] After a step's backwards a tied parameter's gradient is the sum over
-        its holding stages, the same on each. Gradients accumulated over more steps before the optimizer's (calls
-        that each sync, or no ``zero_grad`` between steps) add onto it, and summing the holders' accumulated
-        gradients again would count the earlier sum once per holder. So before such a step every holder but the
-        first starts its tied gradient from zero; the first keeps the earlier sum, and the step's sum adds each
-        holder's new part once. Clearing the gradients (any ``zero_grad``) makes this unnecessary."""
+        """[Note: tied gradients summed once] After a step's backwards a tied parameter's gradient is the sum over its
+        holding stages, the same on each. Gradients accumulated over more calls or steps add onto it; summed again,
+        the earlier sum would count once per holder. So before such a step every holder but the first starts its
+        tied gradient from zero, and the step's sum adds each holder's new part once (any zero_grad: no need)."""
         if not self._ties_summed:
             return
         self._ties_summed = False

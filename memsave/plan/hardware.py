@@ -333,13 +333,13 @@ def _measures_host_step(device: str, collectives: bool) -> bool:
 
 def calibrate(*, device: str | None = None, folder: str | Path | None = None, refresh: bool = False,
               collectives: bool = True, engine_rounds: int = 3, engine_steps: int = 4) -> Hardware:
-    """This machine's :class:`Hardware`, measured (a few seconds) or read from the cache. ``collectives=False``
-    skips the two-rank all-reduce (the bus bandwidth is then the memory bandwidth; cached apart, read only by
-    such calls, which take the full cache where there is one). ``engine_rounds``: passes over the engine families (memsave/plan/calibrate_engines.py), each
-    measuring every point again at a later moment; ``engine_steps``: timed steps per point and pass."""
+    """This machine's :class:`Hardware`, measured or read from the cache. ``collectives=False`` skips the two
+    ranks (bus bandwidth = memory bandwidth; cached apart, for such calls, which take the full cache if there is
+    one). ``engine_rounds``: passes over the engine families (memsave/plan/calibrate_engines.py), each measuring
+    every point again later; ``engine_steps``: timed steps per point and pass."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cache = _cache_file(device)
-    alone = cache.with_name(cache.stem + "-one-rank.json")  # collectives=False: wrap(profile="auto") on rank 0
+    alone = cache.with_name(cache.stem + "-one-rank.json")  # collectives=False (wrap(profile="auto")'s rank 0)
     read = cache if cache.is_file() or collectives else alone
     data = json.loads(read.read_text()) if read.is_file() and not refresh else None
     from memsave.plan.calibrate_engines import FAMILIES  # (an older cache's figures are measured again)
@@ -352,8 +352,7 @@ def calibrate(*, device: str | None = None, folder: str | Path | None = None, re
         return Hardware(**data)
     import psutil
 
-    print(  # the first plan on a machine would otherwise sit silent for about a minute (one rank: about 8 s)
-f"memsave calibrate: measuring this machine's rates ({device}; "
+    print(f"memsave calibrate: measuring this machine's rates ({device}; "  # (else a silent minute, or 8 s)
           f"{'about a minute with the two-rank engine costs' if collectives else 'one rank, a few seconds'}), once: "
           f"cached in {cache if collectives else alone}", file=sys.stderr, flush=True)
     # two local ranks: on CPU, or on two GPUs (one GPU cannot host two NCCL ranks); there the step rates are
