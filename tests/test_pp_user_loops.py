@@ -396,19 +396,25 @@ def _save_pretrained(mesh: memsave.Mesh, base: str, tie: bool) -> dict[str, floa
 
 
 # -- a tie one stage never uses ------------------------------------------------------------------------------------
-def _tied_inputs_embeds(mesh: memsave.Mesh, base: str, schedule: str) -> dict[str, float]:
+def _tied_inputs_embeds(mesh: memsave.Mesh, base: str, schedule: str, frozen: bool = False) -> dict[str, float]:
     """A tied HF Llama fed ``inputs_embeds`` (embeddings made outside the model: a frozen table, a VLM's merge):
     the first stage's copy of the tied weight gets no gradient of its own, only the head's through the tie. Its
     gradient was left None there: the step skipped that copy, the clip's norm left it out, and the copies drifted
-    apart ([Note: a tie unused on its stage] in memsave/engines/pipeline.py; a review)."""
+    apart ([Note: a tie unused on its stage] in memsave/engines/pipeline.py; a review). ``frozen``: the tied
+    weight frozen, every parameter given to SGD with weight decay: it stays as it is (no zero gradient to step)."""
     data = pc.lm_data()
     table = pc.llama(True).get_input_embeddings().weight.detach().clone()
 
     def micro(batch: torch.Tensor) -> list[dict[str, torch.Tensor]]:
         return [{"inputs_embeds": nn.functional.embedding(ids, table), "labels": ids} for ids in batch.chunk(2)]
 
-    ref = pc.llama(True)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=pc.LR, momentum=pc.MOMENTUM)
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = pc.llama(True)
+        model.get_input_embeddings().requires_grad_(not frozen)
+        return model, torch.optim.SGD(model.parameters(), lr=pc.LR, momentum=pc.MOMENTUM,
+                                      weight_decay=0.1 if frozen else 0.0)
+
+    ref, ref_opt = build()
     figures = []
     for batch in data:
         for mb in micro(batch):
@@ -416,8 +422,7 @@ def _tied_inputs_embeds(mesh: memsave.Mesh, base: str, schedule: str) -> dict[st
         figures.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), pc.CLIP)))
         ref_opt.step()
         ref_opt.zero_grad()
-    model = pc.llama(True)
-    sgd = torch.optim.SGD(model.parameters(), lr=pc.LR, momentum=pc.MOMENTUM)
+    model, sgd = build()
     model, opt = memsave.wrap(model, sgd, pc.profile(base, pp=2, schedule=schedule), mesh=mesh)
     got = []
     for batch in data:
@@ -487,6 +492,7 @@ CASES: dict[str, Callable[[memsave.Mesh], dict[str, float]]] = {
     "save-pretrained-tied-zero3": lambda mesh: _save_pretrained(mesh, "zero3", tie=True),
     "tied-inputs-embeds-ddp-1f1b": lambda mesh: _tied_inputs_embeds(mesh, "ddp", "1f1b"),
     "tied-inputs-embeds-zero3-zero-bubble": lambda mesh: _tied_inputs_embeds(mesh, "zero3", "zero-bubble"),
+    "tied-frozen-inputs-embeds-ddp": lambda mesh: _tied_inputs_embeds(mesh, "ddp", "1f1b", frozen=True),
     # last: the failed step's messages stay in flight in this process group, for any later pipeline too
     "no-step-after-one-that-raised": _step_that_raised,
 }
