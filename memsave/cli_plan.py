@@ -29,7 +29,7 @@ from memsave.plan import (
     to_toml,
 )
 from memsave.plan import plan as make_plan
-from memsave.plan.search import ANALYTIC_HEADROOM, HEADROOM, _at_least
+from memsave.plan.search import ANALYTIC_HEADROOM, HEADROOM, at_least
 from memsave.plan.spec import from_gpt
 from memsave.recompute.policy import parse_size
 
@@ -213,10 +213,10 @@ def run_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
         margin = HEADROOM if p.exact else ANALYTIC_HEADROOM
         need = p.peak * (1 + margin)
         print(f"{args.explain}: {c.label()}\n{note}{_breakdown(p)}")
-        shown = (_at_least(need), format_bytes(int(budget)))
+        shown = (at_least(need), format_bytes(int(budget)))
         if shown[0] == shown[1]:  # alike at 0.1: the bytes
             shown = (f"{math.ceil(need):,} B", f"{int(budget):,} B")
-        print(("fits" if need <= budget else "does not fit") + f": {_at_least(p.peak)} + {margin:.0%} "
+        print(("fits" if need <= budget else "does not fit") + f": {at_least(p.peak)} + {margin:.0%} "
               f"headroom ({'of an exact figure' if p.exact else 'of a closed-form figure'}, as the search keeps) "
               f"= {shown[0]} {'<=' if need <= budget else '>'} {shown[1]}")
         return 0

@@ -26,7 +26,7 @@ from memsave.memory.schema import OFF_DEVICE, format_bytes
 from memsave.plan.cost import Candidate, price
 from memsave.plan.hardware import calibrate
 from memsave.plan.profile import exact_peak, to_profile
-from memsave.plan.search import HEADROOM, PlanError, _at_least
+from memsave.plan.search import HEADROOM, PlanError, at_least
 from memsave.plan.spec import from_module
 from memsave.recompute.policy import parse_size
 
@@ -150,7 +150,7 @@ def _choose(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh, tp: 
     if not fits:
         assert smallest is not None
         return (f'profile = "auto": nothing fits {format_bytes(int(limit))} per rank; the smallest is '
-                f"{smallest[1].label()} at {_at_least(smallest[0] * (1 + HEADROOM))} with {HEADROOM:.0%} "
+                f"{smallest[1].label()} at {at_least(smallest[0] * (1 + HEADROOM))} with {HEADROOM:.0%} "
                 "headroom: raise budget= to that, or lower the micro-batch")
     fits.sort(key=lambda f: (f[0], f[1]))
     return fits[0][2], fits[0][3]

@@ -24,7 +24,7 @@ from memsave.plan.cost import Candidate, Priced, price
 from memsave.plan.hardware import Hardware
 from memsave.plan.spec import ModelSpec
 
-__all__ = ["HEADROOM", "Plan", "PlanError", "candidates", "plan"]
+__all__ = ["HEADROOM", "Plan", "PlanError", "at_least", "candidates", "plan"]
 
 HEADROOM = 0.05  # of an exact peak (memsave.estimate), kept free: the estimator's validated error
 ANALYTIC_HEADROOM = 0.10  # of a closed-form peak
@@ -260,14 +260,14 @@ def plan(spec: ModelSpec, hw: Hardware, *, world: int, global_batch: int, seq: i
                                                      p.peak * (1 + (headroom if p.exact else analytic_headroom))))
         raise PlanError(f"no configuration of {spec.name} fits {format_bytes(int(budget))} per device on {world} "
                         f"device(s): the smallest that would fit needs "
-                        f"{_at_least(need.peak * (1 + (headroom if need.exact else analytic_headroom)))} "
+                        f"{at_least(need.peak * (1 + (headroom if need.exact else analytic_headroom)))} "
                         f"per device ({_source(need)}: {need.candidate.label()}); "
                         + "; ".join(f"{k}: {v}" for k, v in rejected.items())
                         + "".join(f"; {k} not priced: {v}" for k, v in unpriced.items()))
     return Plan(fits, rejected, budget, host_budget, disk_budget, n, unpriced)
 
 
-def _at_least(n: float) -> str:
+def at_least(n: float) -> str:
     """``n`` bytes as :func:`format_bytes` prints them, rounded up (a budget of the printed figure fits ``n``)."""
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
@@ -285,12 +285,12 @@ def _source(p: Priced) -> str:
 
 def _why(p: Priced, budget: float, host: float, disk: float, margin: float) -> str:
     if p.host > host:
-        return f"host memory {_at_least(p.host)} > host budget {format_bytes(int(host))} ({p.candidate.label()})"
+        return f"host memory {at_least(p.host)} > host budget {format_bytes(int(host))} ({p.candidate.label()})"
     if p.disk > disk:
-        return f"disk {_at_least(p.disk)} > disk budget {format_bytes(int(disk))} ({p.candidate.label()})"
+        return f"disk {at_least(p.disk)} > disk budget {format_bytes(int(disk))} ({p.candidate.label()})"
     largest = max(p.device, key=p.device.__getitem__)
     # the figures compared with a budget are rounded up: a peak just over 9.0 MiB reads 9.1, not "9.0 > 9.0"
     # under the budget but not with the headroom kept free: say so (the peak alone would read as fitting)
-    kept = "" if p.peak > budget else f", {_at_least(p.peak * (1 + margin))} with {margin:.0%} headroom"
-    return (f"{_NAMES.get(largest, largest)} {format_bytes(int(p.device[largest]))} of {_at_least(p.peak)} per "
+    kept = "" if p.peak > budget else f", {at_least(p.peak * (1 + margin))} with {margin:.0%} headroom"
+    return (f"{_NAMES.get(largest, largest)} {format_bytes(int(p.device[largest]))} of {at_least(p.peak)} per "
             f"device{kept} > budget {format_bytes(int(budget))} at best ({_source(p)}: {p.candidate.label()})")
