@@ -217,9 +217,13 @@ def _remove_recorded(record: Path) -> None:
         return
     for line in dict.fromkeys(lines):
         folder = Path(line)
-        if line and folder.name.startswith(folders.PREFIX) and folder.exists() and folders.remove_folder(folder):
+        if not line or not folder.name.startswith(folders.PREFIX):
+            continue
+        if folder.exists() and folders.remove_folder(folder):
             get_logger().info("removed the offload folder %s of a process that was stopped or died", folder)
-            folders.remove_made(folder.parent)  # and the path above it, if memsave made it and it is empty now
+        # and the path above it, if memsave made it and it is empty now: also where the rank removed its folder
+        # but was stopped before the path (a CI run left the path's marker so, on a loaded machine)
+        folders.remove_made(folder.parent)
 
 
 @contextlib.contextmanager

@@ -158,6 +158,10 @@ def _train(model: nn.Module, opt: Any, loss_fn: Callable, rank: int | None, *, z
         elif zero == "manual":
             for p in model.parameters():
                 p.grad = None
+        elif zero == "manual_optimizer":  # what the optimizer holds (FSDP2 users' loop; a custom zero_grad)
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p.grad = None
         if step == freeze_after:  # a block frozen after wrap (its cleared gradients stay as they are)
             model.blocks[1].requires_grad_(False)
         losses.append(loss.item())
@@ -178,6 +182,35 @@ def _compare(build: Callable[[], nn.Module], profile: str, loss_fn: Callable, me
     got = model.state_dict()  # collective at stage 3
     for k, v in ref.state_dict().items():
         assert_close_norm(got[k].float(), v.float(), f"{what} [{profile}] {k}", rtol)
+
+
+def _cleared_by_hand_with_masters(mesh: Any) -> None:
+    """[Note: gradients cleared through the optimizer] Under bf16 the optimizer holds fp32 masters, and with
+    ``reduce = "fp32"`` the averaged gradient lives in an fp32 bucket, not in ``.grad``: clearing either by hand
+    changed nothing, and from the third step on each step stepped the sum of two steps' gradients. Each loop must
+    equal the one clearing with ``optimizer.zero_grad()`` bit for bit; gradients kept over a step on purpose
+    (``every_other``) must still add up: at the second step, the first step's gradient plus the second's."""
+    def run(profile: memsave.Profile, zero: str) -> tuple[list[float], dict[str, torch.Tensor], list[Any]]:
+        model = ToyLM(n_blocks=2)
+        model, opt = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), profile,
+                                  mesh=mesh)
+        grads = []
+        opt.step = (lambda step: lambda: (grads.append(opt.full_grads()), step())[1])(opt.step)
+        losses = _train(model, opt, _toy_loss, mesh.dp_rank, zero=zero)
+        return losses, {k: v.float() for k, v in model.state_dict().items()}, grads
+
+    for name, reduce in (("ddp", "fp32"), ("ddp", "compute"), ("zero2", "fp32"), ("zero3", "compute")):
+        profile = memsave.load_profile(name, ["precision.compute=bf16", f"precision.reduce={reduce}"])
+        losses, params, grads = run(profile, "optimizer")
+        for zero in ("manual", "manual_optimizer"):
+            got = run(profile, zero)
+            assert got[0] == losses, (name, reduce, zero, got[0], losses)
+            assert all(torch.equal(got[1][k], v) for k, v in params.items()), (name, reduce, zero)
+        kept = run(profile, "every_other")[2]
+        for n, g in kept[1].items():
+            want = grads[0][n].float() + grads[1][n].float()
+            assert_close_norm(g.float(), want, f"kept over a step [{name} bf16, reduce {reduce}] {n}", 1e-2)
+            assert not torch.allclose(g.float(), grads[1][n].float(), rtol=1e-2), (name, reduce, n)
 
 
 def _frozen_norms(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
@@ -203,11 +236,12 @@ def _equivalence_cases(world: int) -> str:
     _compare(lambda: add_lora(llama_tied(), ("q_proj", "v_proj")), "zero3", _hf_loss, mesh, "LoRA, HF Llama tied")
     # 2. clearing gradients some other way than the wrapper's zero_grad: fresh gradients at every stage
     for profile in ("ddp", "zero1", "zero2", "zero3"):
-        for zero in ("model", "inner", "manual", "model_in_place", "every_other"):
+        for zero in ("model", "inner", "manual", "manual_optimizer", "model_in_place", "every_other"):
             _compare(toy, profile, _toy_loss, mesh, f"zero_grad via {zero}", zero=zero)
         # stage 1 read a frozen parameter's cleared gradient (a guard) and raised its own "was reduced" error
         _compare(toy, profile, _toy_loss, mesh, "frozen after wrap", zero="model_in_place", freeze_after=0)
     _compare(toy, "zero2", _toy_loss, mesh, "model.zero_grad, SGD", zero="model", sgd=True)
+    _cleared_by_hand_with_masters(mesh)
     _compare(llama, "zero3", _hf_loss, mesh, "model.zero_grad, HF Llama", zero="model")
     _compare(toy, "zero2", _token_mean_loss, mesh, "labels of -100, the global token mean")
     # 4. HF inputs_embeds: the embedding table is read outside the model's forward

@@ -12,7 +12,12 @@ match across ranks even when gradients become ready in different orders or some 
 
 [Note: reduce dtype] With ``[precision] reduce = "fp32"`` under bf16/fp16 compute the buckets are fp32: a
 gradient cannot be a view of them, so the hook copies (casts) it into its bucket and drops it, and the
-averaged fp32 rows reach the fp32 master through :meth:`DataParallelEngine.grad_of` with no rounding.
+averaged fp32 rows reach the fp32 master through :meth:`DataParallelEngine.grad_of` with no rounding. The
+parameter's ``.grad`` is then a guard (memsave/zero/guards.py, as under ZeRO) that refuses reads and tells
+the next backward whether to add to the bucket (the guard is still there) or start afresh (cleared: by
+``zero_grad``, by ``p.grad = None``, or through the optimizer's tensors: [Note: gradients cleared through the
+optimizer] in memsave/engines/freshness.py). Before, ``.grad`` was None after every backward, so a loop
+clearing ``p.grad = None`` by hand changed nothing and the next step's gradient was the sum of both steps'.
 
 [Note: unused parameters] A parameter that got no gradient on this rank contributes zeros. A flag per
 parameter is all-reduced with the last bucket so every rank agrees which parameters were used anywhere:
@@ -33,9 +38,11 @@ from torch import nn
 from memsave import dist as mdist
 from memsave.dist import Mesh
 from memsave.engines import part_grad
+from memsave.engines.freshness import pre_accumulate_hooks
 from memsave.outer_backward import OuterBackward, grad_hooks_last, repeated_gradient_error
 from memsave.phases import MemoryCategory
 from memsave.wrapped import check_still_frozen, sync_suspended, unscaled_backward_error, weak_method
+from memsave.zero.guards import fresh_start, is_guard, make_reduced_grad
 
 __all__ = ["DataParallelEngine", "trainable_parameters"]
 
@@ -90,6 +97,9 @@ class DataParallelEngine:
         # and whether they start the next backward from zero (set_to_none) or accumulate into what they hold
         self._averaged: set[nn.Parameter] = set()
         self._fresh = True
+        # [Note: gradients cleared through the optimizer] per parameter, decided at its first gradient of a sync
+        self._fresh_of: dict[nn.Parameter, bool] = {}
+        self.cleared_elsewhere: Callable[[nn.Parameter], bool] | None = None
         self.num_syncs = 0  # completed gradient synchronizations (one per synchronizing backward)
         self.loss_scaled = False  # fp16: gradients must come from optimizer.backward (a scaled loss)
         self.in_scaled_backward = False
@@ -101,6 +111,9 @@ class DataParallelEngine:
         on_grad = weak_method(self._on_grad_ready)
         self._grad_hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in self._slot]
         self._hooks = list(self._grad_hooks)
+        self._pre_hooked = any(b.buffer.dtype != b.params[0].dtype for b in self.buckets)
+        if self._pre_hooked:
+            self._hooks += pre_accumulate_hooks(self, list(self._slot))
         self._hooks.append(model.register_forward_pre_hook(self._check_trainable, prepend=True))
         self._hooks.append(model.register_load_state_dict_post_hook(self._after_load))
         if mesh.degree("tp") > 1 and mesh.degree("pp") == 1:  # every forward communicates over tp
@@ -161,6 +174,33 @@ class DataParallelEngine:
         self._used.zero_()
         self._next_launch, self._callback_queued = 0, False
         self._fired.clear()
+        self._fresh_of.clear()
+
+    def set_cleared_check(self, cleared: Callable[[nn.Parameter], bool]) -> None:
+        """[Note: gradients cleared through the optimizer] ``cleared(p)``: the tensor the optimizer steps for ``p``
+        (its fp32 master) had its ``.grad`` cleared since the last sync, so ``p``'s next gradient starts afresh."""
+        self.cleared_elsewhere = cleared
+        if not self._pre_hooked:
+            self._pre_hooked = True
+            self._hooks += pre_accumulate_hooks(self, list(self._slot))
+
+    def before_accumulate(self, p: nn.Parameter) -> None:
+        """``p``'s gradient is about to be accumulated into ``.grad`` (a tensor pre-hook): decide freshness while
+        the guard (or the bucket view) is still there, then drop what torch must not add to."""
+        self._fresh_for(p)
+        if is_guard(p.grad):
+            p.grad = None  # torch starts a new .grad; _adopt copies (or adds) it into the bucket
+
+    def _fresh_for(self, p: nn.Parameter) -> bool:
+        """Whether ``p``'s gradient in this sync replaces what its bucket holds (once per sync)."""
+        fresh = self._fresh_of.get(p)
+        if fresh is None:
+            cast = self._slot[p][0].buffer.dtype != p.dtype
+            fresh = self._fresh_of[p] = fresh_start(p.grad, self.cleared_elsewhere, p, cast and (
+                self._fresh or p not in self._averaged))
+            if fresh and not cast and p.grad is not None:
+                p.grad = None  # the bucket view the last sync left: torch starts anew, or the bucket from zero
+        return fresh
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if self.loss_scaled and not self.in_scaled_backward:
@@ -189,13 +229,16 @@ class DataParallelEngine:
         p = bucket.params[i]
         view = bucket.view(i)
         if view.dtype != p.dtype:  # [Note: reduce dtype]
-            if p.grad is not None:
-                view.copy_(p.grad) if self._fresh and not again else view.add_(p.grad)
+            fresh = self._fresh_for(p)
+            if p.grad is not None and not is_guard(p.grad):
+                view.copy_(p.grad) if fresh and not again else view.add_(p.grad)
                 p.grad = None
                 self._used[self._order[p]] = 1
-            elif self._fresh:
+            elif fresh:
                 view.zero_()
             return
+        if self.cleared_elsewhere is not None:
+            self._fresh_for(p)  # (no pre-hook ran, no gradient here: cleared, the bucket starts from zero)
         if p.grad is None:
             view.zero_()
             return
@@ -241,6 +284,8 @@ class DataParallelEngine:
             if bucket.buffer.dtype != p.dtype:
                 if used[k]:
                     self._averaged.add(p)
+                if p in self._averaged and p.grad is None:  # [Note: reduce dtype] the guard
+                    p.grad = make_reduced_grad(p, self._reduced_message(p))
                 continue
             if used[k]:
                 if p.grad is None:  # used elsewhere only: the average is its gradient here too
@@ -248,6 +293,7 @@ class DataParallelEngine:
             else:
                 p.grad = None
         self._fresh = False
+        self._fresh_of.clear()
         self._used.zero_()
         self._next_launch = 0
         self.num_syncs += 1
@@ -297,7 +343,14 @@ class DataParallelEngine:
             return p.grad
         return bucket.view(i) if p in self._averaged else None
 
+    def _reduced_message(self, p: nn.Parameter) -> str:
+        return (f"memsave: the averaged gradient of {self.param_names[p]!r} is kept in fp32 ([precision] reduce = "
+                f"\"fp32\"), not in this {p.dtype} parameter's .grad; clip with optimizer.clip_grad_norm(max_norm), "
+                "read the gradients with optimizer.full_grads(), clear them with optimizer.zero_grad(), "
+                "model.zero_grad() or p.grad = None")
+
     def zero_grad(self, set_to_none: bool) -> None:
+        self._fresh_of.clear()
         if set_to_none:
             self._averaged.clear()
             self._fresh = True
@@ -314,7 +367,7 @@ class DataParallelEngine:
     def memory_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:
         for p in self.model.parameters():
             yield MemoryCategory.PARAMS, p
-            if p.grad is not None:
+            if p.grad is not None and not is_guard(p.grad):
                 yield MemoryCategory.GRADS, p.grad
         for b in self.buckets:
             yield MemoryCategory.GRADS, b.buffer

@@ -2,13 +2,10 @@
 
 It composes, in this order each step: the engine's gradient sync (driven by ``backward``), precision (fp32
 masters and the loss scaler, :class:`~memsave.precision.MixedPrecisionOptimizer`), clipping by the global norm,
-the non-finite check, offload of the optimizer state (ZeRO), and the user's own optimizer's step. What it steps
-is what the engine says (:meth:`Engine.stepped`: the parameters, or this rank's rows of them); which groups a
-norm or a decision is reduced over follows the placements the engine reports, so the same code serves plain
-data parallelism, ZeRO 1-3 and the TP and PP engines that plug in later.
-
-The user's instance is kept (its class, hyperparameters and param groups; LR schedulers built on it keep
-working); only the tensors in its ``param_groups`` are replaced by what the engine steps.
+the non-finite check, offload of the optimizer state (ZeRO), and the user's own optimizer's step. It steps what
+the engine says (:meth:`Engine.stepped`: the parameters, or this rank's rows of them); groups a norm or a
+decision is reduced over follow the placements the engine reports (DP, ZeRO 1-3, TP, PP alike). The user's
+instance is kept (class, hyperparameters, param groups, LR schedulers); only its tensors are replaced.
 """
 
 from __future__ import annotations
@@ -24,6 +21,7 @@ from memsave import dist as mdist
 from memsave.config import OffloadConfig
 from memsave.engines import part_grad
 from memsave.engines import state as _state
+from memsave.engines.freshness import ClearedThroughOptimizer
 from memsave.engines.grad_scaler import GradScalerSteps
 from memsave.engines.protocol import Engine
 from memsave.offload import OffloadedState
@@ -116,6 +114,10 @@ class MemsaveOptimizer(GradScalerSteps, WrappedOptimizer):
             [t for t in self._opt_full if t not in self._full_of])
         if self._guards.shards or self._guards.masters:
             engine.sync_listeners.append(weak_method(self._guards.mark))
+        # [Note: gradients cleared through the optimizer] in memsave/engines/freshness.py (fp32 shards; masters)
+        self._held = {m: s for m, s in self.mp.pairs if m is not s} if self.mp is not None else {}
+        if opt_of := {p: t for t, p in self._opt_full.items() if t in self._held or (not self.mp and t is not p)}:
+            engine.set_cleared_check(ClearedThroughOptimizer(opt_of))
         self._norm_parts = kinds  # the sets of sharded axes a norm sums over (some may hold nothing on this rank)
         self._unmarks = bool(getattr(engine, "marks_part_grads", False))  # (no pass over the grads where none is)
         # norms sum in the model's registration order, as torch's clip_grad_norm_(model.parameters()) does
@@ -149,9 +151,7 @@ class MemsaveOptimizer(GradScalerSteps, WrappedOptimizer):
             raise NotImplementedError("[offload] overlap = true with [parallel] pp > 1 is not implemented: the "
                                       "background step would race the next pipeline step's gathers; set "
                                       "offload.overlap = false")
-        masters: dict[torch.Tensor, torch.Tensor] = (
-            {m: s for m, s in self.mp.pairs if m is not s} if self.mp is not None else {})
-        self.offloaded, self.param_offload = build_offloaded_state(self.optimizer, zero, offload, masters=masters)
+        self.offloaded, self.param_offload = build_offloaded_state(self.optimizer, zero, offload, masters=self._held)
         self.overlap = self.offloaded is not None and offload.overlap
         if self.overlap:
             state = self.offloaded
@@ -162,21 +162,18 @@ class MemsaveOptimizer(GradScalerSteps, WrappedOptimizer):
 
     # -- what the state dict and tests read ------------------------------------------------------------------
     @property
-    def stepped_to_full(self) -> dict[torch.Tensor, nn.Parameter]:
-        """What the user's optimizer steps (a parameter, or this rank's rows of it) -> the model's parameter."""
+    def stepped_to_full(self) -> dict[torch.Tensor, nn.Parameter]:  # (a parameter, or this rank's rows of it)
         return self._full_of
 
     def full_of(self, t: torch.Tensor) -> nn.Parameter:
         """The model parameter of a tensor the user's optimizer steps (a stepped tensor or its fp32 master)."""
         return self._opt_full[t]
 
-    def placement_of(self, t: torch.Tensor) -> mdist.Placement:
-        """The placement of a tensor the user's optimizer steps (a stepped tensor, or its fp32 master: the same)."""
+    def placement_of(self, t: torch.Tensor) -> mdist.Placement:  # (a stepped tensor, or its fp32 master: alike)
         return self._placement[t]
 
     # -- the step ------------------------------------------------------------------------------------------
-    def settle(self) -> None:
-        """Wait for an optimizer step still running in the background (``[offload] overlap``); raise its error."""
+    def settle(self) -> None:  # a step still running in the background ([offload] overlap); raise its error
         if self.offloaded is not None:
             self.offloaded.settle()
 
@@ -293,6 +290,7 @@ class MemsaveOptimizer(GradScalerSteps, WrappedOptimizer):
         mdist.doing(agreement.step, "optimizer.step()")
         agreement.check("optimizer")  # [Note: control-flow agreement] in memsave/dist/agreement.py
         self._stepped()
+        self._guards.rest(self._held, self.engine.grad_of)
         agreement.step += 1  # once it returned: a step that raised on one rank is named at the next phase
 
     def _stepped(self) -> None:
@@ -360,7 +358,9 @@ class MemsaveOptimizer(GradScalerSteps, WrappedOptimizer):
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """The averaged full gradient of every trainable parameter, by name (collective; for checks/debugging)."""
         self.complete_partial_grads()
-        return _state.full_grads(self)
+        grads = _state.full_grads(self)
+        self._guards.rest(self._held, self.engine.grad_of)
+        return grads
 
     # -- memory ----------------------------------------------------------------------------------------------
     def memory_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:

@@ -143,10 +143,20 @@ class StepGuards:
             if type(s.grad) is torch.Tensor:
                 s.grad.__class__ = ShardGrad
         for k, m in enumerate(self.masters):
-            guard = self._guards[k]
-            if guard is None or guard.shape != m.shape:  # (an offloaded master's storage is emptied)
-                guard = self._guards[k] = make_reduced_grad(m, _MASTER_READ, cls=MasterGrad)
-            m.grad = guard
+            self._mark(k, m)
+
+    def rest(self, held: dict[torch.Tensor, torch.Tensor], grad_of: Any) -> None:
+        """After a step or a read: a master whose gradient the engine still holds (``held``: master -> what the
+        engine steps for it) is marked again ([Note: gradients cleared through the optimizer] in freshness.py)."""
+        for k, m in enumerate(self.masters):
+            if m.grad is None and grad_of(held[m]) is not None:
+                self._mark(k, m)
+
+    def _mark(self, k: int, m: torch.Tensor) -> None:
+        guard = self._guards[k]
+        if guard is None or guard.shape != m.shape:  # (an offloaded master's storage is emptied)
+            guard = self._guards[k] = make_reduced_grad(m, _MASTER_READ, cls=MasterGrad)
+        m.grad = guard
 
     def unmark(self) -> None:
         for s in self.shards:

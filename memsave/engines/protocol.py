@@ -63,6 +63,10 @@ class Engine(Protocol):
 
     def zero_grad(self, set_to_none: bool) -> None: ...
 
+    def set_cleared_check(self, cleared: Callable[[nn.Parameter], bool]) -> None:
+        """``cleared(p)``: the optimizer's tensor for ``p`` lost its ``.grad``, so ``p``'s next gradient starts
+        afresh ([Note: gradients cleared through the optimizer] in memsave/engines/freshness.py)."""
+
     def before_step(self) -> None:
         """Before the optimizer changes the stepped tensors (stage 3 frees units gathered on access)."""
 

@@ -41,6 +41,12 @@ def _own_grad(p: torch.Tensor) -> torch.Tensor | None:
 _EXTRA_KEYS = ("master_params", "loss_scaler")  # what the state dict adds to the wrapped optimizer's
 
 
+def _is_mark(grad: torch.Tensor) -> bool:
+    """A ``.grad`` that holds no gradient: a guard of memsave/zero/guards.py (a master's mark, a reduced gradient),
+    told by the attribute it carries (this layer does not import ZeRO's)."""
+    return hasattr(grad, "_memsave_message")
+
+
 class MixedPrecisionOptimizer(WrappedOptimizer):
     """fp32 master weights and optional dynamic loss scaling around any ``torch.optim.Optimizer``.
 
@@ -246,7 +252,7 @@ class MixedPrecisionOptimizer(WrappedOptimizer):
         for master, p in self._pairs:
             if master is not p:
                 yield MemoryCategory.MASTER, master
-                if master.grad is not None:
+                if master.grad is not None and not _is_mark(master.grad):
                     yield MemoryCategory.GRADS, master.grad
 
     def memory_tensors(self) -> Iterator[tuple[MemoryCategory, torch.Tensor]]:
@@ -254,6 +260,6 @@ class MixedPrecisionOptimizer(WrappedOptimizer):
             yield MemoryCategory.PARAMS, p
             if master is not p:
                 yield MemoryCategory.MASTER, master
-            for t in {id(x): x for x in (p.grad, master.grad) if x is not None}.values():
+            for t in {id(x): x for x in (p.grad, master.grad) if x is not None and not _is_mark(x)}.values():
                 yield MemoryCategory.GRADS, t
         yield from self._optimizer_state_tensors()

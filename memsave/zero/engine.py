@@ -6,11 +6,9 @@ stage 3 the :class:`~memsave.zero.schedule.Stage3Schedule` gathers and frees the
 
 [Note: collective order] (gradients) Reduce-scatters are issued strictly in backward order on every rank (a
 unit whose gradients are complete waits for the earlier ones), and a unit whose gradients some rank never
-produced is reduced as zeros at the end of backward. Gathers and reduce-scatters travel on separate groups. The
-gathers' half of the note is in memsave/zero/schedule.py.
-
-[Note: unused parameters] As in the DP engine, one flag per trainable parameter is all-reduced at the end of
-backward; a parameter that got no gradient on any rank keeps ``grad = None`` so the optimizer skips it.
+produced is reduced as zeros at the end of backward. Gathers and reduce-scatters travel on separate groups (the
+gathers' half of the note: memsave/zero/schedule.py). [Note: unused parameters] As in the DP engine, a flag per
+trainable parameter is all-reduced at the end of backward; one no rank used keeps ``grad = None``.
 """
 
 from __future__ import annotations
@@ -142,10 +140,7 @@ class ZeroEngine:
 
     def _make_before_accumulate(self, p: nn.Parameter) -> Callable[[torch.Tensor], None]:
         unit, j = self._trainable_slot[p]
-
-        def hook(grad: torch.Tensor) -> None:
-            unit.before_accumulate(j)  # [Note: gradient freshness] in unit.py
-        return hook
+        return lambda grad: unit.before_accumulate(j)  # [Note: gradient freshness] in unit.py
 
     def _check_trainable(self, module: nn.Module, args: Any) -> None:
         """A parameter frozen at wrap has no gradient shard, reduce or optimizer state: training it later would
@@ -334,6 +329,10 @@ class ZeroEngine:
         """The averaged gradient rows for an optimizer shard, in the reduce dtype (see :meth:`Unit.shard_grad`)."""
         unit, i = self._slot_of[shard]
         return unit.shard_grad(i)
+
+    def set_cleared_check(self, cleared: Callable[[nn.Parameter], bool]) -> None:  # memsave/engines/freshness.py
+        for u in self.units:
+            u.cleared_elsewhere = cleared
 
     def zero_grad(self, set_to_none: bool) -> None:
         if not set_to_none and self.before_zero_in_place is not None:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch._C import DisableTorchFunctionSubclass
 
-__all__ = ["ReducedGrad", "ShardedParameter", "is_guard", "mark_sharded", "mark_unsharded", "plain"]
+__all__ = ["ReducedGrad", "ShardedParameter", "fresh_start", "is_guard", "mark_sharded", "mark_unsharded", "plain"]
 
 # Property reads and writes that never look at the values (the descriptor's name, for ``Tensor.<name>.__get__``).
 _META_PROPERTIES = frozenset({
@@ -207,6 +207,16 @@ def make_reduced_grad(like: torch.Tensor, message: str, storage: torch.Tensor | 
 
 def is_guard(t: torch.Tensor | None) -> bool:
     return isinstance(t, ReducedGrad)
+
+
+def fresh_start(grad: torch.Tensor | None, cleared: Callable[[nn.Parameter], bool] | None, p: nn.Parameter,
+                otherwise: bool) -> bool:
+    """Whether ``p``'s next gradient starts afresh: ``.grad`` cleared (None, or a guard zeroed in place), or the
+    optimizer's tensor for it cleared; else ``otherwise`` ([Note: gradients cleared through the optimizer] in
+    memsave/engines/freshness.py)."""
+    if grad is None or (is_guard(grad) and grad._memsave_cleared):  # type: ignore[attr-defined]
+        return True
+    return (cleared is not None and cleared(p)) or otherwise
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ from torch import nn
 
 from memsave import dist as mdist
 from memsave.phases import MemoryCategory, UnitState
-from memsave.zero.guards import is_guard, make_reduced_grad, mark_sharded, mark_unsharded, plain
+from memsave.zero.guards import fresh_start, is_guard, make_reduced_grad, mark_sharded, mark_unsharded, plain
 from memsave.zero.layout import ShardLayout
 
 __all__ = ["Unit"]
@@ -67,10 +67,8 @@ class Unit:
         if not self.params:  # a root that owns nothing: every parameter lives in a block
             dtypes = {(torch.get_default_dtype(), torch.device("cpu"))}
         if len(dtypes) > 1:
-            raise NotImplementedError(
-                f"unit {name!r} mixes parameter dtypes/devices {sorted(map(str, dtypes))}; one flat buffer needs "
-                "one dtype: cast the model, or pass units= that separate them"
-            )
+            raise NotImplementedError(f"unit {name!r} mixes parameter dtypes/devices {sorted(map(str, dtypes))}; one "
+                                      "flat buffer needs one dtype: cast the model, or pass units= that separate them")
         self.dtype, self.device = next(iter(dtypes))
         self.reduce_dtype = reduce_dtype if reduce_dtype is not None else self.dtype
         # the averaged rows live in flat_grad (not in rows of p.grad): stages 2-3, or a reduce dtype of its own
@@ -91,8 +89,10 @@ class Unit:
         self.open_calls = 0
         self.blind_calls = 0
         # [Note: gradient freshness] per trainable parameter: replace (True) or add to (False) the reduced rows
-        # held; None until its first gradient since the last reduce
+        # held; None until its first gradient since the last reduce (and [Note: gradients cleared through the
+        # optimizer] in memsave/engines/freshness.py)
         self.fresh: list[bool | None] = [None] * len(self.trainable)
+        self.cleared_elsewhere: Callable[[nn.Parameter], bool] | None = None
         self._carry: dict[int, torch.Tensor] = {}  # stage 1: the full .grad whose reduced rows are added to
         # stage 3: what a read of a sharded parameter does (the engine gathers or raises; [Note: guarded reads])
         self.on_sharded_read: Callable[[Unit, int, str], None] | None = None
@@ -219,10 +219,10 @@ class Unit:
         """[Note: gradient freshness] Decide (once per reduce) whether trainable param ``j`` adds to its rows."""
         fresh = self.fresh[j]
         if fresh is None:
-            g = self.params[self.trainable[j]].grad
-            fresh = self.fresh[j] = not (is_guard(g) and not g._memsave_cleared)  # type: ignore[union-attr]
+            p = self.params[self.trainable[j]]
+            fresh = self.fresh[j] = not is_guard(p.grad) or fresh_start(p.grad, self.cleared_elsewhere, p, False)
             if not fresh and not self._sharded_grads:  # stage 1: the held rows are added after the reduce
-                self._carry[j] = plain(g)  # type: ignore[arg-type]
+                self._carry[j] = plain(p.grad)  # type: ignore[arg-type]
         return not fresh
 
     def before_accumulate(self, j: int) -> None:
