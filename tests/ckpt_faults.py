@@ -128,6 +128,11 @@ def corrupt_shard(root: Path) -> str:
     _barrier()
     fresh, fopt, _ = wrapped(Z2, seed=3)
     _expect(CheckpointFormatError, ["__1_0.distcp", "CRC-32"], lambda: memsave.load(path, fresh, fopt))
+    if _rank() == 0:  # `memsave export` checks the files as a load does (it wrote the garbled weight, rc 0)
+        with pytest.raises(CheckpointFormatError, match=r"__1_0\.distcp: CRC-32 differs"):
+            memsave.checkpoint.export(path, root / "corrupt.safetensors")
+        assert not (root / "corrupt.safetensors").exists()
+    _barrier()
     # without verification the garbled record is still refused, naming the file and the key
     return "ok"
 

@@ -65,15 +65,18 @@ def test_balance_by_time_evens_the_stages() -> None:
     assert [s["blocks"] for s in pipe["stages"]] == [list(names[a:b]) for a, b in itertools.pairwise(bounds)]
     assert all(s["bytes"] is not None and s["bytes"] >= 0 for s in pipe["stages"])
     assert "pipeline: pp = 2, schedule 1f1b, virtual 1, balance by time" in ranks[0]["text"]
-    # the same measured blocks cut by count: per-block costs back from the chosen stages are not kept, so
-    # measure the blocks here the way the split did
+    # the same blocks cut by count: >= 1.3x of the ideal in FLOPs (1.5x; measured on a quiet machine 1.41-1.46,
+    # 1.25 in a CI run beside other jobs, whose load slows the many small blocks more: the measured figure is the
+    # bench's, here only clearly worse than the balancer's). Per-block costs back from the chosen stages are not
+    # kept, so measure the blocks here the way the split did
     from memsave.pp.auto_split import block_times
 
     model = _model()
     names = [str(i) for i in range(len(WIDTHS))]
+    assert by_count(names, [float(w) for w in WIDTHS], 2).slowest_vs_ideal >= 1.3
     per_block = block_times(model, names, (_batches(1)[0]["input"],))
     counted = by_count(names, per_block, 2)
-    assert counted.slowest_vs_ideal >= 1.3, counted.times
+    assert counted.slowest_vs_ideal >= 1.15, counted.times
     # one process on the same global batch
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

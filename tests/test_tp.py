@@ -153,16 +153,25 @@ def _train_case(mesh: memsave.Mesh, key: str, prof_name: str, sequence: bool,
             assert all(torch.equal(both[0], o) for o in both[1:]), f"{n}: the gradient differs across tp ranks"
             checked[0] += 1
 
+    # under SP cleared by model.zero_grad() or by hand (p.grad = None over model.parameters()): the summed norm
+    # gradients are summed afresh after it (both raised "accumulated over an optimizer step" at the second step)
+    clear = ("hand" if prof_name in ("ddp", "zero1", "zero2", "zero3-recompute") else "model") if sequence else "optimizer"
     with COMM_STATS.measure() as comm:
-        # under SP cleared by model.zero_grad(): the summed norm gradients are summed afresh after it (it raised
-        # "accumulated over an optimizer step without zero_grad()" at the second step)
         run = tc.train(model, mopt, mesh, tc.batches(vocab), loss_fn, after_clip=partial_grads_equal if partial else None,
-                       clear="model" if sequence else "optimizer")
+                       clear=clear)
     assert comm.calls["tp_logits_gather"] == 0, comm.snapshot()
     assert widths == [(ShardedLogits.__name__, -(-vocab // tp))] * (tc.STEPS + 1), widths  # (+ the eval forward)
     # under SP the norms' gradients are partial (each rank its tokens'); so are KV heads kept whole (nkv % tp != 0)
     assert bool(partial) == (sequence or (key.startswith("llama") and int(key[-1]) % tp != 0)), partial
     assert checked[0] == len(partial) * tc.STEPS
+    if partial and prof_name in ("ddp", "zero2"):  # not cleared: the summed gradients would be summed again
+        x, y = tc.batches(vocab)[0]
+        mopt.backward(loss_fn(model, x, y))
+        mopt.step()
+        mopt.backward(loss_fn(model, x, y))
+        with pytest.raises(NotImplementedError, match="the summed gradients would be summed again"):
+            mopt.step()
+        mopt.zero_grad()
     if prof_name == "ddp" and not sequence:  # the state dict: whole tensors, and whole tensors load back
         sd = model.state_dict()
         for n, v in run.params.items():

@@ -105,7 +105,7 @@ class _RaiseInBackward(torch.autograd.Function):
 
 def _train(model: nn.Module, opt: Any, loss_fn: Callable, rank: int | None, *, zero: str = "optimizer",
            eval_mid_step: bool = False, penalty: bool = False, sgd: bool = False,
-           freeze_after: int | None = None, clip: str = "", raise_at: int = -1) -> list[float]:
+           freeze_after: int | None = None, clip: str = "", raise_at: int = -1, drop: str = "") -> list[float]:
     """The loop under test. ``rank=None``: the plain reference on the global batch; else rank's half under memsave."""
     losses = []
     boom = {"step": False}  # the first block's output raises in backward: the later blocks' gradients exist (and
@@ -133,6 +133,12 @@ def _train(model: nn.Module, opt: Any, loss_fn: Callable, rank: int | None, *, z
             opt.zero_grad()
             losses.append(float("nan"))
             continue
+        if drop == "none":  # one gradient cleared between backward and step: torch skips the parameter
+            model.blocks[0].fc1.weight.grad = None
+        elif drop == "zero_":  # zeroed: torch steps it with a zero gradient (momentum goes on)
+            model.blocks[1].fc2.weight.grad.zero_()
+        elif drop == "module":  # a submodule's zero_grad
+            model.blocks[0].zero_grad()
         opt.step()
         if clip:  # WGAN-style clipping through p.data, gathered by hand at ZeRO-3 (freed by reshard, or not)
             if rank is not None:
@@ -206,6 +212,16 @@ def _cleared_by_hand_with_masters(mesh: Any) -> None:
             got = run(profile, zero)
             assert got[0] == losses, (name, reduce, zero, got[0], losses)
             assert all(torch.equal(got[1][k], v) for k, v in params.items()), (name, reduce, zero)
+        # [Note: a gradient cleared before the step] (the fp32 bucket's average, the shard's rows were stepped)
+        model = ToyLM(n_blocks=2)
+        model, opt = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), profile, mesh=mesh)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        opt.backward(_toy_loss(model, _local(_global_batch(0), mesh.dp_rank)))
+        model.blocks[0].fc1.weight.grad = None
+        opt.step()
+        after = model.state_dict()
+        assert torch.equal(after["blocks.0.fc1.weight"], before["blocks.0.fc1.weight"]), (name, reduce)
+        assert not torch.equal(after["blocks.1.fc1.weight"], before["blocks.1.fc1.weight"]), (name, reduce)
         kept = run(profile, "every_other")[2]
         for n, g in kept[1].items():
             want = grads[0][n].float() + grads[1][n].float()
@@ -238,6 +254,10 @@ def _equivalence_cases(world: int) -> str:
     for profile in ("ddp", "zero1", "zero2", "zero3"):
         for zero in ("model", "inner", "manual", "manual_optimizer", "model_in_place", "every_other"):
             _compare(toy, profile, _toy_loss, mesh, f"zero_grad via {zero}", zero=zero)
+        # [Note: a gradient cleared before the step]: the shard's reduced rows were stepped all the same
+        for drop in ("none", "zero_", "module") if profile != "ddp" else ():
+            _compare(toy, profile, _toy_loss, mesh, f"a gradient cleared before the step ({drop})", drop=drop,
+                     sgd=True)
         # stage 1 read a frozen parameter's cleared gradient (a guard) and raised its own "was reduced" error
         _compare(toy, profile, _toy_loss, mesh, "frozen after wrap", zero="model_in_place", freeze_after=0)
     _compare(toy, "zero2", _toy_loss, mesh, "model.zero_grad, SGD", zero="model", sgd=True)

@@ -126,7 +126,8 @@ def gathered_params(model: nn.Module, mesh: memsave.Mesh) -> dict[str, np.ndarra
 def train(model: nn.Module, opt: Any, mesh: memsave.Mesh, data: list[Batch], loss_fn: LossFn,
           after_clip: Callable[[], None] | None = None, clear: str = "optimizer") -> Run:
     """Each dp rank its rows of every global batch; the losses averaged over dp (equal token counts per rank).
-    ``clear``: the gradients are cleared after each step by ``optimizer.zero_grad()`` or ``model.zero_grad()``."""
+    ``clear``: the gradients are cleared after each step by ``optimizer.zero_grad()``, ``model.zero_grad()`` or by
+    hand (``"hand"``: ``p.grad = None`` over the model's parameters)."""
     dp, r = mesh.degree("dp"), mesh.axis_rank("dp")
     losses, norms = [], []
     for x, y in data:
@@ -137,7 +138,11 @@ def train(model: nn.Module, opt: Any, mesh: memsave.Mesh, data: list[Batch], los
         if after_clip is not None:
             after_clip()
         opt.step()
-        (opt if clear == "optimizer" else model).zero_grad()
+        if clear == "hand":
+            for p in model.parameters():
+                p.grad = None
+        else:
+            (opt if clear == "optimizer" else model).zero_grad()
         losses.append(_dp_mean(loss, mesh))
     model.eval()
     with torch.no_grad():  # (the forward without autograd: no saved inputs, no regather)

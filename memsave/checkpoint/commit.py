@@ -103,12 +103,12 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def verify_files(path: Path, manifest: dict[str, Any], *, checksums: bool) -> None:
+def verify_files(path: Path, manifest: dict[str, Any], *, checksums: bool, alone: bool = False) -> None:
     """Every file of the manifest exists with its size; with ``checksums`` this rank also checks the CRC-32 of
     its share of them (agreed by the caller): the shard file saved by rank ``r`` on rank ``r mod world`` (under
     the world size it was saved with, the file this rank reads next, then from the page cache), any other file
-    ``i`` on rank ``i mod world``."""
-    rank, world = mdist.group_rank(None), mdist.group_size(None)
+    ``i`` on rank ``i mod world``. ``alone``: this process checks every file (``memsave export``)."""
+    rank, world = (0, 1) if alone else (mdist.group_rank(None), mdist.group_size(None))
     for i, (name, (size, crc)) in enumerate(sorted(manifest["files"].items())):
         shard = re.fullmatch(r"__(\d+)_\d+\.distcp", name)
         owner = (int(shard.group(1)) if shard else i) % world

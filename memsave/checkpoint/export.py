@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memsave.checkpoint.commit import read_manifest
+from memsave.checkpoint.commit import read_manifest, verify_files
 from memsave.checkpoint.layout import held_params
 from memsave.checkpoint.state import buffers, offloaded_params_in, offloaded_params_out
 from memsave.dist import Shard
@@ -48,7 +48,8 @@ def export(checkpoint: str | Path, out: str | Path) -> dict[str, tuple[int, ...]
         raise ValueError(f"export: out={str(out)!r}: the folder {str(target.parent)!r} does not exist; "
                          "create it first, or name a file in an existing folder")
     ckpt = Path(checkpoint)
-    read_manifest(ckpt)
+    # every file's size and CRC-32, as a load checks them (a flipped byte was exported as a weight of 4.5e36)
+    verify_files(ckpt, read_manifest(ckpt), checksums=True, alone=True)
     keys = tensor_keys(read_metadata(ckpt))
     names = {k.split("/", 1)[1]: k for k in sorted(keys) if k.startswith(("model/", "buffer/"))}
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "source": f"memsave checkpoint {ckpt.name}"}}

@@ -99,6 +99,7 @@ class DataParallelEngine:
         self._fresh = True
         # [Note: gradients cleared through the optimizer] per parameter, decided at its first gradient of a sync
         self._fresh_of: dict[nn.Parameter, bool] = {}
+        self._started: dict[nn.Parameter, int] = {}  # the sync whose gradient last started afresh, per parameter
         self.cleared_elsewhere: Callable[[nn.Parameter], bool] | None = None
         self.num_syncs = 0  # completed gradient synchronizations (one per synchronizing backward)
         self.loss_scaled = False  # fp16: gradients must come from optimizer.backward (a scaled loss)
@@ -184,6 +185,10 @@ class DataParallelEngine:
             self._pre_hooked = True
             self._hooks += pre_accumulate_hooks(self, list(self._slot))
 
+    def restarted_since(self, p: torch.Tensor, sync: int) -> bool:
+        """Whether ``p``'s gradient started afresh after sync number ``sync`` (what that sync left is not in it)."""
+        return self._started.get(p, 0) > sync  # type: ignore[call-overload]
+
     def before_accumulate(self, p: nn.Parameter) -> None:
         """``p``'s gradient is about to be accumulated into ``.grad`` (a tensor pre-hook): decide freshness while
         the guard (or the bucket view) is still there, then drop what torch must not add to."""
@@ -230,6 +235,8 @@ class DataParallelEngine:
         view = bucket.view(i)
         if view.dtype != p.dtype:  # [Note: reduce dtype]
             fresh = self._fresh_for(p)
+            if fresh and not again:
+                self._started[p] = self.num_syncs + 1
             if p.grad is not None and not is_guard(p.grad):
                 view.copy_(p.grad) if fresh and not again else view.add_(p.grad)
                 p.grad = None
@@ -239,6 +246,8 @@ class DataParallelEngine:
             return
         if self.cleared_elsewhere is not None:
             self._fresh_for(p)  # (no pre-hook ran, no gradient here: cleared, the bucket starts from zero)
+        if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+            self._started[p] = self.num_syncs + 1  # (not the gradient the last sync left: a fresh one)
         if p.grad is None:
             view.zero_()
             return
@@ -341,7 +350,11 @@ class DataParallelEngine:
         bucket, i = slot
         if bucket.buffer.dtype == p.dtype:
             return p.grad
-        return bucket.view(i) if p in self._averaged else None
+        if p not in self._averaged or p.grad is None:  # (None: cleared after the sync, as torch skips it)
+            return None
+        if is_guard(p.grad) and p.grad._memsave_cleared:  # type: ignore[attr-defined]  # zeroed: a zero gradient
+            bucket.view(i).zero_()
+        return bucket.view(i)
 
     def _reduced_message(self, p: nn.Parameter) -> str:
         return (f"memsave: the averaged gradient of {self.param_names[p]!r} is kept in fp32 ([precision] reduce = "

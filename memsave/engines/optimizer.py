@@ -208,14 +208,16 @@ class MemsaveOptimizer(GradScalerSteps, WrappedOptimizer):
             self._forget_derived()
         if not self._partial:
             return
-        if self._partial_at is not None:
-            if self._partial_at != syncs:
+        if self._partial_at is not None:  # completed before: cleared since (by hand too), or accumulated onto
+            if self._partial_at == syncs:
+                return
+            if not all(self.engine.restarted_since(s, self._partial_at) for s in self._partial
+                       if self.engine.grad_of(s) is not None):
                 raise NotImplementedError(
-                    "gradients accumulated over an optimizer step without zero_grad() where a gradient is summed "
-                    "over tp (norms under sequence parallelism, key/value heads fewer than tp): the summed "
-                    "gradients would be summed again; call optimizer.zero_grad() or model.zero_grad() after each "
-                    "step (gradients cleared by hand, p.grad = None, are not told apart from accumulated ones here)")
-            return
+                    "gradients accumulated over an optimizer step without clearing them, where a gradient is summed "
+                    "over tp (norms under sequence parallelism, key/value heads fewer than tp): the summed gradients "
+                    "would be summed again; clear them after each step (optimizer.zero_grad(), model.zero_grad() "
+                    "or p.grad = None)")
         grads = [g for g in (self.engine.grad_of(s) for s in self._partial) if g is not None]
         if grads:
             flat = torch.cat([g.reshape(-1).float() for g in grads])
@@ -225,8 +227,7 @@ class MemsaveOptimizer(GradScalerSteps, WrappedOptimizer):
         self._partial_at = syncs
 
     def _grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(what the optimizer steps, its gradient)`` for those with one (the masters' under mixed precision), in
-        the model's parameter order."""
+        """``(what the optimizer steps, its gradient)`` for those with one, in the model's parameter order."""
         return [(t, t.grad) for t in self._norm_order if t.grad is not None]
 
     @torch.no_grad()
@@ -374,8 +375,7 @@ class MemsaveOptimizer(GradScalerSteps, WrappedOptimizer):
             yield from self.param_offload.memory_tensors()
 
     def offloaded_bytes(self) -> dict[str, int]:
-        """Bytes held off the device now, by tier (``"host"``, ``"disk"``): optimizer state, and at stage 3 with
-        ``[offload] params`` the parameter shards (see :meth:`offloaded_param_bytes`)."""
+        """Bytes held off the device now, by tier: optimizer state, and ``[offload] params``' parameter shards."""
         out = self.offloaded.offloaded_bytes() if self.offloaded is not None else {"host": 0, "disk": 0}
         if self.param_offload is not None:
             for tier, n in self.param_offload.offloaded_bytes().items():

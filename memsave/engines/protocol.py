@@ -63,6 +63,9 @@ class Engine(Protocol):
 
     def zero_grad(self, set_to_none: bool) -> None: ...
 
+    def restarted_since(self, stepped: torch.Tensor, sync: int) -> bool:
+        """Whether the stepped tensor's gradient started afresh after sync number ``sync``."""
+
     def set_cleared_check(self, cleared: Callable[[nn.Parameter], bool]) -> None:
         """``cleared(p)``: the optimizer's tensor for ``p`` lost its ``.grad``, so ``p``'s next gradient starts
         afresh ([Note: gradients cleared through the optimizer] in memsave/engines/freshness.py)."""

@@ -162,16 +162,14 @@ class ZeroEngine:
         grad_hooks_last(self._grad_hooks)  # [Note: the user's gradient hooks first] in memsave/outer_backward.py
 
     def attach_param_offload(self, offload: Any) -> None:
-        """Stage 3, ``[offload] params`` (``"disk"``, or ``"cpu"`` on CUDA): the units' shards are loaded before each gather (reading
-        ``offload.prefetch`` units ahead in the order of the gathers) and evicted after it."""
+        """Stage 3, ``[offload] params``: shards loaded before each gather (``prefetch`` ahead), evicted after."""
         self.param_offload = offload
         for u in self.units:
             u.before_gather = self._before_gather
             u.after_gather = offload.release
 
     def attach_step_waiter(self, wait: Callable[[Unit], None]) -> None:
-        """Stage 3, ``[offload] overlap``: a unit's gather first waits for the optimizer step of its rows, which
-        runs in the background ([Note: overlapped step] in memsave/offload/state.py)."""
+        """Stage 3, ``[offload] overlap``: a gather waits for its rows' background step ([Note: overlapped step])."""
         self.step_waiter = wait
         for u in self.units:
             u.before_gather = self._before_gather
@@ -325,10 +323,13 @@ class ZeroEngine:
         for u, handle in inflight:
             u.finish_param_gather(handle)
 
-    def grad_of(self, shard: torch.Tensor) -> torch.Tensor | None:
-        """The averaged gradient rows for an optimizer shard, in the reduce dtype (see :meth:`Unit.shard_grad`)."""
+    def grad_of(self, shard: torch.Tensor) -> torch.Tensor | None:  # the averaged rows, in the reduce dtype
         unit, i = self._slot_of[shard]
         return unit.shard_grad(i)
+
+    def restarted_since(self, shard: torch.Tensor, sync: int) -> bool:  # as the DP engine's
+        unit, i = self._slot_of[shard]
+        return unit.started[unit.trainable.index(i)] > sync
 
     def set_cleared_check(self, cleared: Callable[[nn.Parameter], bool]) -> None:  # memsave/engines/freshness.py
         for u in self.units:

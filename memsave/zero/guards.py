@@ -237,8 +237,20 @@ def check_grads_at_step(engine: Any) -> None:
     - ``grads = torch.autograd.grad(loss, params)`` and then ``p.grad = g`` by hand (stages 1-2; at stage 3 the
       assignment itself is refused while the unit is sharded).
 
-    Both raise here, before the optimizer runs, on every rank alike (the engine's state is the same on all)."""
+    Both raise here, before the optimizer runs, on every rank alike (the engine's state is the same on all).
+
+    [Note: a gradient cleared before the step] ``p.grad = None``, ``p.grad.zero_()`` or a submodule's
+    ``zero_grad()`` between the backward and the step: torch's optimizer skips the parameter, or steps it with a
+    zero gradient. Here they cleared only the guard, and the shard's reduced rows were stepped all the same (a
+    review: a weight plain torch leaves alone moved by 0.16). So its rows are dropped, or zeroed, first."""
     where = f"memsave ZeRO stage {engine.stage}: optimizer.step()"
+    for unit in engine.units:  # [Note: a gradient cleared before the step]
+        for i in unit.trainable:
+            grad = unit.params[i].grad
+            if grad is None:
+                unit.shards[i].grad = unit._shard_grads[i] = None
+            elif is_guard(grad) and grad._memsave_cleared and (rows := unit.shard_grad(i)) is not None:
+                rows.zero_()
     if engine.unsynced:
         raise RuntimeError(
             f"{where} after a backward inside model.no_sync(): its gradients were accumulated on this rank only, "

@@ -93,6 +93,7 @@ class Unit:
         # optimizer] in memsave/engines/freshness.py)
         self.fresh: list[bool | None] = [None] * len(self.trainable)
         self.cleared_elsewhere: Callable[[nn.Parameter], bool] | None = None
+        self.syncs, self.started = 0, [0] * len(self.trainable)  # settled syncs; the last that started afresh
         self._carry: dict[int, torch.Tensor] = {}  # stage 1: the full .grad whose reduced rows are added to
         # stage 3: what a read of a sharded parameter does (the engine gathers or raises; [Note: guarded reads])
         self.on_sharded_read: Callable[[Unit, int, str], None] | None = None
@@ -221,21 +222,19 @@ class Unit:
         if fresh is None:
             p = self.params[self.trainable[j]]
             fresh = self.fresh[j] = not is_guard(p.grad) or fresh_start(p.grad, self.cleared_elsewhere, p, False)
+            self.started[j] = self.syncs + 1 if fresh else self.started[j]
             if not fresh and not self._sharded_grads:  # stage 1: the held rows are added after the reduce
                 self._carry[j] = plain(p.grad)  # type: ignore[arg-type]
         return not fresh
 
     def before_accumulate(self, j: int) -> None:
-        """Trainable param ``j``'s gradient is about to be accumulated into ``.grad`` (a tensor pre-hook): decide
-        freshness while the guard is still there, then drop the guard so torch starts a real ``.grad``."""
+        """A tensor pre-hook: decide freshness while the guard is there, then drop it so torch starts a ``.grad``."""
         self._accumulates(j)
-        p = self.params[self.trainable[j]]
-        if is_guard(p.grad):
+        if is_guard((p := self.params[self.trainable[j]]).grad):
             p.grad = None
 
     def _zero_rows(self, j: int) -> None:
-        assert self.flat_grad is not None
-        self.grad_layout.shard_view(self.flat_grad, j, self.rank).zero_()
+        self.grad_layout.shard_view(self.flat_grad, j, self.rank).zero_()  # type: ignore[arg-type]
 
     @torch.no_grad()
     def launch_reduce(self) -> list[bool]:
@@ -311,6 +310,7 @@ class Unit:
         """Expose the averaged rows as the shards' ``.grad``; ``used[j]``: trainable param ``j`` got a gradient
         on some rank (else its grad stays None, so the optimizer skips it as it would under DDP). The full
         parameters' ``.grad`` become guards ([Note: gradient freshness])."""
+        self.syncs += 1
         for j, i in enumerate(self.trainable):
             shard, p = self.shards[i], self.params[i]
             grad: torch.Tensor | None
