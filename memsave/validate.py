@@ -65,8 +65,7 @@ def validate(profile: Profile, mesh: Mesh, model: nn.Module, *, units: Sequence[
         raise ValueError(
             f"profile {profile.name!r}: [recompute] policy={profile.recompute.policy!r} measures the activations "
             "of one forward: pass example_inputs= (one training batch) to memsave.wrap, or call "
-            "memsave.recompute.apply(units, policy, model=model, example_inputs=...) yourself before wrapping"
-        )
+            "memsave.recompute.apply(units, policy, model=model, example_inputs=...) yourself before wrapping")
     prec = profile.precision
     mixed = prec.compute != "fp32"
     scaler = scaler_for(prec)
@@ -94,8 +93,7 @@ def validate(profile: Profile, mesh: Mesh, model: nn.Module, *, units: Sequence[
     if profile.zero.stage == 0 and units is not None and not recompute:
         raise NotImplementedError(
             "units= has no effect with zero.stage = 0 and no [recompute] (plain data parallel buckets by size); "
-            "drop it, choose a ZeRO stage or a recompute policy"
-        )
+            "drop it, choose a ZeRO stage or a recompute policy")
     if recompute and profile.zero.stage == 3:
         check_not_nested(model, units if units is not None else default_units(model))
     pp_split = pp_balance = None
@@ -169,8 +167,7 @@ def check_profile(profile: Profile) -> None:
         raise NotImplementedError(
             f"profile {p.name!r}: [offload] activations = {p.offload.activations!r} together with [recompute] "
             f"compress = {p.recompute.compress!r} is not implemented: only the innermost saved-tensor hooks apply, "
-            "so one of them would be silently ignored; choose one"
-        )
+            "so one of them would be silently ignored; choose one")
 
 
 
@@ -187,8 +184,7 @@ def check_arguments(profile: object, mesh: object) -> None:
         raise ValueError(
             f"mesh must be a memsave.Mesh or None (dp over the whole default process group), got "
             f"{type(mesh).__name__}; build it with mesh = memsave.init() (it reads the launcher's environment, or "
-            "takes the process group you initialized) and pass that"
-        )
+            "takes the process group you initialized) and pass that")
 
 
 def drop_constructor_state(optimizer: torch.optim.Optimizer) -> None:
@@ -206,19 +202,27 @@ def check_optimizer_not_wrapped(optimizer: torch.optim.Optimizer) -> None:
     if isinstance(optimizer, WrappedOptimizer):
         raise ValueError(
             f"optimizer is the {type(optimizer).__name__} an earlier memsave.wrap returned; pass the torch optimizer "
-            "you built over this model's parameters (each model and its optimizer are wrapped once)"
-        )
+            "you built over this model's parameters (each model and its optimizer are wrapped once)")
     if is_wrapped_optimizer(optimizer):
         raise ValueError(
             f"optimizer ({type(optimizer).__name__}) was already wrapped by an earlier memsave.wrap, whose engine "
-            "steps it now; build a new optimizer over this model's parameters (each optimizer is wrapped once)"
-        )
+            "steps it now; build a new optimizer over this model's parameters (each optimizer is wrapped once)")
 
 
 
 def check_model(model: nn.Module, profile: Profile) -> None:
     """What no engine can train: sparse gradients anywhere; nothing trainable under plain data parallelism;
-    torch.compile's wrapper under ZeRO-3; a parameter another wrapped model holds."""
+    torch.compile's wrapper under ZeRO-3; a parameter another wrapped model holds. Said: a tie the config
+    promises but the model lost (accelerate's ``init_empty_weights`` unties them; trained apart, silently)."""
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        try:
+            pair = (model.get_input_embeddings(), model.get_output_embeddings())  # type: ignore[operator]
+        except (AttributeError, NotImplementedError, TypeError):
+            pair = (None, None)
+        if all(hasattr(m, "weight") for m in pair) and pair[0].weight is not pair[1].weight:  # type: ignore[union-attr]
+            warn_once(f"{type(model).__name__}: config.tie_word_embeddings is true but the input embedding and the "
+                      "output head are two parameters (accelerate's init_empty_weights unties them): they train "
+                      "apart; call model.tie_weights() before memsave.wrap")
     shared = shared_with_wrapped(model)
     if shared is not None:  # two engines would each reduce, shard and step it: wrong numbers, timing-dependent
         name, other, there = shared
@@ -232,27 +236,23 @@ def check_model(model: nn.Module, profile: Profile) -> None:
             raise NotImplementedError(
                 f"{type(m).__name__} {name or '<root>'!r} has sparse=True: the gradient of "
                 f"{(name + '.' if name else '') + 'weight'!r} is a sparse tensor, which memsave's gradient buckets "
-                "and ZeRO shards do not hold; construct it with sparse=False (the default)"
-            )
+                "and ZeRO shards do not hold; construct it with sparse=False (the default)")
         if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.max_norm is not None and profile.zero.stage == 3:
             raise NotImplementedError(  # the forward renormalizes the gathered copy, freed at reshard: lost silently
                 f"{type(m).__name__} {name or '<root>'!r} has max_norm={m.max_norm}: its forward renormalizes the "
                 "looked-up rows of its weight in place, which under zero.stage = 3 land in the gathered copy and "
-                "are lost when it is freed; use zero.stage 0-2, or renormalize in the model's own code"
-            )
+                "are lost when it is freed; use zero.stage 0-2, or renormalize in the model's own code")
     if profile.zero.stage == 3 and hasattr(model, "_orig_mod") and hasattr(model, "_torchdynamo_orig_callable"):
         raise NotImplementedError(
             f"profile {profile.name!r} (zero.stage = 3): the model is torch.compile's wrapper (OptimizedModule), "
             "whose root hooks would run outside the model memsave shards; wrap the model itself, then compile it: "
-            "model, opt = memsave.wrap(model, opt, ...); model.compile() (or torch.compile(model))"
-        )
+            "model, opt = memsave.wrap(model, opt, ...); model.compile() (or torch.compile(model))")
     if profile.zero.stage == 0 and not any(p.requires_grad for p in model.parameters()):
         raise ValueError(
             f"profile {profile.name!r} (zero.stage = 0): model {type(model).__name__} has no trainable parameters "
             f"({len(list(model.parameters()))} parameters, none with requires_grad=True), so there is no gradient "
             "to average; set requires_grad=True on the parameters to train before memsave.wrap (a frozen model "
-            "used without training, a distillation teacher: leave it unwrapped, or shard it with zero3)"
-        )
+            "used without training, a distillation teacher: leave it unwrapped, or shard it with zero3)")
 
 
 
@@ -284,13 +284,11 @@ def check_optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -
             if owner is not None:
                 raise ValueError(
                     f"optimizer param_groups[{gi}] holds parameter {owner[1]!r} of another model, which memsave.wrap "
-                    f"already wrapped ({type(owner[0]).__name__}); build the optimizer over this model's parameters()"
-                )
+                    f"already wrapped ({type(owner[0]).__name__}); build the optimizer over this model's parameters()")
             if p not in names:
                 raise ValueError(
                     f"optimizer param_groups[{gi}] holds a tensor of shape {tuple(p.shape)} that is not a parameter "
-                    "of the model; build the optimizer over model.parameters()"
-                )
+                    "of the model; build the optimizer over model.parameters()")
 
 
 
@@ -304,8 +302,7 @@ def check_not_nested(model: nn.Module, units: Sequence[nn.Module]) -> None:
                 raise NotImplementedError(
                     f"[recompute] with zero.stage = 3 is not implemented for nested units: {names.get(id(inner))!r} "
                     f"is inside {names.get(id(outer))!r}, so its gather hooks would run again when the outer unit is "
-                    "recomputed; pass units= that do not contain one another"
-                )
+                    "recomputed; pass units= that do not contain one another")
 
 
 

@@ -213,15 +213,21 @@ def _cleared_by_hand_with_masters(mesh: Any) -> None:
             assert got[0] == losses, (name, reduce, zero, got[0], losses)
             assert all(torch.equal(got[1][k], v) for k, v in params.items()), (name, reduce, zero)
         # [Note: a gradient cleared before the step] (the fp32 bucket's average, the shard's rows were stepped)
-        model = ToyLM(n_blocks=2)
-        model, opt = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), profile, mesh=mesh)
-        before = {k: v.clone() for k, v in model.state_dict().items()}
-        opt.backward(_toy_loss(model, _local(_global_batch(0), mesh.dp_rank)))
-        model.blocks[0].fc1.weight.grad = None
-        opt.step()
-        after = model.state_dict()
-        assert torch.equal(after["blocks.0.fc1.weight"], before["blocks.0.fc1.weight"]), (name, reduce)
-        assert not torch.equal(after["blocks.1.fc1.weight"], before["blocks.1.fc1.weight"]), (name, reduce)
+        # (through the model's parameter; through the optimizer's tensor, the fp32 master, which was stepped too)
+        for through in ("model", "optimizer"):
+            model = ToyLM(n_blocks=2)
+            index = [n for n, _ in model.named_parameters()].index("blocks.0.fc1.weight")
+            model, opt = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), profile, mesh=mesh)
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+            opt.backward(_toy_loss(model, _local(_global_batch(0), mesh.dp_rank)))
+            if through == "model":
+                model.blocks[0].fc1.weight.grad = None
+            else:
+                opt.param_groups[0]["params"][index].grad = None
+            opt.step()
+            after = model.state_dict()
+            assert torch.equal(after["blocks.0.fc1.weight"], before["blocks.0.fc1.weight"]), (name, reduce, through)
+            assert not torch.equal(after["blocks.1.fc1.weight"], before["blocks.1.fc1.weight"]), (name, through)
         kept = run(profile, "every_other")[2]
         for n, g in kept[1].items():
             want = grads[0][n].float() + grads[1][n].float()

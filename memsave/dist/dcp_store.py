@@ -13,6 +13,7 @@ import io
 import math
 import os
 import pickle
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -275,7 +276,8 @@ class _RectLoadPlanner(LoadPlanner):
 
 def load_rects(path: str | Path, rects: Sequence[Rect], *, group: Any = None, no_dist: bool | None = None) -> None:
     """:func:`memsave.dist.dcp.load_rects`."""
-    with _unwrapped():
+    with _unwrapped(), warnings.catch_warnings():  # (one process on purpose: not torch's "assuming the intent")
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         dcp.load({}, storage_reader=SafeReader(path), planner=_RectLoadPlanner(rects), process_group=group,
                  no_dist=not initialized() if no_dist is None else no_dist)
 

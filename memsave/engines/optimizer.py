@@ -104,8 +104,7 @@ class MemsaveOptimizer(GradScalerSteps, WrappedOptimizer):
                                            nonfinite=self.nonfinite, param_of=lambda s: holder(s, self._full_of[s]))
                    if mixed_precision or scaler is not None else None)
         # what the optimizer steps (a stepped tensor, or its master) -> the full parameter
-        self._opt_full: dict[torch.Tensor, nn.Parameter] = ({m: self._full_of[s] for m, s in self.mp.pairs} if self.mp is not None
-                          else dict(self._full_of))
+        self._opt_full = {m: self._full_of[s] for m, s in self.mp.pairs} if self.mp is not None else dict(self._full_of)
         self._placement = {t: placements[stepped[p]] for t, p in self._opt_full.items()}
         # [Note: guarded param_groups] in memsave/engines/part_grad.py: what the user's param_groups hold, guarded
         split = any(engine.mesh.degree(a) > 1 for k in kinds for a in k)
@@ -116,6 +115,8 @@ class MemsaveOptimizer(GradScalerSteps, WrappedOptimizer):
             engine.sync_listeners.append(weak_method(self._guards.mark))
         # [Note: gradients cleared through the optimizer] in memsave/engines/freshness.py (fp32 shards; masters)
         self._held = {m: s for m, s in self.mp.pairs if m is not s} if self.mp is not None else {}
+        if self.mp is not None:
+            self.mp.dropped = self._guards.dropped  # [Note: a gradient cleared before the step]
         if opt_of := {p: t for t, p in self._opt_full.items() if t in self._held or (not self.mp and t is not p)}:
             engine.set_cleared_check(ClearedThroughOptimizer(opt_of))
         self._norm_parts = kinds  # the sets of sharded axes a norm sums over (some may hold nothing on this rank)
@@ -165,8 +166,7 @@ class MemsaveOptimizer(GradScalerSteps, WrappedOptimizer):
     def stepped_to_full(self) -> dict[torch.Tensor, nn.Parameter]:  # (a parameter, or this rank's rows of it)
         return self._full_of
 
-    def full_of(self, t: torch.Tensor) -> nn.Parameter:
-        """The model parameter of a tensor the user's optimizer steps (a stepped tensor or its fp32 master)."""
+    def full_of(self, t: torch.Tensor) -> nn.Parameter:  # of what the user's optimizer steps (or its master)
         return self._opt_full[t]
 
     def placement_of(self, t: torch.Tensor) -> mdist.Placement:  # (a stepped tensor, or its fp32 master: alike)

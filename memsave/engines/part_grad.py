@@ -137,8 +137,12 @@ class StepGuards:
     def __init__(self, shards: list[torch.Tensor], masters: list[torch.Tensor]) -> None:
         self.shards, self.masters = shards, masters
         self._guards: list[torch.Tensor | None] = [None] * len(masters)  # each master's (an expanded zero)
+        # masters whose mark the user cleared before the step reads them ([Note: a gradient cleared before the
+        # step] in memsave/zero/guards.py): not stepped, not marked again, until the next sync marks them
+        self.dropped: set[torch.Tensor] = set()
 
     def mark(self) -> None:
+        self.dropped.clear()
         for s in self.shards:
             if type(s.grad) is torch.Tensor:
                 s.grad.__class__ = ShardGrad
@@ -149,7 +153,7 @@ class StepGuards:
         """After a step or a read: a master whose gradient the engine still holds (``held``: master -> what the
         engine steps for it) is marked again ([Note: gradients cleared through the optimizer] in freshness.py)."""
         for k, m in enumerate(self.masters):
-            if m.grad is None and grad_of(held[m]) is not None:
+            if m.grad is None and m not in self.dropped and grad_of(held[m]) is not None:
                 self._mark(k, m)
 
     def _mark(self, k: int, m: torch.Tensor) -> None:
@@ -165,3 +169,5 @@ class StepGuards:
         for m in self.masters:
             if isinstance(m.grad, MasterGrad):
                 m.grad = None
+            elif m.grad is None:  # cleared by the user since its mark (or no gradient at all: nothing to drop)
+                self.dropped.add(m)
