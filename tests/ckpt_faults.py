@@ -215,6 +215,15 @@ def interrupted_save_and_keep_last(root: Path) -> str:
     assert sorted(p.name for p in runs.iterdir()) == ["step3", "step4"], sorted(p.name for p in runs.iterdir())
     assert memsave.checkpoint.latest(runs) == runs / "step4"
     assert memsave.load(runs / "step4", fresh, fopt).extra == {"step": 4}
+    if _rank() == 0:  # a save over step4 whose rank 0 died between commit()'s two renames: the old one set aside
+        os.replace(runs / "step4", runs / "step4.old")
+        shutil.copytree(runs / "step4.old", runs / "step4.tmp")
+    _barrier()
+    assert memsave.checkpoint.latest(runs) == runs / "step4.old"  # (was step3: the newest commit was lost)
+    assert memsave.load(runs / "step4.old", fresh, fopt).extra == {"step": 4}
+    memsave.save(runs / "step4", model, opt, extra={"step": 5})
+    assert sorted(p.name for p in runs.iterdir()) == ["step3", "step4"], sorted(p.name for p in runs.iterdir())
+    assert memsave.checkpoint.latest(runs) == runs / "step4"
     return "ok"
 
 

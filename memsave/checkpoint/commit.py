@@ -170,7 +170,10 @@ def checkpoints_in(directory: str | Path) -> list[tuple[int, Path]]:
     if not root.is_dir():
         return []
     for child in root.iterdir():
-        if child.is_dir() and not child.name.endswith((".tmp", ".old")):
+        # ``X.old``: the checkpoint a save over ``X`` set aside; committed still where ``X`` is gone (rank 0 died
+        # between commit()'s two renames; a pruned one loses its manifest first, prune())
+        aside = child.name.endswith(".old") and child.with_name(child.name[: -len(".old")]).exists()
+        if child.is_dir() and not child.name.endswith(".tmp") and not aside:
             try:
                 out.append((int(read_manifest(child)["committed_ns"]), child))
             except (CheckpointFormatError, KeyError, ValueError):
@@ -190,6 +193,7 @@ def prune(directory: Path, keep_last: int) -> list[Path]:
     gone = [p for _, p in found[: max(0, len(found) - keep_last)]]
     for p in gone:
         doomed = p.with_name(p.name + ".old")
-        os.replace(p, doomed)  # no longer a checkpoint from here on, even if the removal below is interrupted
+        os.replace(p, doomed)
+        (doomed / MANIFEST).unlink(missing_ok=True)  # no longer a checkpoint, even if the removal is interrupted
         shutil.rmtree(doomed, ignore_errors=True)
     return gone
