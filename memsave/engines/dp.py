@@ -185,6 +185,11 @@ class DataParallelEngine:
             self._pre_hooked = True
             self._hooks += pre_accumulate_hooks(self, list(self._slot))
 
+    def drop_grad(self, p: torch.Tensor) -> None:
+        """The optimizer's tensor for ``p`` (its master) was cleared before the step: ``p``'s gradient is gone."""
+        self._averaged.discard(p)  # type: ignore[arg-type]
+        p.grad = None
+
     def restarted_since(self, p: torch.Tensor, sync: int) -> bool:
         """Whether ``p``'s gradient started afresh after sync number ``sync`` (what that sync left is not in it)."""
         return self._started.get(p, 0) > sync  # type: ignore[call-overload]

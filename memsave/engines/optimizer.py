@@ -115,8 +115,6 @@ class MemsaveOptimizer(GradScalerSteps, WrappedOptimizer):
             engine.sync_listeners.append(weak_method(self._guards.mark))
         # [Note: gradients cleared through the optimizer] in memsave/engines/freshness.py (fp32 shards; masters)
         self._held = {m: s for m, s in self.mp.pairs if m is not s} if self.mp is not None else {}
-        if self.mp is not None:
-            self.mp.dropped = self._guards.dropped  # [Note: a gradient cleared before the step]
         if opt_of := {p: t for t, p in self._opt_full.items() if t in self._held or (not self.mp and t is not p)}:
             engine.set_cleared_check(ClearedThroughOptimizer(opt_of))
         self._norm_parts = kinds  # the sets of sharded axes a norm sums over (some may hold nothing on this rank)
@@ -201,7 +199,8 @@ class MemsaveOptimizer(GradScalerSteps, WrappedOptimizer):
         one flat all-reduce. The sum is linear, so gradient accumulation over several backwards is summed once."""
         if self._unmarks:  # the optimizer reads them now ([Note: a rank's part of the gradient])
             part_grad.unmark(self._full_of.values())
-        self._guards.unmark()
+        for m in self._guards.unmark():  # masters cleared before the step ([Note: a gradient cleared before the step])
+            self.engine.drop_grad(self._held[m])
         syncs = self.engine.num_syncs
         if self._read_at != syncs:  # [Note: what a step derives from its gradients]
             self._read_at = syncs

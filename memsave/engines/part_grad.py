@@ -162,12 +162,16 @@ class StepGuards:
             guard = self._guards[k] = make_reduced_grad(m, _MASTER_READ, cls=MasterGrad)
         m.grad = guard
 
-    def unmark(self) -> None:
+    def unmark(self) -> list[torch.Tensor]:
+        """Take the marks off; returns the masters the user cleared since (not stepped: the engine drops theirs)."""
+        cleared = []
         for s in self.shards:
             if isinstance(s.grad, ShardGrad):
                 s.grad.__class__ = torch.Tensor  # type: ignore[assignment]
         for m in self.masters:
             if isinstance(m.grad, MasterGrad):
                 m.grad = None
-            elif m.grad is None:  # cleared by the user since its mark (or no gradient at all: nothing to drop)
+            elif m.grad is None and m not in self.dropped:  # cleared by the user since its mark (or no gradient)
                 self.dropped.add(m)
+                cleared.append(m)
+        return cleared

@@ -63,6 +63,9 @@ class Engine(Protocol):
 
     def zero_grad(self, set_to_none: bool) -> None: ...
 
+    def drop_grad(self, stepped: torch.Tensor) -> None:
+        """Forget the stepped tensor's gradient (its optimizer tensor was cleared before the step)."""
+
     def restarted_since(self, stepped: torch.Tensor, sync: int) -> bool:
         """Whether the stepped tensor's gradient started afresh after sync number ``sync``."""
 

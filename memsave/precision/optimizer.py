@@ -95,7 +95,6 @@ class MixedPrecisionOptimizer(WrappedOptimizer):
         watched = [(m, p, param_of(p) if param_of is not None else p) for m, p in self._pairs if m is not p]
         self.edits = EditWatch([(m, p, full) for m, p, full in watched if full is not None])
         self._checked: bool | None = None  # overflow found in this step's gradients (None: not checked yet)
-        self.dropped: set[torch.Tensor] = set()  # masters whose gradient the user cleared (memsave/engines/part_grad)
 
     @property
     def last_step_skipped(self) -> bool:
@@ -130,7 +129,7 @@ class MixedPrecisionOptimizer(WrappedOptimizer):
         if self._checked is None:
             grads = []
             for master, p in self._pairs:
-                g = None if master in self.dropped else self._grad_of(p)
+                g = self._grad_of(p)
                 if g is None:
                     if master is not p:
                         master.grad = None

@@ -202,17 +202,14 @@ class ZeroEngine:
         for u in units:
             u.unshard_wait()
 
-    def reshard(self, unit: Unit | None = None) -> None:
-        """Stage 3: free ``unit``'s full parameters (every unit's when None)."""
+    def reshard(self, unit: Unit | None = None) -> None:  # stage 3: free ``unit``'s full parameters (None: all)
         for u in self.units if unit is None else [unit]:
             u.reshard()
 
-    def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        """Backwards inside accumulate locally; the first one after the block reduces everything (as DDP)."""
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:  # the first backward after it reduces all
         return sync_suspended(self)
 
-    def stepped(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        """``(parameter, what the optimizer steps for it)``: this rank's rows of each parameter."""
+    def stepped(self) -> list[tuple[nn.Parameter, torch.Tensor]]:  # (parameter, this rank's rows of it)
         return list(self.shard_of.items())
 
     def placement_of(self, stepped: torch.Tensor) -> mdist.Placement:
@@ -327,9 +324,12 @@ class ZeroEngine:
         unit, i = self._slot_of[shard]
         return unit.shard_grad(i)
 
-    def restarted_since(self, shard: torch.Tensor, sync: int) -> bool:  # as the DP engine's
+    def drop_grad(self, shard: torch.Tensor) -> None:  # [Note: a gradient cleared before the step] in guards.py
         unit, i = self._slot_of[shard]
-        return unit.started[unit.trainable.index(i)] > sync
+        unit.shards[i].grad = unit._shard_grads[i] = None
+
+    def restarted_since(self, shard: torch.Tensor, sync: int) -> bool:  # as the DP engine's
+        return (u := self._slot_of[shard][0]).started[u.trainable.index(self._slot_of[shard][1])] > sync
 
     def set_cleared_check(self, cleared: Callable[[nn.Parameter], bool]) -> None:  # memsave/engines/freshness.py
         for u in self.units:
