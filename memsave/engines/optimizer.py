@@ -199,7 +199,8 @@ class MemsaveOptimizer(GradScalerSteps, WrappedOptimizer):
         one flat all-reduce. The sum is linear, so gradient accumulation over several backwards is summed once."""
         if self._unmarks:  # the optimizer reads them now ([Note: a rank's part of the gradient])
             part_grad.unmark(self._full_of.values())
-        for m in self._guards.unmark():  # masters cleared before the step ([Note: a gradient cleared before the step])
+        made = self.mp is not None and self.mp.unscaled and (lambda m: self.engine.grad_of(self._held[m]) is not None)
+        for m in self._guards.unmark(made):  # masters cleared before the step ([Note: a gradient cleared ...])
             self.engine.drop_grad(self._held[m])
         syncs = self.engine.num_syncs
         if self._read_at != syncs:  # [Note: what a step derives from its gradients]
@@ -289,8 +290,10 @@ class MemsaveOptimizer(GradScalerSteps, WrappedOptimizer):
         agreement = self.engine.agreement
         mdist.doing(agreement.step, "optimizer.step()")
         agreement.check("optimizer")  # [Note: control-flow agreement] in memsave/dist/agreement.py
-        self._stepped()
-        self._guards.rest(self._held, self.engine.grad_of)
+        try:
+            self._stepped()
+        finally:  # (a step that raised, an offload write, keeps the marks too: it may be stepped again)
+            self._guards.rest(self._held, self.engine.grad_of)
         agreement.step += 1  # once it returned: a step that raised on one rank is named at the next phase
 
     def _stepped(self) -> None:
@@ -330,10 +333,8 @@ class MemsaveOptimizer(GradScalerSteps, WrappedOptimizer):
         if self.mp is not None:
             self.mp.forget()
 
-    def _forget_grads(self) -> None:
-        """``model.zero_grad()`` ran (the engine's listener): as :meth:`zero_grad` forgets."""
-        self._partial_at = None
-        self._read_at = None
+    def _forget_grads(self) -> None:  # model.zero_grad() ran (the engine's listener): as zero_grad forgets
+        self._partial_at = self._read_at = None
         self._forget_derived()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

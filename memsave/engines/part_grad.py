@@ -140,6 +140,7 @@ class StepGuards:
         # masters whose mark the user cleared before the step reads them ([Note: a gradient cleared before the
         # step] in memsave/zero/guards.py): not stepped, not marked again, until the next sync marks them
         self.dropped: set[torch.Tensor] = set()
+        self._marked: set[torch.Tensor] = set()  # masters whose .grad memsave set to a mark, not taken off since
 
     def mark(self) -> None:
         self.dropped.clear()
@@ -161,9 +162,11 @@ class StepGuards:
         if guard is None or guard.shape != m.shape:  # (an offloaded master's storage is emptied)
             guard = self._guards[k] = make_reduced_grad(m, _MASTER_READ, cls=MasterGrad)
         m.grad = guard
+        self._marked.add(m)
 
-    def unmark(self) -> list[torch.Tensor]:
-        """Take the marks off; returns the masters the user cleared since (not stepped: the engine drops theirs)."""
+    def unmark(self, made: Any = None) -> list[torch.Tensor]:
+        """Take the marks off; returns the masters the user cleared since (not stepped: the engine drops theirs):
+        marked by memsave, or ``made(m)``: given its real gradient by the clip's unscaling, and None now."""
         cleared = []
         for s in self.shards:
             if isinstance(s.grad, ShardGrad):
@@ -171,7 +174,8 @@ class StepGuards:
         for m in self.masters:
             if isinstance(m.grad, MasterGrad):
                 m.grad = None
-            elif m.grad is None and m not in self.dropped:  # cleared by the user since its mark (or no gradient)
-                self.dropped.add(m)
+            elif m.grad is None and m not in self.dropped and (m in self._marked or (made and made(m))):
+                self.dropped.add(m)  # cleared by the user (or by a zero_grad, which cleared the engine's too)
                 cleared.append(m)
+        self._marked.clear()
         return cleared
