@@ -99,7 +99,8 @@ class DataParallelEngine:
         self._fresh = True
         # [Note: gradients cleared through the optimizer] per parameter, decided at its first gradient of a sync
         self._fresh_of: dict[nn.Parameter, bool] = {}
-        self._started: dict[nn.Parameter, int] = {}  # the sync whose gradient last started afresh, per parameter
+        # tp/pp (partial gradients): the sync whose gradient last started afresh, per parameter
+        self._started: dict[nn.Parameter, int] = {}
         self.cleared_elsewhere: Callable[[nn.Parameter], bool] | None = None
         self.num_syncs = 0  # completed gradient synchronizations (one per synchronizing backward)
         self.loss_scaled = False  # fp16: gradients must come from optimizer.backward (a scaled loss)
@@ -240,7 +241,7 @@ class DataParallelEngine:
         view = bucket.view(i)
         if view.dtype != p.dtype:  # [Note: reduce dtype]
             fresh = self._fresh_for(p)
-            if fresh and not again:
+            if fresh and not again and self._holds_part:
                 self._started[p] = self.num_syncs + 1
             if p.grad is not None and not is_guard(p.grad):
                 view.copy_(p.grad) if fresh and not again else view.add_(p.grad)
@@ -251,7 +252,7 @@ class DataParallelEngine:
             return
         if self.cleared_elsewhere is not None:
             self._fresh_for(p)  # (no pre-hook ran, no gradient here: cleared, the bucket starts from zero)
-        if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+        if self._holds_part and (p.grad is None or p.grad.data_ptr() != view.data_ptr()):
             self._started[p] = self.num_syncs + 1  # (not the gradient the last sync left: a fresh one)
         if p.grad is None:
             view.zero_()

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ClearedThroughOptimizer", "pre_accumulate_hooks"]
+__all__ = ["pre_accumulate_hooks"]
 
 
 def pre_accumulate_hooks(engine: Any, params: list[nn.Parameter]) -> list[Any]:
@@ -48,14 +48,3 @@ def pre_accumulate_hooks(engine: Any, params: list[nn.Parameter]) -> list[Any]:
         return hook
     return [p.register_hook(make(p)) for p in params]
 
-
-class ClearedThroughOptimizer:
-    """``cleared(p)``: the tensor the user's optimizer steps for model parameter ``p`` (its shard or its fp32
-    master, when that is not ``p`` itself) has no ``.grad``."""
-
-    def __init__(self, opt_of: dict[nn.Parameter, torch.Tensor]) -> None:
-        self.opt_of = opt_of
-
-    def __call__(self, p: nn.Parameter) -> bool:
-        t = self.opt_of.get(p)
-        return t is not None and t.grad is None

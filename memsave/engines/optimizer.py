@@ -21,7 +21,6 @@ from memsave import dist as mdist
 from memsave.config import OffloadConfig
 from memsave.engines import part_grad
 from memsave.engines import state as _state
-from memsave.engines.freshness import ClearedThroughOptimizer
 from memsave.engines.grad_scaler import GradScalerSteps
 from memsave.engines.protocol import Engine
 from memsave.offload import OffloadedState
@@ -116,7 +115,7 @@ class MemsaveOptimizer(GradScalerSteps, WrappedOptimizer):
         # [Note: gradients cleared through the optimizer] in memsave/engines/freshness.py (fp32 shards; masters)
         self._held = {m: s for m, s in self.mp.pairs if m is not s} if self.mp is not None else {}
         if opt_of := {p: t for t, p in self._opt_full.items() if t in self._held or (not self.mp and t is not p)}:
-            engine.set_cleared_check(ClearedThroughOptimizer(opt_of))
+            engine.set_cleared_check(lambda p: (t := opt_of.get(p)) is not None and t.grad is None)
         self._norm_parts = kinds  # the sets of sharded axes a norm sums over (some may hold nothing on this rank)
         self._unmarks = bool(getattr(engine, "marks_part_grads", False))  # (no pass over the grads where none is)
         # norms sum in the model's registration order, as torch's clip_grad_norm_(model.parameters()) does

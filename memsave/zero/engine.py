@@ -329,7 +329,7 @@ class ZeroEngine:
         unit.shards[i].grad = unit._shard_grads[i] = None
 
     def restarted_since(self, shard: torch.Tensor, sync: int) -> bool:  # as the DP engine's
-        return (u := self._slot_of[shard][0]).started[u.trainable.index(self._slot_of[shard][1])] > sync
+        return (slot := self._trainable_slot[self._param_of[shard]])[0].started[slot[1]] > sync
 
     def set_cleared_check(self, cleared: Callable[[nn.Parameter], bool]) -> None:  # memsave/engines/freshness.py
         for u in self.units:

@@ -248,7 +248,7 @@ def check_grads_at_step(engine: Any) -> None:
         for i in unit.trainable:
             grad = unit.params[i].grad
             if grad is None:
-                unit.shards[i].grad = unit._shard_grads[i] = None
+                engine.drop_grad(unit.shards[i])
             elif is_guard(grad) and grad._memsave_cleared and (rows := unit.shard_grad(i)) is not None:
                 rows.zero_()
     if engine.unsynced:
