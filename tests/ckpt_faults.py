@@ -154,6 +154,15 @@ def missing_and_truncated_shard(root: Path) -> str:
         head = f.read()
     _rewrite(copy, "__0_0.distcp", head[: len(head) // 2])
     _expect(CheckpointFormatError, ["__0_0.distcp", "'"], lambda: memsave.load(copy, fresh, fopt, verify=False))
+    # one rank's random state unreadable (unchecked): every rank raises, naming it (rank 0 alone returned, then
+    # hung in its next collective)
+    memsave.save(root / "bad-rng", model, opt)
+    if _rank() == 0:
+        f = root / "bad-rng" / "rank1.json"
+        f.write_text("{" + " " * (f.stat().st_size - 1))  # (as long as the manifest says)
+    _barrier()
+    _expect(CheckpointFormatError, ["failed on rank 1", "rank1.json"],
+            lambda: memsave.load(root / "bad-rng", fresh, fopt, verify=False))
     return "ok"
 
 

@@ -10,6 +10,8 @@ sub-cases inside one ``fn`` to pay the spawn cost once.
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import logging
 import os
 import signal
@@ -54,6 +56,19 @@ def _child(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    stacks = _stacks_file(port, rank)
+    with open(stacks, "w") as out:  # every thread's stack on SIGUSR1: what the parent shows for a hang
+        faulthandler.register(signal.SIGUSR1, file=out, all_threads=True)
+        _run_child(rank, fn, args, queue, dist)
+
+
+def _stacks_file(port: int, rank: int) -> str:
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"memsave-test-stacks-{port}-{rank}.txt")
+
+
+def _run_child(rank: int, fn: Callable[..., Any], args: tuple, queue: Any, dist: Any) -> None:
     ok = False
     try:
         result = fn(*args)
@@ -124,15 +139,34 @@ def run_ranks(
                     raise RuntimeError(f"ranks {dead} died with exit codes {[procs[r].exitcode for r in dead]}")
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world_size)) - set(results))
-                raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s (hang?)")
+                raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s (hang?)"
+                                   + _stacks(procs, missing, port))
             time.sleep(0.01)
     finally:
+        for r in range(world_size):
+            with contextlib.suppress(OSError):
+                os.remove(_stacks_file(port, r))
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
                 p.join()
     return [results[r] for r in range(world_size)]
+
+
+def _stacks(procs: list[Any], ranks: list[int], port: int) -> str:
+    """The Python stacks of every thread of the ranks still running (faulthandler, on SIGUSR1)."""
+    for r in ranks:
+        if procs[r].is_alive():
+            with contextlib.suppress(OSError):
+                os.kill(procs[r].pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    out = []
+    for r in ranks:
+        with contextlib.suppress(OSError):
+            with open(_stacks_file(port, r)) as f:
+                out.append(f"\n--- rank {r} ---\n{f.read()}")
+    return "".join(out)
 
 
 def torchrun(root: Any, script: str, *args: str, nproc: int = 2, max_restarts: int = 1,

@@ -206,8 +206,11 @@ def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
     else:  # a model-only load: the fp32 masters (and offloaded rows) follow the loaded parameters, as after
         for listener in t.engine.load_listeners:  # model.load_state_dict (zero3-bf16: the next step cast the
             listener(None)  # old masters back over the load, silently)
-    if rng:
-        _restore_rng(path, manifest, t)
+    # agreed, so load returns on no rank before every rank has read its files: a rank 1 still reading its
+    # rank1.json when rank 0, back first, renamed or pruned the folder raised alone, and rank 0 went on to hang
+    # in its next collective (seen in tests/ckpt_faults.py's interrupted save)
+    _commit.agree(f"memsave.load({path}): restoring the random state",
+                  lambda: _restore_rng(path, manifest, t) if rng else None)
     return Loaded(path, decode(manifest.get("extra", {})), manifest)
 
 
