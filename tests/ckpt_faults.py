@@ -290,6 +290,9 @@ def export_and_load_weights(root: Path) -> str:
         got = model.state_dict()
         assert all(torch.equal(got[k], v) for k, v in src.state_dict().items()), layout
         opt.close()
+    # the folder missing on one rank's node: every rank raises, naming it (rank 0 returned, then hung)
+    _expect(ValueError, ["failed on rank 1", "elsewhere"],
+            lambda: memsave.load_weights(model, folder if mesh.rank == 0 else root / "elsewhere"))
     model, opt, mesh = _trained()
     memsave.save(root / "to-export", model, opt)
     whole = model.state_dict()

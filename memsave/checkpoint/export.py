@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memsave.checkpoint.commit import read_manifest, verify_files
+from memsave.checkpoint.commit import agree, read_manifest, verify_files
 from memsave.checkpoint.layout import held_params
 from memsave.checkpoint.state import buffers, offloaded_params_in, offloaded_params_out
 from memsave.dist import Shard
@@ -98,6 +98,16 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True) -> 
     """Load safetensors weights (file, or a Hugging Face folder, sharded or not) into ``model``, wrapped or plain:
     each rank reads only the rectangles it holds, memory-mapped. Returns the names in the files the model does not
     have (with ``strict``, a missing parameter raises ``ValueError``). Call on every rank of a wrapped model."""
+    if not isinstance(model, MemsaveModule):
+        return _load_weights(model, path, strict=strict)
+    # agreed: a rank that cannot read its part (a file missing on its node, a stage's weight missing) raised
+    # alone, and the others went on to hang in their next collective
+    unused = agree(f"load_weights({path})", lambda: _load_weights(model, path, strict=strict))
+    assert unused is not None
+    return unused
+
+
+def _load_weights(model: nn.Module, path: str | Path, *, strict: bool) -> list[str]:
     from safetensors import safe_open
 
     where = _files(Path(path))
