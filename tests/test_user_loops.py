@@ -667,6 +667,18 @@ def _state_dict_on_rank0_only(world: int) -> str:
             with pytest.raises(RuntimeError, match=r"state_dict\(\) .*collective.*rank\(s\) \[1\] did not"):
                 target.state_dict()
         memsave.dist.barrier(mesh.dp_group)
+    # a weights file loaded on rank 0 alone (as into a torch DDP model, then a forgotten broadcast): the replicas
+    # diverged under ddp, and zero1/2 stepped rank 0's loaded rows beside rank 1's old ones, silently
+    for profile in ("ddp", "zero2"):
+        model = ToyLM(n_blocks=2)
+        loaded = {k: v + 1 for k, v in model.state_dict().items()}
+        model, opt = memsave.wrap(model, torch.optim.AdamW(model.parameters()), profile, mesh=mesh)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        if mesh.dp_rank == 0:
+            with pytest.raises(RuntimeError, match=r"load_state_dict\(\).* is collective.*rank\(s\) \[1\] did not"):
+                model.load_state_dict(loaded)
+            assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # nothing changed
+        memsave.dist.barrier(mesh.dp_group)
     # tensor parallelism gathers each cut tensor over tp, whatever the profile: the same error, not a 600 s hang
     from memsave.models import GPT, gpt_config
 

@@ -85,8 +85,7 @@ class DataParallelEngine:
         self.param_names = {p: n for n, p in named}
         self.buckets = self._make_buckets([p for _, p in reversed(named)], int(bucket_mb * 2**20), reduce_dtype)
         self._slot = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
-        # One byte per parameter: was its gradient produced on this rank? Reduced with the last bucket.
-        self._used = torch.zeros(len(self._slot), dtype=torch.int32, device=mesh.device)
+        self._used = torch.zeros(len(self._slot), dtype=torch.int32, device=mesh.device)  # got a gradient here?
         self._used_handle: mdist.Handle | None = None
         self._order = {p: k for k, p in enumerate(self._slot)}
         self._next_launch = 0
@@ -117,7 +116,8 @@ class DataParallelEngine:
         if self._pre_hooked:
             self._hooks += pre_accumulate_hooks(self, list(self._slot))
         self._hooks.append(model.register_forward_pre_hook(self._check_trainable, prepend=True))
-        self._hooks.append(model.register_load_state_dict_post_hook(self._after_load))
+        self._hooks += [model._register_load_state_dict_pre_hook(self._before_load),
+                        model.register_load_state_dict_post_hook(self._after_load)]
         if mesh.degree("tp") > 1 and mesh.degree("pp") == 1:  # every forward communicates over tp
             self._hooks.append(self.agreement.watch_forwards(model, mesh.new_group("tp", owner=self)))
         self._hooks.extend(self._outer.register(model))
@@ -149,6 +149,9 @@ class DataParallelEngine:
         return buckets
 
     # -- hooks -----------------------------------------------------------------------------------------------
+    def _before_load(self, *_: Any) -> None:  # on one rank alone, the replicas diverged silently
+        mdist.expect_every_rank("model.load_state_dict()", self.group)
+
     def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
         for listener in self.load_listeners:  # the optimizer's fp32 masters follow the loaded parameters
             listener(None)
