@@ -145,6 +145,13 @@ class Mesh:
         return self.group("dp")
 
     @property
+    def every_rank_group(self) -> dist.ProcessGroup | None:
+        """For an arrival check over every rank of the mesh (a call all of them must make): the default group
+        where the mesh spans the world (None), else its dp group (a mesh over part of the world has none)."""
+        spans = self.degree("dp") * self.degree("tp") * self.degree("pp") == dist.get_world_size()
+        return None if spans else self.dp_group
+
+    @property
     def is_main(self) -> bool:
         return self.rank == 0
 

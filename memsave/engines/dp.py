@@ -150,7 +150,7 @@ class DataParallelEngine:
 
     # -- hooks -----------------------------------------------------------------------------------------------
     def _before_load(self, *_: Any) -> None:  # on one rank alone, the replicas diverged silently
-        mdist.expect_every_rank("model.load_state_dict()", self.group)
+        mdist.expect_every_rank("model.load_state_dict()", self.mesh.every_rank_group)  # (tp, pp: every rank)
 
     def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
         for listener in self.load_listeners:  # the optimizer's fp32 masters follow the loaded parameters

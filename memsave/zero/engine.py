@@ -366,8 +366,8 @@ class ZeroEngine:
         return {u.full_flat.untyped_storage().data_ptr() for u in self.units}
 
     def _pre_load_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        mdist.expect_every_rank(f"model.load_state_dict() under ZeRO-{self.stage}", self.group)  # on one rank
-        if self.stage == 3:  # alone: stages 1-2 stepped its loaded rows with the others' old ones, silently
+        mdist.expect_every_rank(f"model.load_state_dict() under ZeRO-{self.stage}", self.mesh.every_rank_group)
+        if self.stage == 3:  # (on one rank alone, stages 1-2 stepped its loaded rows beside the others' old ones)
             self.unshard()
 
     def _post_load_state_dict(self, module: nn.Module, incompatible_keys: Any) -> None:
