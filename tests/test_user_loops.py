@@ -685,11 +685,11 @@ def _state_dict_on_rank0_only(world: int) -> str:
     tp = memsave.Mesh.build(device=mesh.device, tp=2)
     model = GPT(gpt_config("tiny", vocab_size=64, d_model=32, n_layer=1, block_size=8))
     model, tp_opt = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), "ddp", mesh=tp)
-    whole = model.state_dict()  # (every rank)
     if tp.axis_rank("tp") == 0:
         with pytest.raises(RuntimeError, match=r"under tensor parallelism is collective.*rank\(s\) \[1\] did not"):
             model.state_dict()
     memsave.dist.barrier(None)
+    whole = model.state_dict()  # every rank: the failed call on rank 0 alone is not counted (it raised here)
     # ...and loaded on tp rank 0 alone: rank 1 kept its old slices
     if tp.axis_rank("tp") == 0:
         with pytest.raises(RuntimeError, match=r"load_state_dict\(\) is collective.*rank\(s\) \[1\] did not"):

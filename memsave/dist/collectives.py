@@ -358,6 +358,9 @@ def expect_every_rank(what: str, group: ProcessGroup | None, timeout_s: float | 
     while not store.check(keys):
         if time.monotonic() > deadline:
             missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
+            with contextlib.suppress(RuntimeError, NotImplementedError):  # (a store that cannot delete keys)
+                store.delete_key(f"{key}/{dist.get_rank()}")  # not counted: every rank's next call pairs again
+                _arrivals[name] -= 1
             raise RuntimeError(
                 f"{what} is collective: every rank of its group (global ranks {ranks}) must call it, but rank(s) "
                 f"{missing} did not within {timeout:.0f} s (MEMSAVE_ARRIVAL_S). Call it on every rank and keep or "
