@@ -487,3 +487,21 @@ def test_a_tie_the_config_promises_but_the_model_lost_is_said(monkeypatch: pytes
     assert lost == ["LlamaForCausalLM: config.tie_word_embeddings is true but the input embedding and the output head "
                     "are two parameters (accelerate's init_empty_weights unties them): they train apart; call "
                     "model.tie_weights() before memsave.wrap"], said
+
+
+def test_modules_hugging_face_keeps_in_fp32_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """T5 keeps its ``wo`` in fp32 under fp16 (``_keep_in_fp32_modules``: their outputs overflow fp16); memsave
+    stores every parameter in the compute dtype, so wrap says so under fp16, and not under bf16 or fp32."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2)
+    for profile in ("zero2-fp16", "zero2-bf16", "zero2"):
+        with _said(monkeypatch) as said:
+            model = T5ForConditionalGeneration(cfg)
+            memsave.wrap(model, torch.optim.AdamW(model.parameters()), profile)
+        kept = [m for m in said if "_keep_in_fp32_modules" in m]
+        assert kept == ([
+            "T5ForConditionalGeneration: Hugging Face keeps ['wo'] in fp32 under fp16 (_keep_in_fp32_modules: 2 "
+            "parameters, e.g. 'encoder.block.0.layer.1.DenseReluDense.wo.weight'); memsave stores and computes every "
+            "parameter in fp16, those too: if the loss overflows (skipped steps), use [precision] compute = bf16"]
+            if profile == "zero2-fp16" else []), (profile, said)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memsave._logging import warn_once
 from memsave.config import PrecisionConfig
 from memsave.inputs import map_tensors
 from memsave.precision.scaler import LossScaler
@@ -56,6 +57,7 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
     """Store every floating-point parameter of ``model`` in ``dtype``, keeping the Parameter objects (so an
     optimizer built over them still holds them); and the buffers torch's kernels read with them and refuse in
     fp32 beside 16-bit weights (:func:`_paired_buffers`). Every other buffer keeps its dtype."""
+    _say_kept_in_fp32(model, dtype)
     for p in model.parameters():
         if p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)
@@ -63,6 +65,28 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
         b = m._buffers[name]
         if b is not None and b.is_floating_point() and b.dtype != dtype:
             m._buffers[name] = b.to(dtype)
+
+
+def _say_kept_in_fp32(model: nn.Module, dtype: torch.dtype) -> None:
+    """A Hugging Face model that asks to keep modules in fp32 under this dtype (``_keep_in_fp32_modules`` under
+    fp16, ``_keep_in_fp32_modules_strict`` under fp16 and bf16: T5's ``wo``, whose outputs overflow fp16) is told
+    that memsave stores them in ``dtype`` too (one dtype per unit): its loss may overflow (skipped steps)."""
+    keys: set[str] = set()
+    names: list[str] = []  # (an HF model inside the user's module too)
+    for prefix, m in model.named_modules():
+        own = set(getattr(m, "_keep_in_fp32_modules_strict", None) or ())
+        if dtype == torch.float16:
+            own |= set(getattr(m, "_keep_in_fp32_modules", None) or ())
+        keys |= own
+        names += [f"{prefix}.{n}" if prefix else n for n, p in m.named_parameters() if p.is_floating_point()
+                  and any(k in n.split(".") or n.startswith(k + ".") for k in own)]
+    names = list(dict.fromkeys(names))
+    if names:
+        short = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
+        warn_once(f"{type(model).__name__}: Hugging Face keeps {sorted(keys)} in fp32 under {short} "
+                  f"(_keep_in_fp32_modules: {len(names)} parameters, e.g. {names[0]!r}); memsave stores and computes "
+                  f"every parameter in {short}, those too: if the loss overflows (skipped steps), use [precision] "
+                  f"compute = {'bf16' if dtype == torch.float16 else 'fp32'}")
 
 
 def _paired_buffers(model: nn.Module) -> list[tuple[nn.Module, str]]:
