@@ -118,6 +118,11 @@ def _no_launcher() -> str:
     os.environ["RANK"] = "2"
     with pytest.raises(ValueError, match="RANK=2 is not below WORLD_SIZE=2"):
         memsave.init()
+    # accelerate launch --cpu --num_processes 2 starts one process with only these: the launch that makes N ranks
+    _clear_launcher_env()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    with pytest.raises(ValueError, match=r"without RANK and WORLD_SIZE.*accelerate launch --multi_gpu"):
+        memsave.init()
     return "ok"
 
 

@@ -45,6 +45,13 @@ def launch_env() -> dict[str, str] | None:
     if not present or set(present) == {"LOCAL_RANK"}:
         return None
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in present]
+    if {"RANK", "WORLD_SIZE"} <= set(missing) and "MASTER_ADDR" in present:  # a launcher of one process
+        raise ValueError(
+            "launcher environment is incomplete: MASTER_ADDR and MASTER_PORT are set without RANK and WORLD_SIZE, "
+            "as accelerate launch's one-process launcher sets them (`accelerate launch --cpu --num_processes N` "
+            "starts one process). For N ranks on CPUs use `accelerate launch --multi_gpu --num_processes N` "
+            "(with Accelerator(cpu=True)) or `torchrun --nproc-per-node N`; for one process unset MASTER_ADDR "
+            "and MASTER_PORT")
     if missing:
         raise ValueError(
             f"launcher environment is incomplete: {', '.join(missing)} missing (have {', '.join(sorted(present))}); "
