@@ -338,15 +338,16 @@ def _store_barrier(name: str, timeout_s: float = 300.0) -> None:
 _arrivals: dict[str, int] = {}
 
 
-def expect_every_rank(what: str, group: ProcessGroup | None, timeout_s: float | None = None) -> None:
+def expect_every_rank(what: str, group: ProcessGroup | None, timeout_s: float | None = None, *,
+                      unset_s: float = 60.0) -> None:
     """Check, through the store, that every rank of ``group`` reaches this call before a collective that would
     otherwise hang for the whole collective timeout (600 s) and end in a raw gloo/NCCL error. Raises
-    ``RuntimeError`` naming the ranks that did not arrive within ``timeout_s`` (default ``MEMSAVE_ARRIVAL_S`` or
-    60 s). For rare calls only (state dicts): each costs a few store round trips."""
+    ``RuntimeError`` naming the ranks that did not arrive within ``timeout_s`` (default ``MEMSAVE_ARRIVAL_S``, else
+    ``unset_s``). For rare calls only (state dicts): each costs a few store round trips."""
     size = group_size(group)
     if size <= 1:
         return
-    timeout = timeout_s if timeout_s is not None else float(os.environ.get("MEMSAVE_ARRIVAL_S", "60"))
+    timeout = timeout_s if timeout_s is not None else float(os.environ.get("MEMSAVE_ARRIVAL_S", unset_s))
     ranks = group_ranks(group)
     name = f"memsave/arrive/{what}/{'-'.join(map(str, ranks))}"
     _arrivals[name] = _arrivals.get(name, 0) + 1

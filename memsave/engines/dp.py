@@ -149,8 +149,8 @@ class DataParallelEngine:
         return buckets
 
     # -- hooks -----------------------------------------------------------------------------------------------
-    def _before_load(self, *_: Any) -> None:  # on one rank alone, the replicas diverged silently
-        mdist.expect_every_rank("model.load_state_dict()", self.mesh.every_rank_group)  # (tp, pp: every rank)
+    def _before_load(self, *_: Any) -> None:  # one rank alone: the replicas diverged. 600 s: files read first
+        mdist.expect_every_rank("model.load_state_dict()", self.mesh.every_rank_group, unset_s=600.0)
 
     def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
         for listener in self.load_listeners:  # the optimizer's fp32 masters follow the loaded parameters

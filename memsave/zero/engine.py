@@ -366,7 +366,8 @@ class ZeroEngine:
         return {u.full_flat.untyped_storage().data_ptr() for u in self.units}
 
     def _pre_load_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        mdist.expect_every_rank(f"model.load_state_dict() under ZeRO-{self.stage}", self.mesh.every_rank_group)
+        mdist.expect_every_rank(f"model.load_state_dict() under ZeRO-{self.stage}", self.mesh.every_rank_group,
+                                unset_s=600.0)  # (each rank reads its file first: minutes apart on shared disks)
         if self.stage == 3:  # (on one rank alone, stages 1-2 stepped its loaded rows beside the others' old ones)
             self.unshard()
 
