@@ -677,6 +677,9 @@ def _state_dict_on_rank0_only(world: int) -> str:
         if mesh.dp_rank == 0:
             with pytest.raises(RuntimeError, match=r"load_state_dict\(\).* is collective.*rank\(s\) \[1\] did not"):
                 model.load_state_dict(loaded)
+            child = next(m for m in model.children() if any(True for _ in m.parameters()))  # (a backbone's load)
+            with pytest.raises(RuntimeError, match=r"load_state_dict\(\).* is collective.*rank\(s\) \[1\] did not"):
+                child.load_state_dict({k: v + 1 for k, v in child.state_dict().items()})
             assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # nothing changed
         memsave.dist.barrier(mesh.dp_group)
     # tensor parallelism gathers each cut tensor over tp, whatever the profile: the same error, not a 600 s hang

@@ -1,6 +1,6 @@
 """Layer 1: the only place that calls ``torch.distributed``."""
 
-from memsave.dist.agreement import Agreement
+from memsave.dist.agreement import Agreement, watch_loads
 from memsave.dist.collectives import (
     COMM_STATS,
     CollectiveError,
@@ -100,4 +100,5 @@ __all__ = [
     "trim_held",
     "trim_host_memory",
     "validate_degrees",
+    "watch_loads",
 ]

@@ -37,10 +37,11 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from memsave.dist.collectives import ProcessGroup, all_gather_into, doing, group_rank, group_ranks, group_size
+from memsave.dist.collectives import (ProcessGroup, all_gather_into, doing, expect_every_rank, group_rank, group_ranks,
+                                      group_size)
 from memsave.inputs import tensors_in
 
-__all__ = ["Agreement"]
+__all__ = ["Agreement", "watch_loads"]
 
 PHASES = ("forward", "backward", "optimizer", "forward without autograd")
 
@@ -106,6 +107,20 @@ class Agreement:
             self._check_over(group, "forward", (args, kwargs))
 
         return model.register_forward_pre_hook(check, prepend=True, with_kwargs=True)
+
+
+def watch_loads(model: nn.Module, what: str, group: ProcessGroup | None) -> list[RemovableHandle]:
+    """``load_state_dict`` on ``model`` or any of its modules (a backbone through ``model.model``) checks first
+    that every rank of ``group`` calls it (:func:`expect_every_rank`). Loaded on rank 0 alone, as into a torch DDP
+    model before a broadcast, replicas diverged (ddp), ZeRO-1/2 stepped rank 0's loaded rows beside the others'
+    old ones, and tp ranks and pipeline stages kept their old weights, with no error. Waits 600 s where
+    ``MEMSAVE_ARRIVAL_S`` is unset: each rank reads its file before the call, minutes apart on a shared disk."""
+
+    def check(state_dict: Any, prefix: str, *_: Any) -> None:
+        if prefix == "":  # the module it was called on (its children see a prefix)
+            expect_every_rank(what, group, unset_s=600.0)
+
+    return [m._register_load_state_dict_pre_hook(check) for m in model.modules()]
 
 
 _DIMS = 4  # the dims of the first tensors' shapes carried for the message

@@ -116,7 +116,7 @@ class DataParallelEngine:
         if self._pre_hooked:
             self._hooks += pre_accumulate_hooks(self, list(self._slot))
         self._hooks.append(model.register_forward_pre_hook(self._check_trainable, prepend=True))
-        self._hooks += [model._register_load_state_dict_pre_hook(self._before_load),
+        self._hooks += [*mdist.watch_loads(model, "model.load_state_dict()", mesh.every_rank_group),
                         model.register_load_state_dict_post_hook(self._after_load)]
         if mesh.degree("tp") > 1 and mesh.degree("pp") == 1:  # every forward communicates over tp
             self._hooks.append(self.agreement.watch_forwards(model, mesh.new_group("tp", owner=self)))
@@ -149,9 +149,6 @@ class DataParallelEngine:
         return buckets
 
     # -- hooks -----------------------------------------------------------------------------------------------
-    def _before_load(self, *_: Any) -> None:  # one rank alone: the replicas diverged. 600 s: files read first
-        mdist.expect_every_rank("model.load_state_dict()", self.mesh.every_rank_group, unset_s=600.0)
-
     def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
         for listener in self.load_listeners:  # the optimizer's fp32 masters follow the loaded parameters
             listener(None)

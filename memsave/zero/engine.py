@@ -132,6 +132,8 @@ class ZeroEngine:
             self._hooks.extend(self.schedule.register(self.model))
             self._hooks.append(self.model.register_state_dict_pre_hook(self._pre_state_dict))
             self._hooks.append(self.model._register_state_dict_hook(self._post_state_dict))
+        self._hooks += mdist.watch_loads(self.model, f"model.load_state_dict() under ZeRO-{self.stage}",
+                                         self.mesh.every_rank_group)  # (first: before stage 3's unshard)
         self._hooks.append(self.model._register_load_state_dict_pre_hook(self._pre_load_state_dict))
         self._hooks.append(self.model.register_load_state_dict_post_hook(self._post_load_state_dict))
         check = torch.compiler.disable(self._check_trainable)  # [Note: hooks outside compiled code]
@@ -366,9 +368,7 @@ class ZeroEngine:
         return {u.full_flat.untyped_storage().data_ptr() for u in self.units}
 
     def _pre_load_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        mdist.expect_every_rank(f"model.load_state_dict() under ZeRO-{self.stage}", self.mesh.every_rank_group,
-                                unset_s=600.0)  # (each rank reads its file first: minutes apart on shared disks)
-        if self.stage == 3:  # (on one rank alone, stages 1-2 stepped its loaded rows beside the others' old ones)
+        if self.stage == 3:  # (after the arrival check: mdist.watch_loads)
             self.unshard()
 
     def _post_load_state_dict(self, module: nn.Module, incompatible_keys: Any) -> None:
