@@ -1,6 +1,8 @@
 """``torchrun --max-restarts 1`` with checkpoints (issue 21, item 5): rank 1 is SIGKILLed mid-run, torchrun
 restarts the group, the Trainer resumes from the latest committed checkpoint (``resume="latest"``) and its
-losses from the step after it equal the uninterrupted run's bit for bit (fp32 CPU, dropout on)."""
+losses from the step after it equal the uninterrupted run's bit for bit (fp32 CPU, dropout on). The restarted ranks
+rendezvous and finish ("done rank r attempt 1": issue 24, item 6, [Note: elastic restarts] in memsave/dist/init.py;
+they failed at start-up with "Gloo connectFullMesh failed ... Connection refused" before)."""
 
 from __future__ import annotations
 
