@@ -37,8 +37,15 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from memsave.dist.collectives import (ProcessGroup, all_gather_into, doing, expect_every_rank, group_rank, group_ranks,
-                                      group_size)
+from memsave.dist.collectives import (
+    ProcessGroup,
+    all_gather_into,
+    doing,
+    expect_every_rank,
+    group_rank,
+    group_ranks,
+    group_size,
+)
 from memsave.inputs import tensors_in
 
 __all__ = ["Agreement", "watch_loads"]
