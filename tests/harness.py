@@ -83,7 +83,11 @@ def _run_child(rank: int, fn: Callable[..., Any], args: tuple, queue: Any, dist:
             dist.destroy_process_group()
 
 
-_PRELOAD = ["torch", "torch.distributed", "numpy", "transformers", "memsave", "memsave.zero", "memsave.tp", "tests.harness"]
+_PRELOAD = ["torch", "torch.distributed", "numpy", "transformers", "memsave", "memsave.zero", "memsave.tp", "tests.harness",
+            # imported on first use in nearly every rank: torch._dynamo by torch.optim.Optimizer's constructor
+            # (2.4 s of CPU a process), Llama's modeling, accelerate and DCP by many tests
+            "torch._dynamo", "pytest", "transformers.models.llama.modeling_llama", "accelerate",
+            "torch.distributed.checkpoint", "memsave.pp", "tests.toy"]
 
 
 def _context() -> Any:
