@@ -202,6 +202,12 @@ def unwritable_path(root: Path) -> str:
     model, opt, _ = _trained()
     _expect(OSError, ["rank 0", "creating"], lambda: memsave.save(blocker / "ckpt", model, opt))
     assert blocker.read_text() == "not a directory"
+    # an extra that one rank cannot store (a sampler's state with an object in it): raised on that rank alone
+    # before the first collective, while the other waited in it for the collective timeout
+    extra = {"step": 1, "sampler": object() if _rank() == 1 else [0, 1]}
+    _expect(ValueError, ["failed on rank 1", "extra.sampler: a object cannot be stored"],
+            lambda: memsave.save(root / "bad-extra", model, opt, extra=extra))
+    assert not (root / "bad-extra").exists() and not (root / "bad-extra.tmp").exists()
     return "ok"
 
 
@@ -321,6 +327,6 @@ CASES: dict[str, Callable[[Path], str]] = {
     "corrupt shard: the checksum names the file": corrupt_shard,
     "missing or truncated shard: the file and the key": missing_and_truncated_shard,
     "full disk: every rank raises, the previous checkpoint loads": full_disk,
-    "unwritable path: every rank raises": unwritable_path,
+    "unwritable path, an extra one rank cannot store: every rank raises": unwritable_path,
     "interrupted save, keep_last": interrupted_save_and_keep_last,
 }

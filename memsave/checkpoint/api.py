@@ -92,12 +92,17 @@ def collector_paused() -> Iterator[None]:
 def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer | None,
              extra: dict[str, Any] | None) -> tuple[list[Rect], dict[str, Any], dict[str, Any]]:
     """The rectangles to write (views of the live tensors), the JSON metadata and this rank's RNG state."""
-    if extra is not None and not isinstance(extra, dict):
-        raise ValueError(f"extra must be a dict of JSON data or None, got {type(extra).__name__}")
     t = target_of(model, optimizer)
-    if t.optimizer is not None:
-        t.optimizer.settle()
-    meta = {"extra": encode(extra or {}, "extra"), "world_size": mdist.group_size(None),
+
+    def local() -> Any:  # what can fail on one rank alone comes before the first collective, and is agreed on
+        if extra is not None and not isinstance(extra, dict):
+            raise ValueError(f"extra must be a dict of JSON data or None, got {type(extra).__name__}")
+        if t.optimizer is not None:
+            t.optimizer.settle()  # a background step's error ([offload] overlap)
+        return encode(extra or {}, "extra")
+
+    encoded = _commit.agree("memsave.save: before writing (extra, a background step)", local)
+    meta = {"extra": encoded, "world_size": mdist.group_size(None),
             "mesh": {a: t.mesh.degree(a) for a in ("dp", "tp", "pp")}, "stage": t.stage,
             "optimizer": optimizer_meta(t, t.optimizer) if t.optimizer is not None else None,
             "torch": torch.__version__}
