@@ -47,6 +47,8 @@ RESHARD_2 = {
     "bf16 zero2 -> zero2 (dropout)": (Layout("zero2-bf16"), Layout("zero2-bf16"), 0.1),
     "bf16 zero2 -> zero3": (Layout("zero2-bf16"), Layout("zero3-bf16"), 0.0),
     "disk offload zero3 -> zero3": (Layout("zero3-infinity"), Layout("zero3-infinity"), 0.0),
+    "disk offload zero3 -> zero2": (Layout("zero3-infinity"), Z2, 0.0),
+    "zero2 -> disk offload zero3": (Z2, Layout("zero3-infinity"), 0.0),
     "disk offload params zero3 -> zero3": (PARAMS_DISK, PARAMS_DISK, 0.0),
     "disk offload params zero3 -> zero1": (PARAMS_DISK, Z1, 0.0),
     "zero2 -> disk offload params zero3": (Z2, PARAMS_DISK, 0.0),

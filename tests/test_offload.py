@@ -139,11 +139,8 @@ def _cases(world: int, path: str) -> str:
         own = sum(s.numel() for s in ref["opt"]._full_of if s.requires_grad)
         per_elem = 8 + (4 if prec else 0)  # AdamW's two moments, and the fp32 master under mixed precision
         stage3 = PARAMS if not prec else PARAMS[2:4]
-        # the tier's own settings (prefetch, direct I/O, fraction 0, cpu) at stage 3 (where parameters move too);
-        # stages 1 and 2 as mixed precision: all, and half, of the state offloaded
-        settings = (SETTINGS if not prec and stage == 3 else MIXED_SETTINGS) + (stage3 if stage == 3 else [])
-        if prec == FP16 and world > 1:  # (fp16's slow matmuls: its skips on 2 ranks with everything offloaded)
-            settings = [SETTINGS[0]]
+        # the tier's own settings (prefetch, direct I/O, fraction 0, cpu) at stages 1 and 3; stage 2 as mixed precision
+        settings = (SETTINGS if not prec and stage != 2 else MIXED_SETTINGS) + (stage3 if stage == 3 else [])
         for overrides in settings:
             what = f"stage {stage} world {world} {prec} {overrides}"
             run = _train(stage, (*prec, *overrides), mesh, path)

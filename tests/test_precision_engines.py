@@ -172,8 +172,7 @@ def case_recompute_composes(profile: str, mesh: memsave.Mesh) -> None:
 def _all_cases(world: int) -> str:
     mesh = memsave.init()
     for profile in PROFILES:
-        if profile in ("ddp", "zero3"):  # (zero1/2 recompute as ddp does: the units' gathers are zero3's)
-            case_recompute_composes(profile, mesh)
+        case_recompute_composes(profile, mesh)
         case_tracks_fp32(profile, mesh)
         case_overflow_on_one_rank(profile, mesh)
         case_bytes_and_state_dict(profile, mesh)

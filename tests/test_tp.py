@@ -45,19 +45,21 @@ Case = Callable[[memsave.Mesh], Any]
 # -- training cases -------------------------------------------------------------------------------------------------
 # (model, profile, sequence parallel). tp=2: the reference GPT under every profile with SP off and on; the GPT with a
 # vocabulary of 251 (padded to 252: a column of padding on rank 1), untied and tied; each Llama variant (tied/untied,
-# KV heads split: nkv=2, or kept whole: nkv=1) under a few profiles. dp=2 x tp=2: a covering subset of the same (each
-# model with SP on and off, every ZeRO stage, bf16, recompute and offload; what tp=2 alone covers is not repeated).
+# KV heads split: nkv=2, or kept whole: nkv=1) under a few profiles. dp=2 x tp=2: a covering subset of the same.
 TP2_TRAIN = {
     # every profile, sequence parallelism with half of them (the other halves in the Llama and dp2 x tp2 cases)
     **{f"gpt-{p}{'-sp' if sp else ''}": ("gpt", p, sp) for p, sp in (
-        ("ddp", False), ("ddp", True), ("zero1", False), ("zero2", True), ("zero3", True),
+        ("ddp", False), ("ddp", True), ("zero1", False), ("zero2", True), ("zero3", True), ("zero3", False),
         ("zero3-recompute", True), ("ddp-bf16", False))},
     "gpt251-untied-ddp": ("gpt251-untied", "ddp", False),
+    "gpt251-untied-zero2-sp": ("gpt251-untied", "zero2", True),
     "gpt251-untied-zero3-sp": ("gpt251-untied", "zero3", True),
+    "gpt251-zero3": ("gpt251", "zero3", False),
     "llama-tied-kv2-ddp": ("llama-tied-kv2", "ddp", False),
     "llama-tied-kv2-zero3-sp": ("llama-tied-kv2", "zero3", True),
     "llama-untied-kv2-zero1-sp": ("llama-untied-kv2", "zero1", True),
     "llama-untied-kv2-zero3-recompute": ("llama-untied-kv2", "zero3-recompute", False),
+    "llama-tied-kv1-zero3": ("llama-tied-kv1", "zero3", False),
     "llama-tied-kv1-ddp-sp": ("llama-tied-kv1", "ddp", True),
     "llama-untied-kv1-zero1-sp": ("llama-untied-kv1", "zero1", True),
     "llama-untied-kv1-zero2": ("llama-untied-kv1", "zero2", False),
@@ -68,11 +70,15 @@ DP2TP2_TRAIN = {
     "gpt-zero1": ("gpt", "zero1", False),
     "gpt-zero2-sp": ("gpt", "zero2", True),
     "gpt-zero3-sp": ("gpt", "zero3", True),
+    "gpt-zero3-recompute": ("gpt", "zero3-recompute", False),
+    "gpt-ddp-bf16": ("gpt", "ddp-bf16", False),
     "gpt-ddp-bf16-sp": ("gpt", "ddp-bf16", True),
+    "gpt251-untied-ddp": ("gpt251-untied", "ddp", False),
     "gpt251-zero2-sp": ("gpt251", "zero2", True),
     "gpt251-untied-zero3-recompute-sp": ("gpt251-untied", "zero3-recompute", True),
     "llama-tied-kv2-zero3": ("llama-tied-kv2", "zero3", False),
     "llama-untied-kv2-zero2-sp": ("llama-untied-kv2", "zero2", True),
+    "llama-tied-kv1-ddp-sp": ("llama-tied-kv1", "ddp", True),
     "llama-untied-kv1-zero3-recompute": ("llama-untied-kv1", "zero3-recompute", False),
     # host offload (on CPU the state stays in the offload store in host memory) and disk offload (the state in
     # files, streamed through the store): the tp slices' dp rows, stepped where they live
