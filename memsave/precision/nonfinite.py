@@ -26,6 +26,16 @@ from memsave._logging import warn_once
 __all__ = ["NonfiniteGuard"]
 
 
+def _extremes(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Values of ``tensors`` that are all finite exactly when every element is (NaN and inf both survive a max):
+    one fused max-norm on a GPU; on a CPU each tensor's min and max, since torch's CPU max-norm is not vectorised
+    (4M fp32 gradients, one thread: 13.7 ms, against 1.4 ms for ``aminmax``; as long as AdamW's whole step)."""
+    if tensors[0].device.type != "cpu":
+        return torch.stack([n.float() for n in torch._foreach_norm(tensors, math.inf)])
+    ends = [torch.aminmax(torch.view_as_real(t) if t.is_complex() else t) for t in tensors]
+    return torch.stack([v.float() for pair in ends for v in pair])
+
+
 class NonfiniteGuard:
     """Counts steps, decides whether a step's gradients are finite everywhere, and applies the policy."""
 
@@ -52,8 +62,7 @@ class NonfiniteGuard:
         dev = device if device is not None else (live[0].device if live else torch.device("cpu"))
         bad = torch.zeros(1, device=dev)
         if live:
-            norms = torch._foreach_norm(live, math.inf)  # NaN and inf both survive a max-norm
-            bad[0] = (~torch.stack([n.float() for n in norms]).isfinite()).any().float()
+            bad[0] = (~_extremes(live).isfinite()).any().float()
         mdist.all_reduce_over(bad, group, op=mdist.ReduceOp.MAX, count_as="control")
         return bool(bad.item() > 0)
 
