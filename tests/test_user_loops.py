@@ -9,6 +9,8 @@ Every case below failed on the main branch before these fixes (the closing note 
 from __future__ import annotations
 
 import copy
+import os
+import re
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -667,6 +669,19 @@ def _state_dict_on_rank0_only(world: int) -> str:
             with pytest.raises(RuntimeError, match=r"state_dict\(\) .*collective.*rank\(s\) \[1\] did not"):
                 target.state_dict()
         memsave.dist.barrier(mesh.dp_group)
+    # torch.save's habit with memsave.save / load and a report printed on rank 0: each waited 600 s in its first
+    # collective and ended in gloo's "Timed out waiting 600000ms for send operation"
+    with tempfile.TemporaryDirectory() as folder:
+        path = f"{folder}/ckpt-{mesh.rank}"  # (each rank its own folder: the calls never meet)
+        for what, call in (("memsave.save()", lambda: memsave.save(path, model, opt)),
+                           ("memsave.save()", lambda: memsave.save(path, model, opt, async_=True)),
+                           ("memsave.load()", lambda: memsave.load(path, model, opt)),
+                           ("memsave.report()", lambda: memsave.report(model, opt))):
+            if mesh.dp_rank == 0:
+                with pytest.raises(RuntimeError, match=rf"{re.escape(what)} is collective.*rank\(s\) \[1\] did not"):
+                    call()
+            memsave.dist.barrier(mesh.dp_group)
+        assert not os.path.exists(path)
     # a weights file loaded on rank 0 alone (as into a torch DDP model, then a forgotten broadcast): the replicas
     # diverged under ddp, and zero1/2 stepped rank 0's loaded rows beside rank 1's old ones, silently
     for profile in ("ddp", "zero2"):

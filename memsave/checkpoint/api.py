@@ -58,6 +58,7 @@ def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     """
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last={keep_last!r} is not allowed; expected a positive int or None")
+    _commit.arrive("memsave.save()")
     if async_:
         from memsave.checkpoint.background import save_async
 
@@ -173,18 +174,20 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     Returns the saved ``extra`` (step, data position, ...) in :class:`Loaded`."""
     from memsave.checkpoint.background import wait
 
+    _commit.arrive("memsave.load()")
     wait()
     with collector_paused():
         return _load(Path(path), model, optimizer, rng=rng, verify=verify)
 
 
+
 def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, rng: bool,
           verify: bool) -> Loaded:
     t = target_of(model, optimizer)
-    if t.optimizer is not None:
-        t.optimizer.settle()
 
     def check() -> dict[str, Any]:
+        if t.optimizer is not None:
+            t.optimizer.settle()  # a background step's error, agreed on like the files'
         manifest = _commit.read_manifest(path)
         _commit.verify_files(path, manifest, checksums=verify)
         return manifest

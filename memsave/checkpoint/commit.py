@@ -57,6 +57,15 @@ def agree(what: str, fn: Callable[[], T], group: Any = None) -> T | None:
     raise again from error
 
 
+def arrive(what: str) -> None:
+    """[Note: called on rank 0 alone] ``if rank == 0: memsave.save(...)`` (torch.save's habit) waited in the
+    save's first collective for the collective timeout (600 s) and ended in gloo's "Timed out waiting 600000ms
+    for send operation"; now in an arrival check that names the call and the ranks that did not come. It waits as
+    long (``MEMSAVE_ARRIVAL_S``, default 600 s): another rank may come late for a good reason (rank 0 alone
+    evaluating before the save), and refusing a correct save would be worse than the wait."""
+    mdist.expect_every_rank(what, None, unset_s=600.0)
+
+
 def crc32_file(path: str | Path) -> int:
     crc = 0
     with open(path, "rb") as f:

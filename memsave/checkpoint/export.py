@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memsave.checkpoint.commit import agree, read_manifest, verify_files
+from memsave.checkpoint.commit import agree, arrive, read_manifest, verify_files
 from memsave.checkpoint.layout import held_params
 from memsave.checkpoint.state import buffers, offloaded_params_in, offloaded_params_out
 from memsave.dist import Shard
@@ -102,6 +102,7 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True) -> 
         return _load_weights(model, path, strict=strict)
     # agreed: a rank that cannot read its part (a file missing on its node, a stage's weight missing) raised
     # alone, and the others went on to hang in their next collective
+    arrive("memsave.load_weights() into a wrapped model")  # [Note: called on rank 0 alone]
     unused = agree(f"load_weights({path})", lambda: _load_weights(model, path, strict=strict))
     assert unused is not None
     return unused

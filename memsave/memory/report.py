@@ -161,6 +161,9 @@ def report(*holders: object, profile: str = "", name: str = "", group: mdist.Pro
     if not profile:  # the wrapped model's profile
         profile = next((str(n) for h in holders if (n := getattr(h, "memsave_profile", None))), "")
     mine = _rank_entry(holders, tracker, mdist.group_rank(None))
+    # printed on rank 0 alone, it waited 600 s for the others and ended in a raw gloo timeout; named now (as
+    # memsave.save: [Note: called on rank 0 alone] in memsave/checkpoint/commit.py)
+    mdist.expect_every_rank("memsave.report()", group, unset_s=600.0)
     ranks = sorted(mdist.all_gather_object(mine, group), key=lambda r: r["rank"])
     present: set[str] = set()
     for r in ranks:
