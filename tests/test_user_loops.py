@@ -676,6 +676,7 @@ def _state_dict_on_rank0_only(world: int) -> str:
         for what, call in (("memsave.save()", lambda: memsave.save(path, model, opt)),
                            ("memsave.save()", lambda: memsave.save(path, model, opt, async_=True)),
                            ("memsave.load()", lambda: memsave.load(path, model, opt)),
+                           ("memsave.load_weights() into a wrapped model", lambda: memsave.load_weights(model, path)),
                            ("memsave.report()", lambda: memsave.report(model, opt))):
             if mesh.dp_rank == 0:
                 with pytest.raises(RuntimeError, match=rf"{re.escape(what)} is collective.*rank\(s\) \[1\] did not"):
