@@ -79,6 +79,22 @@ def test_a_nan_loss_on_one_rank_skips_the_step_everywhere(tmp_path) -> None:
     assert run_ranks(_cases, 2, 2, str(tmp_path), timeout=400) == ["ok"] * 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.complex64])
+def test_the_check_finds_one_nan_or_inf_element(dtype: torch.dtype) -> None:
+    """One process (no group): the check's CPU path (each gradient's min and max, memsave/precision/nonfinite.py)
+    finds one NaN, inf or -inf element among finite ones, in any floating dtype and in a complex gradient, and
+    passes values near the dtype's largest (a sum of squares, a 2-norm, would overflow there)."""
+    from memsave.precision import NonfiniteGuard
+
+    big = torch.finfo(torch.float32 if dtype.is_complex else dtype).max
+    for bad in (math.nan, math.inf, -math.inf, None):
+        grads = [torch.full((64, 33), big / 2, dtype=dtype), torch.zeros(0, dtype=dtype),
+                 torch.randn(1000, dtype=torch.float32).to(dtype), None]
+        if bad is not None:
+            grads[2][517] = bad
+        assert NonfiniteGuard().found(grads, None) == (bad is not None), (dtype, bad)
+
+
 def test_nonfinite_keys_are_checked() -> None:
     with pytest.raises(ValueError, match=r"precision.nonfinite' = 'ignore'"):
         memsave.load_profile("zero1", ["precision.nonfinite=ignore"])
