@@ -286,8 +286,8 @@ def _context() -> Any:
     again (about 2.5 s a process on a small machine, paid on every launch: the benchmarks launch every
     configuration afresh). ``torch._dynamo`` is among them: torch's ``Optimizer`` constructor imports it on first
     use, another 2.4 s of CPU in every rank (``memsave bench``'s recompute, offload and precision rows together
-    went from 55 s to 19 s with it preloaded). Nothing in the server has run torch code, so the ranks inherit no thread pool, device
-    context or process group. What a spawned rank would get from the launcher at the launch, it still does:
+    went from 55 s to 19 s with it preloaded). Nothing in the server has run torch code, so the ranks inherit no
+    thread pool, device context or process group. What a spawned rank would get from the launcher at the launch, it still does:
     multiprocessing passes ``sys.path``, the working directory and the main module, and ``_child`` the
     environment. The ranks' parent is the server, which exits when the launcher dies: the death signal and the
     parent watch ([Note: orphans and leftovers]) follow the server."""

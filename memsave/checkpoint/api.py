@@ -180,7 +180,6 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
         return _load(Path(path), model, optimizer, rng=rng, verify=verify)
 
 
-
 def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, rng: bool,
           verify: bool) -> Loaded:
     t = target_of(model, optimizer)
