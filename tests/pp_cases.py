@@ -57,6 +57,59 @@ def opt() -> nn.Module:
     return OPTForCausalLM(cfg)
 
 
+def mixtral() -> nn.Module:
+    """An unchanged Hugging Face MixtralForCausalLM (top-1 of 4 experts): its experts cannot run on the meta
+    device in fp32 (torch's meta ``_grouped_mm`` takes bf16 only), so the probe learns their output's structure
+    from the stage that holds them ([Note: structures the meta device cannot find] in memsave/pp/probe.py)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=1,
+                        max_position_embeddings=32)
+    torch.manual_seed(0)
+    return MixtralForCausalLM(cfg)
+
+
+class _MaskedMoE(nn.Module):
+    """Top-1 routing by boolean masks, as hand-written mixtures of experts do: the block's output shape is static,
+    ``h[mask]``'s is not, so it cannot run on the meta device."""
+
+    def __init__(self, d: int, experts: int = 3) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.router = nn.Linear(d, experts)
+        self.experts = nn.ModuleList([nn.Linear(d, d) for _ in range(experts)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        weight, choice = self.router(h).softmax(-1).max(-1)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            mask = choice == e
+            if mask.any():  # an expert no row chose gets no gradient
+                out[mask] = expert(h[mask]) * weight[mask, None]
+        return x + out
+
+
+class MoENet(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.stem = nn.Linear(12, d)
+        self.blocks = nn.ModuleList([_MaskedMoE(d) for _ in range(4)])
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def moe() -> nn.Module:
+    torch.manual_seed(0)
+    return MoENet()
+
+
 def sequential() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.GELU(),
@@ -131,6 +184,8 @@ KINDS = {
     "opt": Kind(opt, lm_data, True),
     "seq": Kind(sequential, dense_data, False),
     "unet": Kind(unet, dense_data, False),
+    "mixtral": Kind(mixtral, lm_data, True),
+    "moe": Kind(moe, dense_data, False),
 }
 
 

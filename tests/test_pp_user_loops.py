@@ -470,6 +470,34 @@ def _load_whole_optimizer(mesh: memsave.Mesh, base: str) -> dict[str, float]:
             "params": max(pc.rel(v.numpy(), want[k].numpy()) for k, v in params.items())}
 
 
+# -- blocks that cannot run on the meta device, and what they hand out by a side channel ---------------------------
+def _off_meta(mesh: memsave.Mesh, kind: str, base: str, schedule: str) -> dict[str, float]:
+    """A mixture of experts the probe cannot run on the meta device where another stage holds it (Mixtral's
+    grouped matmul in fp32; boolean-mask routing): before, refused ("cannot run on the meta device"); now the
+    holder publishes its output's structure ([Note: structures the meta device cannot find]), and it trains as
+    one process. Rows go to 1 of 3-4 experts: some get no gradient in a step."""
+    run, _, _ = pc.pipelined(pc.KINDS[kind], mesh, pc.profile(base, pp=2, schedule=schedule))
+    diff = pc.compare(run, pc.reference(pc.KINDS[kind]))
+    return {"figures": max(diff["loss"][0], diff["norm"][0]), "params": diff["param"][0]}
+
+
+def _router_logits_refused(mesh: memsave.Mesh) -> dict[str, float]:
+    """Mixtral's ``output_router_logits`` records each router's logits by a hook inside its layer, for the
+    auxiliary loss the last stage computes: what the other stage's layers recorded never crosses (in a step the
+    loss would leave them out, no error). Refused on both ranks, naming it ([Note: side outputs])."""
+    model = pc.mixtral()
+    model, _ = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=pc.LR), pc.profile(pp=2), mesh=mesh)
+    ids = pc.lm_data()[0]
+    try:
+        model.pipeline_step([{"input_ids": mb, "labels": mb, "output_router_logits": True} for mb in ids.chunk(2)])
+    except NotImplementedError as exc:
+        assert "output_router_logits" in str(exc) and "made without returning it" in str(exc), exc
+    else:
+        raise AssertionError("router logits recorded inside another stage's layers were not refused")
+    model.pipeline_step([{"input_ids": mb, "labels": mb} for mb in ids.chunk(2)])  # without them: trains on
+    return {"figures": 0.0, "params": 0.0}
+
+
 CASES: dict[str, Callable[[memsave.Mesh], dict[str, float]]] = {
     "tied-two-calls-a-step-ddp": lambda mesh: _accumulate(mesh, "ddp", calls=2, clear=True),
     "tied-two-calls-a-step-zero3": lambda mesh: _accumulate(mesh, "zero3", calls=2, clear=True),
@@ -493,6 +521,9 @@ CASES: dict[str, Callable[[memsave.Mesh], dict[str, float]]] = {
     "tied-inputs-embeds-ddp-1f1b": lambda mesh: _tied_inputs_embeds(mesh, "ddp", "1f1b"),
     "tied-inputs-embeds-zero3-zero-bubble": lambda mesh: _tied_inputs_embeds(mesh, "zero3", "zero-bubble"),
     "tied-frozen-inputs-embeds-ddp": lambda mesh: _tied_inputs_embeds(mesh, "ddp", "1f1b", frozen=True),
+    "hf-mixtral-off-meta-zero3-1f1b": lambda mesh: _off_meta(mesh, "mixtral", "zero3", "1f1b"),
+    "masked-moe-off-meta-ddp-zero-bubble": lambda mesh: _off_meta(mesh, "moe", "ddp", "zero-bubble"),
+    "hf-mixtral-router-logits-refused": _router_logits_refused,
     # last: the failed step's messages stay in flight in this process group, for any later pipeline too
     "no-step-after-one-that-raised": _step_that_raised,
 }

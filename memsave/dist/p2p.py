@@ -31,7 +31,8 @@ import torch.distributed as dist
 
 from memsave.dist.collectives import COMM_STATS, ProcessGroup, _check_device, _doing, _failed, _label, _nbytes
 
-__all__ = ["P2P", "PeerFailed", "announce_failure", "arrive", "global_rank", "new_subgroups", "set_failure_scope"]
+__all__ = ["P2P", "PeerFailed", "announce_failure", "arrive", "drop_published", "global_rank", "new_subgroups",
+           "publish", "set_failure_scope", "wait_published"]
 
 
 class PeerFailed(RuntimeError):
@@ -249,6 +250,34 @@ def arrive(what: str, group: ProcessGroup | None, timeout_s: float = 600.0) -> N
         if time.monotonic() > deadline:
             raise TimeoutError(f"memsave: {what}: not every pipeline rank of {ranks} arrived within {timeout_s:.0f} s")
         time.sleep(0.005)
+
+
+def publish(key: str, value: bytes) -> None:
+    """Write ``value`` under ``key`` in the store, for :func:`wait_published` on other ranks (the pipeline probe's
+    output structures: [Note: structures the meta device cannot find] in memsave/pp/probe.py)."""
+    dist.distributed_c10d._get_default_store().set(key, value)  # type: ignore[arg-type]  # (bytes too)
+
+
+def wait_published(key: str, what: str, timeout_s: float = 600.0) -> bytes:
+    """The value another rank :func:`publish`-ed under ``key``, once it is there; a peer that failed first
+    ([Note: failure while waiting]) ends this rank with its error instead of a wait for ``timeout_s``."""
+    store = dist.distributed_c10d._get_default_store()
+    deadline = time.monotonic() + timeout_s
+    while not store.check([key]):
+        failed = _peer_failure()
+        if failed is not None:
+            raise PeerFailed(f"memsave: pipeline stopped: {failed}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"memsave: {what}: not published within {timeout_s:.0f} s")
+        time.sleep(0.005)
+    return store.get(key)
+
+
+def drop_published(keys: Sequence[str]) -> None:
+    """Delete the keys this rank :func:`publish`-ed, once every reader has read them."""
+    store = dist.distributed_c10d._get_default_store()
+    for key in keys:
+        store.delete_key(key)
 
 
 def global_rank(group: ProcessGroup | None, group_rank: int) -> int:

@@ -11,11 +11,22 @@ meta device (their parameters are meta tensors) and hand zeros of the right shap
 The probe also records each atom call's output structure (the shapes and dtypes a receiver allocates, and the
 placeholders a stage uses for earlier atoms it does not read), so nothing about shapes is exchanged per
 micro-batch. The ranks then check that they found the same structure (one all-gather per input shape).
+
+[Note: structures the meta device cannot find] Some atoms cannot run on the meta device: a mixture-of-experts
+block (torch's meta ``_grouped_mm`` takes bf16 only, where the CPU kernel runs fp32), an op whose output shape
+depends on values (``nonzero``, boolean masks, ``.item()``). The rank that holds such an atom has run it for real,
+so each rank publishes the structure of every atom call it ran (a :class:`Share`: a store key per call, pickled,
+deleted after the probe), and a rank whose meta run fails waits for the holder's instead. No rank waits on one
+that waits on it: every rank runs the same forward, and a rank waits only for an atom it does not hold; the
+earliest atom call not yet published belongs to a rank that has run every call before it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import pickle
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -23,11 +34,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["CallKey", "Layout", "Probe", "Structure"]
+__all__ = ["CallKey", "Layout", "Probe", "Share", "Structure"]
 
 CallKey = tuple[str, int]  # (atom name, how many times it was called before in this forward)
 OUTPUT: CallKey = ("<output>", 0)  # the loss, read by the last stage
 _TAG = "_memsave_pp_tag"
+_SIDE = "_memsave_pp_side"  # made inside an atom another stage holds ([Note: side outputs])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,12 +107,48 @@ class _Tagging(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if self.probe.depth == 0:
+        probe = self.probe
+        if probe.depth == 0:
+            side = _side_of(args, kwargs)
+            if side is not None:
+                raise NotImplementedError(_side_message(side, probe.stage_of_atom[side], func))
+            out = func(*args, **kwargs)
             tags = _tags_of(args, kwargs)
             if tags:
                 _tag(out, tags)
+            return out
+        out = func(*args, **kwargs)
+        if probe.remote is not None:  # (a meta tensor only: an op may hand back a real one it was given)
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.is_meta:
+                    with contextlib.suppress(AttributeError, RuntimeError):
+                        setattr(t, _SIDE, probe.remote)
         return out
+
+
+def _side_of(args: Any, kwargs: Any) -> str | None:
+    for t in tree_flatten((args, kwargs))[0]:
+        if isinstance(t, torch.Tensor):
+            side = getattr(t, _SIDE, None)
+            if side is not None:
+                return side
+    return None
+
+
+def _side_message(atom: str, stage: int, func: Any) -> str:
+    """[Note: side outputs] A tensor made inside an atom but handed on other than through its output (a forward
+    hook that records it, an attribute) cannot cross stages: the stages exchange atom outputs, and an atom another
+    stage holds does not run here (in the probe it ran on the meta device, so the tensor read is a meta one; in
+    a step it would be missing). Hugging Face's ``output_router_logits`` (a mixture-of-experts model's auxiliary
+    loss) records each router's logits so."""
+    name = getattr(func, "__name__", repr(func))
+    if name == "__get__":  # a property: .device, .shape
+        name = "." + getattr(getattr(func, "__self__", None), "__name__", "?")
+    return (f"pipeline split: the forward reads ({name}) a tensor that module {atom!r} (stage {stage}) made without "
+            "returning it (a forward hook that records it, or an attribute), which the stages cannot exchange: they "
+            "hand on modules' outputs only. For a Hugging Face mixture-of-experts model, its router logits "
+            "(config.output_router_logits = True, for the auxiliary loss): set it False under pipeline "
+            "parallelism, or add the auxiliary loss inside each layer")
 
 
 @dataclasses.dataclass
@@ -122,12 +170,45 @@ class Layout:
         return [(k, self.stage_of[k], self.structure[k].describe(), self.readers.get(k, [])) for k in self.order]
 
 
+class Share:
+    """[Note: structures the meta device cannot find]: ``publish(key, bytes)`` and ``wait(key, what) -> bytes``
+    over the store (memsave/dist/p2p.py), keys under ``prefix`` (one probe of one pipeline)."""
+
+    def __init__(self, prefix: str, publish: Callable[[str, bytes], None], wait: Callable[[str, str], bytes]) -> None:
+        self.prefix, self._publish, self._wait = prefix, publish, wait
+        self.published: list[str] = []
+
+    def _key(self, call: CallKey) -> str:
+        return f"{self.prefix}/{call[0]}/{call[1]}"
+
+    def put(self, call: CallKey, structure: Structure) -> None:
+        try:
+            value = b"s" + pickle.dumps((structure.spec, structure.leaves))
+        except Exception as exc:  # a non-tensor leaf that does not pickle: the reader names it
+            value = b"!" + f"{type(exc).__name__}: {exc}".encode()
+        key = self._key(call)
+        self._publish(key, value)
+        self.published.append(key)
+
+    def get(self, call: CallKey, why: str) -> Structure:
+        value = self._wait(self._key(call), f"the pipeline probe, the structure of {call[0]!r}'s output")
+        if value[:1] != b"s":
+            raise NotImplementedError(f"{why}; the stage that holds it could not send its output's structure: "
+                                      f"{value[1:].decode()}")
+        with warnings.catch_warnings():  # torch 2.13's TreeSpec unpickling warns of its own LeafSpec check
+            warnings.simplefilter("ignore", FutureWarning)
+            spec, leaves = pickle.loads(value[1:])
+        return Structure(spec, leaves)
+
+
 class Probe:
     """Runs [Note: the probe]; the runner's atom wrappers call :meth:`call` while :attr:`active`."""
 
-    def __init__(self, stage_of_atom: dict[str, int], local: Callable[[str], bool], device: torch.device) -> None:
-        self.stage_of_atom, self.local, self.device = stage_of_atom, local, device
+    def __init__(self, stage_of_atom: dict[str, int], local: Callable[[str], bool], device: torch.device,
+                 share: Share | None = None) -> None:
+        self.stage_of_atom, self.local, self.device, self.share = stage_of_atom, local, device, share
         self.depth = 0
+        self.remote: str | None = None  # the atom another stage holds that runs on the meta device now
         self.active = False
         self.counts: dict[str, int] = {}
         self.deps: dict[CallKey, frozenset[CallKey]] = {}
@@ -143,22 +224,37 @@ class Probe:
         try:
             if self.local(name):
                 out = forward(*args, **kwargs)
+                if self.share is not None:
+                    self.share.put(key, _structure(out))
             else:
-                meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
-                try:
-                    out_meta = forward(*meta[0], **meta[1])
-                except Exception as exc:
-                    raise NotImplementedError(
-                        f"pipeline split: module {name!r} (held by stage {self.stage_of_atom[name]}) cannot run on "
-                        "the meta device, which the other stages need to learn the shapes of its outputs: "
-                        f"{type(exc).__name__}: {exc}") from exc
-                out = tree_map(lambda t: _zeros_like(t, self.device) if isinstance(t, torch.Tensor) else t, out_meta)
+                out = self._remote(name, key, forward, args, kwargs)
         finally:
             self.depth -= 1
         self.structure[key] = _structure(out)
         self.order.append(key)
         _tag(out, frozenset([key]))
         return out
+
+    def _remote(self, name: str, key: CallKey, forward: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        """Zeros shaped as the output of an atom another stage holds: run on the meta device, or as the holder
+        found it ([Note: structures the meta device cannot find])."""
+        meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
+        self.remote = name
+        try:
+            out_meta = forward(*meta[0], **meta[1])
+        except Exception as exc:
+            self.remote = None
+            why = (f"pipeline split: module {name!r} (held by stage {self.stage_of_atom[name]}) cannot run on the "
+                   f"meta device, which the other stages need to learn the shapes of its outputs: "
+                   f"{type(exc).__name__}: {exc}")
+            if self.share is None:
+                raise NotImplementedError(why) from exc
+            structure = self.share.get(key, why)
+            return structure.build([torch.zeros(shape, dtype=dt, device=self.device)
+                                    for shape, dt in structure.tensor_meta()])
+        finally:
+            self.remote = None
+        return tree_map(lambda t: _zeros_like(t, self.device) if isinstance(t, torch.Tensor) else t, out_meta)
 
     def run(self, forward_and_loss: Callable[[], Any], n_stages: int, model: torch.nn.Module | None = None) -> Layout:
         """``forward_and_loss()`` returns the loss (or the output the last stage reads). ``model``'s buffers are

@@ -31,9 +31,18 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from memsave import dist as mdist
-from memsave.dist.p2p import P2P, PeerFailed, announce_failure, arrive, set_failure_scope
+from memsave.dist.p2p import (
+    P2P,
+    PeerFailed,
+    announce_failure,
+    arrive,
+    drop_published,
+    publish,
+    set_failure_scope,
+    wait_published,
+)
 from memsave.pp.message_order import evaluation_schedule
-from memsave.pp.probe import CallKey, Layout, Probe
+from memsave.pp.probe import CallKey, Layout, Probe, Share
 from memsave.pp.runtime_messages import AUTOCAST_HINT, Messages, is_grad_dtype
 from memsave.pp.schedule import Action, Schedule
 from memsave.pp.split import StageSplit
@@ -201,7 +210,11 @@ class StageRunner(Messages):
         layout = self.layouts.get(signature)
         if layout is None:
             local = set(self.local_stages)
-            self.probe = Probe(self.split.stage_of, lambda n: self.split.stage_of[n] in local, self.device)
+            share = None
+            if self.pp_size > 1:  # [Note: structures the meta device cannot find] in probe.py
+                ranks = "-".join(str(self.peer(r)) for r in range(self.pp_size))
+                share = Share(f"memsave/pp/probe/{self.uid}/{self.steps}/{ranks}", publish, wait_published)
+            self.probe = Probe(self.split.stage_of, lambda n: self.split.stage_of[n] in local, self.device, share)
             try:
                 layout = self.probe.run(forward_and_loss, self.n_stages, self.model)
             except BaseException as exc:
@@ -210,6 +223,8 @@ class StageRunner(Messages):
             finally:
                 self.probe = None
             arrive("the pipeline probe", self.pp_group)  # a peer whose probe failed ends this rank too
+            if share is not None:  # every rank has read what it needed
+                drop_published(share.published)
             digests = mdist.all_gather_object(repr(layout.digest()), self.pp_group)
             if any(d != digests[0] for d in digests):
                 bad = [r for r, d in enumerate(digests) if d != digests[0]]
