@@ -64,6 +64,7 @@ TP2_TRAIN = {
     "llama-untied-kv1-zero1-sp": ("llama-untied-kv1", "zero1", True),
     "llama-untied-kv1-zero2": ("llama-untied-kv1", "zero2", False),
     "llama-untied-kv1-zero3-recompute-sp": ("llama-untied-kv1", "zero3-recompute", True),
+    "gemma-scaled-embedding-zero3-sp": ("gemma", "zero3", True),
 }
 DP2TP2_TRAIN = {
     "gpt-ddp-sp": ("gpt", "ddp", True),
@@ -103,6 +104,8 @@ def _model(key: str) -> tuple[Callable[[], nn.Module], tc.LossFn, int]:
         vocab = 251 if key.startswith("gpt251") else 250
         tie = "untied" not in key
         return (lambda: tc.gpt(vocab, tie)), tc.gpt_loss, vocab
+    if key == "gemma":
+        return tc.gemma, tc.llama_loss, 250
     tie, nkv = "untied" not in key, int(key[-1])
     return (lambda: tc.llama(tie, nkv)), tc.llama_loss, 250
 
@@ -421,6 +424,31 @@ def _plans_case(mesh: memsave.Mesh) -> dict[str, Any]:
            r"'0\.A', '0\.B': name those\. An adapter \(LoRA\) .* colwise one the adapter's up-projection colwise")
     refuse(_sequential(width=33), {"0": "colwise", "2": "rowwise"}, ValueError,
            rf"module '0' has out_features=33, not divisible by .*tp={tp}")
+    # an nn.Linear subclass with a forward of its own: what it does with the cut features cannot be known (it was
+    # replaced by the parallel class, its forward dropped, with no error)
+    scaled = _sequential()
+    scaled[0].__class__ = _ScaledLinear
+    refuse(scaled, {"0": "colwise", "2": "rowwise"}, NotImplementedError,
+           r"module '0' is a _ScaledLinear, a subclass of nn\.Linear with a forward of its own")
+
+    # an nn.Linear subclass without one keeps its class (and its other methods) above the parallel one
+    marked = _sequential()
+    marked[0].__class__ = _MarkedLinear
+    marked, _ = memsave.wrap(marked, torch.optim.SGD(marked.parameters(), lr=0.1), prof, mesh=mesh,
+                             tp_plan={"0": "colwise", "2": "rowwise"})
+    from memsave.tp import ColumnParallelLinear
+
+    assert isinstance(marked[0], _MarkedLinear) and isinstance(marked[0], ColumnParallelLinear)
+    assert marked[0].extra_repr() == "marked"
+    # an nn.Embedding subclass whose forward reads the weight itself (with the global ids, on this rank's rows):
+    # refused at its first call, whether the ids fall in this rank's rows or index past them
+    raw = nn.Sequential(_RawEmbedding(250, 8), nn.Linear(8, 4))
+    raw, _ = memsave.wrap(raw, torch.optim.SGD(raw.parameters(), lr=0.1), prof, mesh=mesh,
+                          tp_plan={"0": "vocab_embedding"})
+    for ids in (torch.tensor([[1, 2]]), torch.tensor([[1, 249]])):
+        with pytest.raises(NotImplementedError, match=r"module '0' is a _RawEmbedding, whose forward does not call "
+                                                      r"nn\.Embedding\.forward"):
+            raw(ids)
 
     # under SP, a sequence that does not divide by tp: refused at the forward, on every rank alike
     model = tc.gpt()
@@ -487,6 +515,21 @@ def _llama_heads3() -> nn.Module:
 def _sequential(width: int = 32) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, width), nn.GELU(), nn.Linear(width, 4))
+
+
+class _ScaledLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2.0
+
+
+class _MarkedLinear(nn.Linear):
+    def extra_repr(self) -> str:
+        return "marked"
+
+
+class _RawEmbedding(nn.Embedding):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
 
 
 class _LoRA(nn.Module):
@@ -790,7 +833,7 @@ def test_vocab_parallel_cross_entropy_equals_torch(tp2: dict, dp2tp2: dict, grou
 
 
 def test_bad_plans_are_refused_before_anything_changes_and_a_user_plan_trains(tp2: dict) -> None:
-    assert _outcome(tp2, "plans")["refused"] == 9
+    assert _outcome(tp2, "plans")["refused"] == 10
 
 
 def test_a_vocab_parallel_embedding_with_every_option_trains_as_one_process(tp2: dict) -> None:

@@ -50,6 +50,18 @@ def llama(tie: bool, nkv: int, heads: int = 4) -> nn.Module:
     return LlamaForCausalLM(cfg)
 
 
+def gemma() -> nn.Module:
+    """An unchanged Hugging Face GemmaForCausalLM (tied): its embedding is a subclass of nn.Embedding whose forward
+    scales the lookup by sqrt(hidden) ([Note: subclasses of the cut layers] in memsave/tp/apply.py)."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    cfg = GemmaConfig(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return GemmaForCausalLM(cfg)
+
+
 def gpt_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return model(x, labels=y).loss
 
