@@ -866,3 +866,19 @@ def test_every_case_ran(tp2: dict, dp2tp2: dict) -> None:
         "submodule-load"} == tp2.keys()
     assert {f"train:{n}" for n in DP2TP2_TRAIN} | {f"comm:{m}:sp={q}" for m, q in DP2TP2_COMM} | {
         "ce:tp4", "replica-eval"} | {f"train-tp4:{n}" for n in TP4_TRAIN} == dp2tp2.keys()
+
+
+def test_a_hf_plan_that_names_norms_keeps_their_styles() -> None:
+    """Gemma 3's base_model_tp_plan names its q_norm / k_norm (replicated_with_grad_allreduce); memsave's completion
+    (sequence-parallel norms) added them again by their full names: every wrap under tp refused the model
+    ("matched by both"). Now the plan's own entry stands, and every other norm is completed."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from memsave.tp.plan import default_plan, match_plan
+
+    cfg = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32)
+    matched = match_plan(model := Gemma3ForCausalLM(cfg), default_plan(model))
+    assert matched["model.layers.1.self_attn.q_norm"][0] == "replicated_with_grad_allreduce"
+    assert matched["model.layers.1.input_layernorm"][0] == "sequence_parallel"
+    assert matched["model.norm"][0] == "sequence_parallel"

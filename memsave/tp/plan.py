@@ -89,8 +89,10 @@ def _hf_plan(model: nn.Module, base_plan: Mapping[str, str]) -> dict[str, str]:
     if layers:
         name = max(layers, key=lambda nm: len(nm[1]))[0]
         plan[f"{name}.0"] = "sequence_input"
+    named = [_compile(k) for k in plan]  # (Gemma 3 names its q_norm / k_norm: replicated_with_grad_allreduce)
     for n, m in model.named_modules():
-        if _is_norm(m) and n not in plan and any(True for _ in m.parameters(recurse=False)):
+        if (_is_norm(m) and not any(r.fullmatch(n) for r in named)
+                and any(True for _ in m.parameters(recurse=False))):
             plan[n] = "sequence_parallel"
     return plan
 
