@@ -62,6 +62,44 @@ def gemma() -> nn.Module:
     return GemmaForCausalLM(cfg)
 
 
+def phi3() -> nn.Module:
+    """An unchanged Hugging Face Phi3ForCausalLM (GQA, fused qkv_proj): its plan gathers the fused projections'
+    outputs whole ('colwise_gather_output') and cuts o_proj's input again ('rowwise_split_input')."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    cfg = Phi3Config(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+                     bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return Phi3ForCausalLM(cfg)
+
+
+def olmoe() -> nn.Module:
+    """An unchanged Hugging Face OlmoeForCausalLM (4 experts, top-1; q_norm / k_norm on the gathered query and
+    key). memsave does not cut experts: :func:`olmoe_plan` leaves them whole."""
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    cfg = OlmoeConfig(vocab_size=250, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, num_experts=4, num_experts_per_tok=1,
+                      max_position_embeddings=64, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return OlmoeForCausalLM(cfg)
+
+
+def olmoe_plan(model: nn.Module) -> dict[str, str]:
+    """HF's plan without the experts' entries (memsave's completion of the rest), the router and the experts
+    whole on every rank, their gradients summed over tp under sequence parallelism."""
+    from memsave.tp.plan import default_plan
+
+    full = model.config.base_model_tp_plan
+    model.config.base_model_tp_plan = {k: v for k, v in full.items() if ".experts" not in k}
+    try:
+        plan = default_plan(model)
+    finally:
+        model.config.base_model_tp_plan = full
+    return {**plan, "model.layers.*.mlp.gate": "sequence_parallel", "model.layers.*.mlp.experts": "sequence_parallel"}
+
+
 def gpt_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return model(x, labels=y).loss
 

@@ -65,7 +65,7 @@ def plan_param_bytes(model: nn.Module, tp: int, plan: Mapping[str, str] | None =
         m = modules[name]
         if style in _COLUMN:  # output rows (a packed block's rows divide by blocks x tp: the same count)
             dims = {"weight": 0, "bias": 0}
-        elif style == "rowwise":  # input columns; the bias is added whole after the reduction
+        elif style in ("rowwise", "rowwise_split_input"):  # input columns; the bias is added whole after the reduction
             dims = {"weight": 1}
         elif style == "vocab_embedding":
             dims = {"weight": 0}

@@ -42,6 +42,7 @@ __all__ = ["TPParam", "apply_tp", "cut_shapes", "cut_tp", "full_state_dicts", "t
 _HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
 _WIDTH_ATTRS = ("hidden_size", "embed_dim", "all_head_size")
 _COLUMN = ("colwise", "packed_colwise", "colwise_gather_output", "loss_parallel")
+_ROW = ("rowwise", "rowwise_split_input")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +98,7 @@ def _check(model: nn.Module, cuts: list[_Cut], t: int, r: int, sequence: bool) -
     attributes to update."""
     for cut in cuts:
         m, style = cut.module, cut.style
-        if style in (*_COLUMN, "rowwise") and not isinstance(m, nn.Linear):
+        if style in (*_COLUMN, *_ROW) and not isinstance(m, nn.Linear):
             inner = [f"{cut.name}.{n}" for n, c in m.named_children() if isinstance(c, nn.Linear)]
             hint = (f"; it holds the nn.Linear {', '.join(map(repr, inner))}: name those. An adapter (LoRA) around "
                     "a base layer: cut the base layer, and with a colwise one the adapter's up-projection colwise "
@@ -108,7 +109,7 @@ def _check(model: nn.Module, cuts: list[_Cut], t: int, r: int, sequence: bool) -
         if style == "vocab_embedding" and not isinstance(m, nn.Embedding):
             raise ValueError(f"tp plan: module {cut.name!r} ({type(m).__name__}) has style 'vocab_embedding', which "
                              "needs an nn.Embedding")
-        if style in (*_COLUMN, "rowwise") and _own_forward(m, nn.Linear):
+        if style in (*_COLUMN, *_ROW) and _own_forward(m, nn.Linear):
             raise NotImplementedError(
                 f"tensor parallelism: module {cut.name!r} is a {type(m).__name__}, a subclass of nn.Linear with a "
                 f"forward of its own; style {style!r} cuts the nn.Linear's weight, and what that forward does with "
@@ -120,12 +121,14 @@ def _check(model: nn.Module, cuts: list[_Cut], t: int, r: int, sequence: bool) -
                 what = f"{cut.blocks} packed blocks of " if cut.blocks > 1 else ""
                 raise ValueError(f"tensor parallelism: module {cut.name!r} has {what}out_features={m.out_features}, "
                                  f"not divisible by {cut.blocks} x tp={t}")
-        if style == "rowwise":
+        if style in _ROW:
             assert isinstance(m, nn.Linear)
             if m.in_features % t:
                 raise ValueError(f"tensor parallelism: module {cut.name!r} has in_features={m.in_features}, not "
                                  f"divisible by tp={t}")
-    column = {c.module for c in cuts if c.style in _COLUMN}
+    if sequence:
+        _check_named(model, cuts)
+    column = {c.module for c in cuts if c.style in ("colwise", "packed_colwise")}  # outputs that stay cut
     updates = []
     for name, parent in model.named_modules():
         children = {n: c for n, c in parent.named_children() if c in column}
@@ -149,6 +152,30 @@ def _check(model: nn.Module, cuts: list[_Cut], t: int, r: int, sequence: bool) -
             new.update(_gqa(name, parent, children, cuts, head_dim, t, r))
         updates.append((parent, new))
     return updates
+
+
+def _check_named(model: nn.Module, cuts: list[_Cut]) -> None:
+    """Under sequence parallelism every trainable parameter is named by the plan ([module docstring] of plan.py)."""
+    named: set[int] = set()
+    for cut in cuts:
+        if cut.style in (*_COLUMN, *_ROW, "vocab_embedding"):
+            named.update(id(p) for p in (getattr(cut.module, "weight", None), getattr(cut.module, "bias", None))
+                         if p is not None)
+        elif cut.style in ("sequence_parallel", "replicated_with_grad_allreduce", "replicated"):
+            named.update(id(p) for p in cut.module.parameters(recurse=False))
+    left: dict[str, list[str]] = {}
+    for pn, p in model.named_parameters():
+        if p.requires_grad and id(p) not in named:
+            left.setdefault(pn.rpartition(".")[0] or "<root>", []).append(pn)
+    if left:
+        mods = list(left)
+        raise ValueError(
+            f"tensor parallelism with sequence parallelism: the tp plan names no style for module(s) "
+            f"{', '.join(map(repr, mods[:4]))}{f' and {len(mods) - 4} more' if len(mods) > 4 else ''} (trainable "
+            f"parameters {', '.join(map(repr, left[mods[0]][:2]))}, ...). Between the blocks a module reads this rank's "
+            "slice of the sequence, and its gradient must be summed over tp: name it 'sequence_parallel'; one that "
+            "reads the same whole input on every rank (before the first block, or inside a region gathered whole): "
+            "'replicated'")
 
 
 def _gqa(name: str, parent: nn.Module, children: dict[str, nn.Module], cuts: list[_Cut], head_dim: int, t: int,
@@ -196,7 +223,8 @@ def cut_shapes(model: nn.Module, tp: int, plan: Mapping[str, str] | None = None)
             assert isinstance(m, nn.Linear)
             shard = VocabShard(None, 0, -(-m.out_features // tp), m.out_features)
             m.register_forward_hook(lambda _m, _args, out, shard=shard: ShardedLogits.wrap(out, shard))
-        dims = {"rowwise": {"weight": 1}, "vocab_embedding": {"weight": 0}}.get(cut.style, {})
+        dims = {"rowwise": {"weight": 1}, "rowwise_split_input": {"weight": 1},
+                "vocab_embedding": {"weight": 0}}.get(cut.style, {})
         if cut.style in _COLUMN and cut.select is None:
             dims = {"weight": 0, "bias": 0}
         for pn, dim in dims.items():
@@ -270,7 +298,7 @@ def _cut(cut: _Cut, ctx: TPContext, done: dict[int, TPParam]) -> None:
             m.out_features = m.weight.shape[0]
         _become(m, ColumnParallelLinear, cut.name)
         vars(m).update(tp=ctx, gather_output=style == "colwise_gather_output", vocab=vocab, select=cut.select)
-    elif style == "rowwise":
+    elif style in _ROW:
         assert isinstance(m, nn.Linear)
         _set(m.weight, _slice(m.weight.data, 1, t, r, 1), TPParam(Placement(tp=Shard(1)), 1, 1, ()), done,
              f"{cut.name}.weight")
@@ -279,7 +307,7 @@ def _cut(cut: _Cut, ctx: TPContext, done: dict[int, TPParam]) -> None:
                  f"{cut.name}.bias")
         m.in_features = m.weight.shape[1]
         _become(m, RowParallelLinear, cut.name)
-        vars(m)["tp"] = ctx
+        vars(m).update(tp=ctx, split_input=style == "rowwise_split_input")
     elif style == "vocab_embedding":
         assert isinstance(m, nn.Embedding)
         pad_to = -(-m.num_embeddings // t) * t

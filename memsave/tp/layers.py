@@ -42,6 +42,7 @@ from memsave.tp.mappings import (
     GatherSeq,
     ReduceFromTP,
     ReduceScatterSeq,
+    SplitLast,
     all_gather_dim,
 )
 from memsave.tp.random import RegionRandom
@@ -190,10 +191,13 @@ class RowParallelLinear(nn.Linear):
     """An ``nn.Linear`` holding columns ``[rank * in/tp, (rank + 1) * in/tp)`` of its weight; the bias whole."""
 
     tp: TPContext
+    split_input: bool = False  # rowwise_split_input: a whole input, this rank's columns cut from it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = self.tp
         ctx.random.leave()
+        if self.split_input:
+            x = SplitLast.apply(x, ctx.group)
         y = F.linear(x, self.weight)
         if ctx.sequence:
             y = ReduceScatterSeq.apply(y, ctx.seq_dim, ctx.group)

@@ -11,13 +11,23 @@ module, and no module may be matched twice. The styles:
 | ``colwise_gather_output`` | ``nn.Linear`` | rows | as ``colwise``, output all-gathered |
 | ``loss_parallel`` | ``nn.Linear`` LM head | rows of the padded vocabulary | as ``colwise``; output :class:`ShardedLogits` |
 | ``rowwise`` | ``nn.Linear`` | columns (input features); the bias whole | output all-reduce (SP: reduce-scatter) |
+| ``rowwise_split_input`` | ``nn.Linear`` | as ``rowwise``; takes a whole input and cuts its columns | as ``rowwise`` |
 | ``vocab_embedding`` | ``nn.Embedding`` | rows of the padded vocabulary | output all-reduce |
 | ``sequence_parallel`` | norms, dropout | whole; under SP the gradient is summed over ``tp`` | none |
 | ``sequence_input`` | the first block | none | under SP: its input cut to this rank's slice of the sequence |
 | ``sequence_gather`` | attention, MLP | none | under SP: its input all-gathered whole (its linears regather it) |
 | ``replicated_with_grad_allreduce`` | any | whole; the gradient summed over ``tp`` | none |
+| ``replicated`` | any | whole; the gradient as each rank computed it (the same whole input on every rank) | none |
 
-The attention heads split with their projections: a module that owns column-parallel children and counts heads
+A parameter the plan does not name stays whole on every rank, its gradient as computed: right where its module
+reads the same whole input on every ``tp`` rank. Under sequence parallelism a module between the blocks reads
+this rank's slice of the sequence, and its gradient must be summed over ``tp`` (``sequence_parallel``): there every
+trainable parameter must be named (a router or experts left out summed nothing: wrong gradients, no error), and
+one the plan leaves out is refused, naming it.
+
+The attention heads split with their projections: a module that owns column-parallel children (``colwise``,
+``packed_colwise``: their outputs stay cut; Phi-3's plan gathers its fused ``qkv_proj`` whole, and its attention
+then runs every head on every rank, its ``o_proj`` cutting its input again: ``rowwise_split_input``) and counts heads
 (``num_heads``, ``n_head``, ``num_attention_heads``, ``num_key_value_heads``; ``hidden_size`` on it) gets per-rank
 counts. Key/value projections of grouped-query attention split when the KV heads divide by ``tp``; otherwise each
 rank keeps them whole and uses the one KV head its query heads read (``num_key_value_groups`` updated), its
@@ -37,8 +47,10 @@ from torch import nn
 
 __all__ = ["STYLES", "default_plan", "gpt_plan", "match_plan"]
 
-STYLES = ("colwise", "packed_colwise", "colwise_gather_output", "loss_parallel", "rowwise", "vocab_embedding",
-          "sequence_parallel", "sequence_input", "sequence_gather", "replicated_with_grad_allreduce")
+STYLES = ("colwise", "packed_colwise", "colwise_gather_output", "loss_parallel", "rowwise", "rowwise_split_input",
+          "vocab_embedding", "sequence_parallel", "sequence_input", "sequence_gather", "replicated_with_grad_allreduce",
+          "replicated")
+_EXPERT_STYLES = ("moe_tp_experts", "ep_router", "grouped_gemm", "local_colwise", "local_rowwise", "local_packed_rowwise")
 _ALIASES = {"embedding": "vocab_embedding", "embedding_rowwise": "vocab_embedding", "colwise_rep": "colwise_gather_output"}
 
 
@@ -46,6 +58,7 @@ def gpt_plan() -> dict[str, str]:
     """The plan of memsave's reference GPT (memsave/models/gpt.py)."""
     return {
         "wte": "vocab_embedding",
+        "wpe": "replicated",  # (before the blocks: the whole sequence on every rank)
         "blocks.0": "sequence_input",
         "blocks.*.ln_1": "sequence_parallel",
         "blocks.*.qkv": "packed_colwise:3",
@@ -69,6 +82,16 @@ def _hf_plan(model: nn.Module, base_plan: Mapping[str, str]) -> dict[str, str]:
     base = getattr(model, "base_model", model)
     prefix = names.get(base, "")
     prefix = prefix + "." if prefix else ""
+    owners = [k for k, v in base_plan.items() if str(v).partition(":")[0] in _EXPERT_STYLES]
+    experts = [k for k in base_plan if any(k == o or k.startswith(o + ".") for o in owners)]
+    if experts:
+        raise NotImplementedError(
+            f"tensor parallelism: {type(model).__name__}'s base_model_tp_plan cuts its mixture-of-experts experts "
+            f"({', '.join(repr(prefix + k) for k in experts)}: fused expert tensors), which memsave's tensor "
+            "parallelism does not do (it cuts nn.Linear and nn.Embedding modules). Pass tp_plan= without the "
+            "experts' entries (the attention's, the embedding 'vocab_embedding', the head 'loss_parallel'): the "
+            "router and the experts then stay whole on every tp rank; under sequence parallelism name them "
+            "'sequence_parallel' (they read each rank's slice of the sequence)")
     plan = {prefix + k: v for k, v in base_plan.items()}
     get_in = getattr(model, "get_input_embeddings", None)
     embed = get_in() if callable(get_in) else None
@@ -90,11 +113,30 @@ def _hf_plan(model: nn.Module, base_plan: Mapping[str, str]) -> dict[str, str]:
         name = max(layers, key=lambda nm: len(nm[1]))[0]
         plan[f"{name}.0"] = "sequence_input"
     named = [_compile(k) for k in plan]  # (Gemma 3 names its q_norm / k_norm: replicated_with_grad_allreduce)
+    gathered = {k: _compile(k) for k, v in plan.items() if v == "sequence_gather"}
     for n, m in model.named_modules():
         if (_is_norm(m) and not any(r.fullmatch(n) for r in named)
                 and any(True for _ in m.parameters(recurse=False))):
-            plan[n] = "sequence_parallel"
+            plan[n] = _norm_style(n, plan, gathered)
     return plan
+
+
+def _norm_style(name: str, plan: Mapping[str, str], gathered: Mapping[str, re.Pattern[str]]) -> str:
+    """A norm between the blocks reads this rank's slice of the sequence under SP: ``sequence_parallel``. One inside
+    an attention or MLP (OLMoE's ``q_norm`` / ``k_norm`` on the query and key) reads the whole sequence there: the
+    whole features when the module's projections gather their outputs (``replicated``), this rank's heads when
+    they stay cut (``replicated_with_grad_allreduce``). Marked ``sequence_parallel``, OLMoE's were summed over tp
+    under SP: their gradients doubled at tp = 2, no error."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        owner = ".".join(parts[:i])
+        hit = next((k for k, r in gathered.items() if r.fullmatch(owner)), None)
+        if hit is not None:
+            inner = [v for k, v in plan.items() if k.startswith(hit + ".") and parse_style(k, v)[0] in (
+                "colwise", "packed_colwise", "colwise_gather_output")]
+            return "replicated" if inner and all(v == "colwise_gather_output" for v in inner) else (
+                "replicated_with_grad_allreduce")
+    return "sequence_parallel"
 
 
 def default_plan(model: nn.Module) -> dict[str, str]:
