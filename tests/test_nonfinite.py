@@ -88,11 +88,12 @@ def test_the_check_finds_one_nan_or_inf_element(dtype: torch.dtype) -> None:
 
     big = torch.finfo(torch.float32 if dtype.is_complex else dtype).max
     for bad in (math.nan, math.inf, -math.inf, None):
-        grads = [torch.full((64, 33), big / 2, dtype=dtype), torch.zeros(0, dtype=dtype),
-                 torch.randn(1000, dtype=torch.float32).to(dtype), None]
-        if bad is not None:
-            grads[2][517] = bad
-        assert NonfiniteGuard().found(grads, None) == (bad is not None), (dtype, bad)
+        for where in (0, 2):  # a large gradient (min and max) or a small one (the small ones' foreach max-norm)
+            grads = [torch.full((64, 33), big / 2, dtype=dtype), torch.zeros(0, dtype=dtype),
+                     torch.randn(1000, dtype=torch.float32).to(dtype), None]
+            if bad is not None:
+                grads[where].view(-1)[517] = bad
+            assert NonfiniteGuard().found(grads, None) == (bad is not None), (dtype, bad, where)
 
 
 def test_nonfinite_keys_are_checked() -> None:
