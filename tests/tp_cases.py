@@ -74,6 +74,18 @@ def phi3() -> nn.Module:
     return Phi3ForCausalLM(cfg)
 
 
+def apertus() -> nn.Module:
+    """An unchanged Hugging Face ApertusForCausalLM: its MLP's activation (xIELU) has trainable parameters, read
+    on this rank's features between up_proj and down_proj."""
+    from transformers import ApertusConfig, ApertusForCausalLM
+
+    cfg = ApertusConfig(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                        attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return ApertusForCausalLM(cfg)
+
+
 def olmoe() -> nn.Module:
     """An unchanged Hugging Face OlmoeForCausalLM (4 experts, top-1; q_norm / k_norm on the gathered query and
     key). memsave does not cut experts: :func:`olmoe_plan` leaves them whole."""

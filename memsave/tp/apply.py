@@ -174,8 +174,9 @@ def _check_named(model: nn.Module, cuts: list[_Cut]) -> None:
             f"{', '.join(map(repr, mods[:4]))}{f' and {len(mods) - 4} more' if len(mods) > 4 else ''} (trainable "
             f"parameters {', '.join(map(repr, left[mods[0]][:2]))}, ...). Between the blocks a module reads this rank's "
             "slice of the sequence, and its gradient must be summed over tp: name it 'sequence_parallel'; one that "
-            "reads the same whole input on every rank (before the first block, or inside a region gathered whole): "
-            "'replicated'")
+            "reads this rank's features or heads (after a colwise projection): 'replicated_with_grad_allreduce'; one "
+            "that reads the same whole input on every rank (before the first block, or after a projection that "
+            "gathers its output): 'replicated'")
 
 
 def _gqa(name: str, parent: nn.Module, children: dict[str, nn.Module], cuts: list[_Cut], head_dim: int, t: int,

@@ -115,18 +115,23 @@ def _hf_plan(model: nn.Module, base_plan: Mapping[str, str]) -> dict[str, str]:
     named = [_compile(k) for k in plan]  # (Gemma 3 names its q_norm / k_norm: replicated_with_grad_allreduce)
     gathered = {k: _compile(k) for k, v in plan.items() if v == "sequence_gather"}
     for n, m in model.named_modules():
-        if (_is_norm(m) and not any(r.fullmatch(n) for r in named)
-                and any(True for _ in m.parameters(recurse=False))):
-            plan[n] = _norm_style(n, plan, gathered)
+        if any(r.fullmatch(n) for r in named) or not any(True for _ in m.parameters(recurse=False)):
+            continue
+        inner = _inner_style(n, plan, gathered)
+        if inner is not None:  # a norm, an activation with parameters (Apertus's xIELU) inside an attention / MLP
+            plan[n] = inner
+        elif _is_norm(m):
+            plan[n] = "sequence_parallel"
     return plan
 
 
-def _norm_style(name: str, plan: Mapping[str, str], gathered: Mapping[str, re.Pattern[str]]) -> str:
-    """A norm between the blocks reads this rank's slice of the sequence under SP: ``sequence_parallel``. One inside
-    an attention or MLP (OLMoE's ``q_norm`` / ``k_norm`` on the query and key) reads the whole sequence there: the
-    whole features when the module's projections gather their outputs (``replicated``), this rank's heads when
-    they stay cut (``replicated_with_grad_allreduce``). Marked ``sequence_parallel``, OLMoE's were summed over tp
-    under SP: their gradients doubled at tp = 2, no error."""
+def _inner_style(name: str, plan: Mapping[str, str], gathered: Mapping[str, re.Pattern[str]]) -> str | None:
+    """A module with parameters the HF plan does not name, inside an attention or MLP whose projections it cuts:
+    the whole features when the projections gather their outputs (OLMoE's ``q_norm`` / ``k_norm``: ``replicated``),
+    else this rank's heads or features (Qwen 3's ``q_norm``, Apertus's trainable activation between ``up_proj``
+    and ``down_proj``: ``replicated_with_grad_allreduce``). None outside those. Left whole with their gradients
+    as computed, Apertus's activation trained on this rank's share of its gradient (2e-4 off after 3 steps, no
+    error); marked ``sequence_parallel`` (as every norm was), OLMoE's norms had theirs doubled under SP."""
     parts = name.split(".")
     for i in range(len(parts) - 1, 0, -1):
         owner = ".".join(parts[:i])
@@ -136,7 +141,7 @@ def _norm_style(name: str, plan: Mapping[str, str], gathered: Mapping[str, re.Pa
                 "colwise", "packed_colwise", "colwise_gather_output")]
             return "replicated" if inner and all(v == "colwise_gather_output" for v in inner) else (
                 "replicated_with_grad_allreduce")
-    return "sequence_parallel"
+    return None
 
 
 def default_plan(model: nn.Module) -> dict[str, str]:
