@@ -30,7 +30,7 @@ from memsave.plan import (
 )
 from memsave.plan import plan as make_plan
 from memsave.plan.search import ANALYTIC_HEADROOM, HEADROOM, at_least
-from memsave.plan.spec import from_gpt
+from memsave.plan.spec import CLOSED_FORM_TYPES, from_gpt, meta_model_from_hf_config
 from memsave.recompute.policy import parse_size
 
 __all__ = ["add_calibrate_parser", "add_parser", "run_calibrate", "run_command"]
@@ -59,8 +59,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--top", type=int, default=5, help="candidates to print (default: 5)")
     p.add_argument("--exact", choices=("on", "off"), default="on",
                    help="check each candidate's memory with memsave.estimate on the model itself (gpt: and "
-                        "MODULE:FUNCTION returning (model, batch); a config.json is always priced by the closed "
-                        "forms) (default: on)")
+                        "MODULE:FUNCTION returning (model, batch), and a config.json of a type without closed forms; "
+                        "llama, mistral, qwen2 and gpt2 configs are priced by the closed forms) (default: on)")
     p.add_argument("--write", type=Path, default=None, metavar="PROFILE.toml", help="write the winner as a profile")
     p.add_argument("--explain", default=None, metavar="PROFILE",
                    help="instead of searching: the full breakdown of one profile (with --micro-batch, "
@@ -96,7 +96,18 @@ def _model(spec: str, seq: int) -> tuple[Any, torch.nn.Module | None, Any]:
         if not path.is_file():
             raise UsageError(f"--model {spec!r}: no such file")
         try:
-            return from_hf_config(path), None, None
+            cfg = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--model {spec!r}: not a JSON file ({exc})") from None
+        try:
+            if not isinstance(cfg, dict) or cfg.get("model_type") in CLOSED_FORM_TYPES:
+                return from_hf_config(cfg), None, None
+            # any other type: the model transformers builds from it, on the meta device, as MODULE:FUNCTION
+            model, batch = meta_model_from_hf_config(cfg, seq)
+            print(f"memsave plan: config.json model_type = {cfg['model_type']!r} has no closed forms (those read "
+                  f"{', '.join(CLOSED_FORM_TYPES)}): transformers built it on the meta device, and each candidate is "
+                  "priced with memsave.estimate on it, as a MODULE:FUNCTION model is")
+            return from_module(model, name=spec), model, batch
         except (ValueError, KeyError, NotImplementedError) as exc:
             raise UsageError(f"--model {spec!r}: {exc}") from None
     model, batch = _estimate_model(spec, 1, seq)

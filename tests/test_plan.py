@@ -388,6 +388,30 @@ def test_cli_plan_write_explain(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert main(["plan", "--model", str(tmp_path / "missing.json")]) == 2
 
 
+def test_cli_plan_any_hf_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A config.json of a type the closed forms do not read (Gemma; before: refused, "give it as MODULE:FUNCTION")
+    is built by transformers on the meta device and planned as a MODULE:FUNCTION model is: each candidate's memory
+    from memsave.estimate on it, said in one line. A type transformers does not know is refused naming it."""
+    from transformers import GemmaConfig
+
+    cfg = GemmaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=32)
+    path = tmp_path / "config.json"
+    cfg.to_json_file(path)
+    hw = tmp_path / "hw.json"
+    hw.write_text(json.dumps(dataclasses.asdict(CPU)))
+    args = ["plan", "--model", str(path), "--world", "2", "--seq-len", "16", "--global-batch", "4",
+            "--device-memory", "8MiB", "--hardware", str(hw), "--top", "2"]
+    assert main([*args, "--json", str(tmp_path / "plan.json")]) == 0
+    text = capsys.readouterr().out
+    assert "config.json model_type = 'gemma' has no closed forms" in text and "memory per rank (memsave.estimate)" in text
+    ranked = json.loads((tmp_path / "plan.json").read_text())["ranked"]
+    assert ranked and {r["memory_source"] for r in ranked} == {"memsave.estimate"}
+    path.write_text(json.dumps({"model_type": "no-such-model", "hidden_size": 32}))
+    assert main(args) == 2
+    assert "model_type = 'no-such-model': transformers cannot build a causal LM from it" in capsys.readouterr().err
+
+
 def test_wrap_auto_profile() -> None:
     """profile="auto": a budget that plain DDP exceeds picks a profile that fits; nothing fits -> PlanError with
     the smallest budget; no budget or no example inputs -> ValueError."""

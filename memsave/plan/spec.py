@@ -19,9 +19,10 @@ from torch import nn
 
 from memsave.models import GPTConfig
 
-__all__ = ["ModelSpec", "from_gpt", "from_hf_config", "from_module"]
+__all__ = ["CLOSED_FORM_TYPES", "ModelSpec", "from_gpt", "from_hf_config", "from_module", "meta_model_from_hf_config"]
 
 _LLAMA = ("llama", "mistral", "qwen2")  # Hugging Face model types with Llama's layer
+CLOSED_FORM_TYPES = (*_LLAMA, "gpt2")  # config.json types the closed forms read
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +109,16 @@ def _get(cfg: dict[str, Any], key: str, kind: type | tuple[type, ...] = int, def
     return value
 
 
+def _refuse_experts(cfg: dict[str, Any]) -> None:
+    experts = [k for k in _EXPERTS if cfg.get(k)]
+    if experts:
+        raise NotImplementedError(f"config.json model_type = {cfg.get('model_type', '')!r} has {experts[0]} = "
+                                  f"{cfg[experts[0]]!r}: mixture-of-experts models are not planned from config.json "
+                                  "(the closed forms count one MLP per layer; memsave's tensor parallelism does not "
+                                  "cut experts, and the estimator's meta run of a grouped expert matmul needs bf16); "
+                                  "give the model as MODULE:FUNCTION")
+
+
 def from_hf_config(config: dict[str, Any] | str | Path, name: str | None = None) -> ModelSpec:
     """A Hugging Face ``config.json`` (a dict or its path), weights never read: Llama-family keys (``llama``,
     ``mistral``, ``qwen2``: RMSNorm, SwiGLU MLP, grouped KV heads, rotary positions) or GPT-2's. Any other
@@ -118,11 +129,7 @@ def from_hf_config(config: dict[str, Any] | str | Path, name: str | None = None)
         raise ValueError(f"config.json holds a {type(cfg).__name__}, not a JSON object of a model's settings")
     kind = cfg.get("model_type", "")
     label = name or kind or "hf"
-    experts = [k for k in _EXPERTS if cfg.get(k)]
-    if experts:
-        raise NotImplementedError(f"config.json model_type = {kind!r} has {experts[0]} = {cfg[experts[0]]!r}: "
-                                  "mixture-of-experts models are not planned from config.json (the closed forms "
-                                  "count one MLP per layer); give the model as MODULE:FUNCTION")
+    _refuse_experts(cfg)
     if kind == "gpt2":
         h, layers, vocab = _get(cfg, "n_embd"), _get(cfg, "n_layer"), _get(cfg, "vocab_size")
         heads, positions = _get(cfg, "n_head"), _get(cfg, "n_positions", default=1024)
@@ -161,6 +168,27 @@ def from_hf_config(config: dict[str, Any] | str | Path, name: str | None = None)
                      final_params=h, tied=tied,
                      dropout=_get(cfg, "attention_dropout", (int, float), 0.0, positive=False) > 0,
                      family="llama", intermediate=ffn, kv_heads=kv, head_dim=head_dim)
+
+
+def meta_model_from_hf_config(config: dict[str, Any], seq_len: int) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """Any other ``config.json``: the model transformers builds from it (``AutoModelForCausalLM.from_config``) on
+    the meta device, and a meta batch of one row of ``seq_len`` tokens, for :func:`from_module` and
+    ``memsave.estimate``. ``ValueError`` naming the type when transformers cannot build it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kind = config.get("model_type")
+    if not isinstance(kind, str) or not kind:
+        raise ValueError("config.json has no model_type; expected a Hugging Face model's config.json")
+    _refuse_experts(config)
+    try:
+        hf = AutoConfig.for_model(kind, **{k: v for k, v in config.items() if k != "model_type"})
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"config.json model_type = {kind!r}: transformers cannot build a causal LM from it "
+                         f"({type(exc).__name__}: {str(exc)[:200]}); give the model as MODULE:FUNCTION") from None
+    ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    return model, {"input_ids": ids, "labels": ids}
 
 
 def _matmuls(block: nn.Module) -> list[tuple[int, int]]:

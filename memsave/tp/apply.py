@@ -224,6 +224,10 @@ def cut_shapes(model: nn.Module, tp: int, plan: Mapping[str, str] | None = None)
             assert isinstance(m, nn.Linear)
             shard = VocabShard(None, 0, -(-m.out_features // tp), m.out_features)
             m.register_forward_hook(lambda _m, _args, out, shard=shard: ShardedLogits.wrap(out, shard))
+        elif cut.style == "colwise_gather_output":  # the whole output, as the gather makes it
+            m.register_forward_hook(lambda _m, _args, out: torch.cat([out] * tp, -1))
+        elif cut.style == "rowwise_split_input":  # this rank's columns of the whole input (a copy, as the split's)
+            m.register_forward_pre_hook(lambda _m, args: (args[0][..., :_m.weight.shape[1]].contiguous(), *args[1:]))
         dims = {"rowwise": {"weight": 1}, "rowwise_split_input": {"weight": 1},
                 "vocab_embedding": {"weight": 0}}.get(cut.style, {})
         if cut.style in _COLUMN and cut.select is None:
