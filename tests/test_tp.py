@@ -68,6 +68,7 @@ TP2_TRAIN = {
     "phi3-gathered-qkv-zero2-sp": ("phi3", "zero2", True),
     "olmoe-whole-experts-ddp-sp": ("olmoe", "ddp", True),
     "apertus-trainable-activation-zero1": ("apertus", "zero1", False),
+    "mixtral-experts-cut-zero3": ("mixtral", "zero3", False),
 }
 DP2TP2_TRAIN = {
     "gpt-ddp-sp": ("gpt", "ddp", True),
@@ -88,6 +89,7 @@ DP2TP2_TRAIN = {
     # files, streamed through the store): the tp slices' dp rows, stepped where they live
     "gpt-zero3-offload-sp": ("gpt", "zero3-offload", True),
     "llama-tied-kv2-zero3-infinity": ("llama-tied-kv2", "zero3-infinity", False),
+    "mixtral-experts-cut-zero2": ("mixtral-noaux", "zero2", False),
 }
 # tp=4 (the 4-rank group): 4 query heads, one per rank; with nkv=2 the KV heads do not split over 4, so each rank keeps
 # both and reads the one its query head uses (ranks 0, 1: head 0; ranks 2, 3: head 1); a vocabulary of 250 padded to 252
@@ -107,8 +109,10 @@ def _model(key: str) -> tuple[Callable[[], nn.Module], tc.LossFn, int]:
         vocab = 251 if key.startswith("gpt251") else 250
         tie = "untied" not in key
         return (lambda: tc.gpt(vocab, tie)), tc.gpt_loss, vocab
-    if key in ("gemma", "phi3", "olmoe", "apertus"):
+    if key in ("gemma", "phi3", "olmoe", "apertus", "mixtral"):
         return getattr(tc, key), tc.llama_loss, 250
+    if key == "mixtral-noaux":
+        return (lambda: tc.mixtral(aux=False)), tc.llama_loss, 250
     tie, nkv = "untied" not in key, int(key[-1])
     return (lambda: tc.llama(tie, nkv)), tc.llama_loss, 250
 
@@ -437,6 +441,14 @@ def _plans_case(mesh: memsave.Mesh) -> dict[str, Any]:
         memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), tc.profile("ddp", tp, True), mesh=mesh,
                      tp_plan=plan)
     refused.append("unnamed under sp")
+    # experts cut over tp under sequence parallelism: not supported, said before anything changes
+    model = tc.mixtral()
+    snap = _snapshot(model)
+    with pytest.raises(NotImplementedError, match=r"experts cut over tp \('moe_tp_experts'\) under sequence "
+                                                  r"parallelism are not supported"):
+        memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), tc.profile("ddp", tp, True), mesh=mesh)
+    _assert_unchanged(model, snap)
+    refused.append("experts under sp")
     # an nn.Linear subclass with a forward of its own: what it does with the cut features cannot be known (it was
     # replaced by the parallel class, its forward dropped, with no error)
     scaled = _sequential()
@@ -846,7 +858,7 @@ def test_vocab_parallel_cross_entropy_equals_torch(tp2: dict, dp2tp2: dict, grou
 
 
 def test_bad_plans_are_refused_before_anything_changes_and_a_user_plan_trains(tp2: dict) -> None:
-    assert _outcome(tp2, "plans")["refused"] == 11
+    assert _outcome(tp2, "plans")["refused"] == 12
 
 
 def test_a_vocab_parallel_embedding_with_every_option_trains_as_one_process(tp2: dict) -> None:
@@ -897,22 +909,40 @@ def test_a_hf_plan_that_names_norms_keeps_their_styles() -> None:
     assert matched["model.norm"][0] == "sequence_parallel"
 
 
-def test_a_hf_mixture_of_experts_plan_is_refused_naming_the_experts() -> None:
-    """Mixtral's base_model_tp_plan cuts its fused expert tensors ('packed_colwise' on a parameter, and
-    'moe_tp_experts'), which memsave does not: before, "pattern ... matches no module"; now it says so, and how to
-    plan the rest. OLMoE's plan (Phi-3's too) gathers its projections' outputs whole ('colwise_gather_output') and
-    cuts o_proj's input again ('rowwise_split_input'); its norms inside the attention read the whole features
-    there, so they are completed 'replicated', not 'sequence_parallel' (summed over tp under sequence parallelism:
-    their gradients were doubled at tp = 2)."""
+def test_hf_plans_with_experts_and_gathered_projections() -> None:
+    """Mixtral's base_model_tp_plan cuts its fused expert tensors ('packed_colwise' / 'rowwise' on parameters of
+    the experts module, 'moe_tp_experts'): before, "pattern ... matches no module"; now each rank holds its share
+    of every expert ([Note: expert tensor parallelism] in memsave/tp/apply.py). An expert-parallel style, a
+    parameter cut outside a 'moe_tp_experts' module and experts under sequence parallelism are refused, naming
+    them. OLMoE's plan (Phi-3's too) gathers its projections' outputs whole ('colwise_gather_output') and cuts
+    o_proj's input again ('rowwise_split_input'); its norms inside the attention read the whole features there, so
+    they are completed 'replicated', not 'sequence_parallel' (summed over tp under sequence parallelism: their
+    gradients were doubled at tp = 2)."""
     from transformers import MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM
 
+    from memsave.tp import cut_shapes
     from memsave.tp.plan import default_plan, match_plan
 
     small = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                  max_position_embeddings=32)
-    with pytest.raises(NotImplementedError, match=r"MixtralForCausalLM's base_model_tp_plan cuts its mixture-of-"
-                       r"experts experts \('model\.layers\.\*\.mlp\.experts\.gate_up_proj', .*Pass tp_plan= without"):
-        default_plan(MixtralForCausalLM(MixtralConfig(**small, num_key_value_heads=2, num_local_experts=4)))
+    cfg = MixtralConfig(**small, num_key_value_heads=2, num_local_experts=4)
+    with torch.device("meta"):
+        mixtral = MixtralForCausalLM(cfg)
+    matched = match_plan(mixtral, default_plan(mixtral))
+    assert matched["model.layers.1.mlp.experts"][0] == "moe_tp_experts"
+    assert matched["model.layers.1.mlp.experts.gate_up_proj"] == ("packed_colwise", 2)
+    cut_shapes(mixtral, 2)
+    experts = mixtral.model.layers[1].mlp.experts
+    assert experts.gate_up_proj.shape == (4, 48, 32) and experts.down_proj.shape == (4, 32, 24)
+    ep = copy.deepcopy(cfg)
+    ep.base_model_tp_plan = {**cfg.base_model_tp_plan, "layers.*.mlp.gate": "ep_router"}
+    with pytest.raises(NotImplementedError, match=r"places its mixture-of-experts experts by expert parallelism "
+                                                  r"\('model\.layers\.\*\.mlp\.gate': each rank whole experts"):
+        default_plan(MixtralForCausalLM(ep))
+    plan = {k: v for k, v in default_plan(MixtralForCausalLM(cfg)).items() if not k.endswith("mlp.experts")}
+    with pytest.raises(ValueError, match=r"parameter 'model\.layers\.0\.mlp\.experts\.gate_up_proj' has style "
+                                         r"'packed_colwise', but its module is not 'moe_tp_experts'"):
+        cut_shapes(MixtralForCausalLM(cfg), 2, plan)
     olmoe = OlmoeForCausalLM(OlmoeConfig(**small, num_key_value_heads=4, num_experts=4, num_experts_per_tok=1))
     olmoe.config.base_model_tp_plan = {k: v for k, v in olmoe.config.base_model_tp_plan.items() if "experts" not in k}
     matched = match_plan(olmoe, default_plan(olmoe))

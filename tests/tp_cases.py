@@ -86,6 +86,20 @@ def apertus() -> nn.Module:
     return ApertusForCausalLM(cfg)
 
 
+def mixtral(aux: bool = True) -> nn.Module:
+    """An unchanged Hugging Face MixtralForCausalLM (4 experts, top-2; ``aux``: its auxiliary load-balancing loss
+    on, a statistic of the whole batch, which data parallelism computes per replica, as DDP does): HF's plan cuts
+    every expert ('moe_tp_experts', [Note: expert tensor parallelism] in memsave/tp/apply.py)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=250, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=64, output_router_logits=aux, router_aux_loss_coef=0.02,
+                        attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return MixtralForCausalLM(cfg)
+
+
 def olmoe() -> nn.Module:
     """An unchanged Hugging Face OlmoeForCausalLM (4 experts, top-1; q_norm / k_norm on the gathered query and
     key). memsave does not cut experts: :func:`olmoe_plan` leaves them whole."""

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from memsave import dist as mdist
 from memsave.dist import Mesh, Placement, Shard
@@ -33,7 +34,7 @@ from memsave.tp.layers import (
     gather_tp,
 )
 from memsave.tp.loss import ShardedLogits, VocabShard
-from memsave.tp.mappings import ScatterSeq
+from memsave.tp.mappings import CopyToTP, ReduceFromTP, ScatterSeq
 from memsave.tp.plan import default_plan, match_plan
 from memsave.tp.random import RegionRandom, sync_default_rng
 
@@ -68,6 +69,25 @@ class _Cut:
     style: str
     blocks: int
     select: tuple[int, int] | None = None  # GQA: replicated K/V, the output columns this rank reads
+    param: str | None = None  # a fused expert tensor of ``module`` ([Note: expert tensor parallelism])
+
+
+def _cuts(model: nn.Module, matched: Mapping[str, tuple[str, int]]) -> list[_Cut]:
+    modules = dict(model.named_modules())
+    out = []
+    for n, (style, blocks) in matched.items():
+        if n in modules:
+            out.append(_Cut(modules[n], n, style, blocks))
+        else:  # a parameter's name
+            owner, _, attr = n.rpartition(".")
+            out.append(_Cut(modules[owner], n, style, blocks, param=attr))
+    return out
+
+
+def _expert_dim(p: torch.Tensor, style: str) -> int:
+    """The dim a fused expert tensor is cut along: ``(experts, out, in)`` as ``nn.Linear`` stores each: out for
+    ``colwise`` / ``packed_colwise``, in for ``rowwise``."""
+    return p.dim() - 1 if style == "rowwise" else p.dim() - 2
 
 
 def apply_tp(model: nn.Module, mesh: Mesh, plan: Mapping[str, str] | None = None, *, sequence: bool = False,
@@ -75,8 +95,7 @@ def apply_tp(model: nn.Module, mesh: Mesh, plan: Mapping[str, str] | None = None
     """Cut ``model`` over the mesh's ``tp`` axis by ``plan`` (default: :func:`~memsave.tp.plan.default_plan`)."""
     group, t, r = mesh.group("tp"), mesh.degree("tp"), mesh.axis_rank("tp")
     matched = match_plan(model, plan if plan is not None else default_plan(model))
-    modules = dict(model.named_modules())
-    cuts = [_Cut(modules[n], n, style, blocks) for n, (style, blocks) in matched.items()]
+    cuts = _cuts(model, matched)
     heads = _check(model, cuts, t, r, sequence)  # raises before anything changes
     _broadcast_whole(model, group)
     ctx = TPContext(group=group, rank=r, size=t, sequence=sequence, seq_dim=seq_dim,
@@ -96,8 +115,25 @@ def apply_tp(model: nn.Module, mesh: Mesh, plan: Mapping[str, str] | None = None
 def _check(model: nn.Module, cuts: list[_Cut], t: int, r: int, sequence: bool) -> list[tuple[nn.Module, dict[str, Any]]]:
     """Every refusal, before any change: module types, sizes divisible by tp, heads. Returns the head-count
     attributes to update."""
+    experts = {c.module for c in cuts if c.style == "moe_tp_experts" and c.param is None}
+    if experts and sequence:
+        raise NotImplementedError("tensor parallelism: experts cut over tp ('moe_tp_experts') under sequence "
+                                  "parallelism are not supported; set [parallel] sequence = false")
     for cut in cuts:
         m, style = cut.module, cut.style
+        if cut.param is not None:  # [Note: expert tensor parallelism]
+            p = getattr(m, cut.param)
+            if m not in experts:
+                raise ValueError(f"tp plan: parameter {cut.name!r} has style {style!r}, but its module is not "
+                                 "'moe_tp_experts' (which sums the experts' partial outputs over tp): name it so")
+            if not isinstance(p, nn.Parameter) or p.dim() < 2:
+                raise ValueError(f"tp plan: parameter {cut.name!r} is not a matrix of each expert (shape "
+                                 f"{tuple(getattr(p, 'shape', ()))}); a fused expert tensor is (experts, out, in)")
+            dim = _expert_dim(p, style)
+            if p.shape[dim] % (cut.blocks * t):
+                raise ValueError(f"tensor parallelism: parameter {cut.name!r} has size {p.shape[dim]} along dim {dim}, "
+                                 f"not divisible by {cut.blocks} x tp={t}")
+            continue
         if style in (*_COLUMN, *_ROW) and not isinstance(m, nn.Linear):
             inner = [f"{cut.name}.{n}" for n, c in m.named_children() if isinstance(c, nn.Linear)]
             hint = (f"; it holds the nn.Linear {', '.join(map(repr, inner))}: name those. An adapter (LoRA) around "
@@ -128,7 +164,7 @@ def _check(model: nn.Module, cuts: list[_Cut], t: int, r: int, sequence: bool) -
                                  f"divisible by tp={t}")
     if sequence:
         _check_named(model, cuts)
-    column = {c.module for c in cuts if c.style in ("colwise", "packed_colwise")}  # outputs that stay cut
+    column = {c.module for c in cuts if c.style in ("colwise", "packed_colwise") and c.param is None}  # (cut outputs)
     updates = []
     for name, parent in model.named_modules():
         children = {n: c for n, c in parent.named_children() if c in column}
@@ -212,8 +248,7 @@ def cut_shapes(model: nn.Module, tp: int, plan: Mapping[str, str] | None = None)
     (with no group), so the model's own loss runs on the shard as in training. Returns the ids of the parameters
     cut."""
     matched = match_plan(model, plan if plan is not None else default_plan(model))
-    modules = dict(model.named_modules())
-    cuts = [_Cut(modules[n], n, style, blocks) for n, (style, blocks) in matched.items()]
+    cuts = _cuts(model, matched)
     for module, updates in _check(model, cuts, tp, 0, False):
         for attr, value in updates.items():
             setattr(module, attr, value)
@@ -232,6 +267,10 @@ def cut_shapes(model: nn.Module, tp: int, plan: Mapping[str, str] | None = None)
                 "vocab_embedding": {"weight": 0}}.get(cut.style, {})
         if cut.style in _COLUMN and cut.select is None:
             dims = {"weight": 0, "bias": 0}
+        if cut.param is not None:
+            dims = {cut.param: _expert_dim(getattr(m, cut.param), cut.style)}
+        elif cut.style == "moe_tp_experts":
+            dims = {}
         for pn, dim in dims.items():
             p = getattr(m, pn, None)
             if p is None or id(p) in seen:
@@ -284,7 +323,17 @@ def _set(p: torch.Tensor, local: torch.Tensor, layout: TPParam, done: dict[int, 
 def _cut(cut: _Cut, ctx: TPContext, done: dict[int, TPParam]) -> None:
     m, style, t, r = cut.module, cut.style, ctx.size, ctx.rank
     partial = Placement(partial_grad=("tp",))
-    if style in _COLUMN:
+    if cut.param is not None:  # [Note: expert tensor parallelism]
+        p = getattr(m, cut.param)
+        dim = _expert_dim(p, style)
+        _set(p, _slice(p.data, dim, t, r, cut.blocks), TPParam(Placement(tp=Shard(dim)), dim, cut.blocks, ()), done,
+             cut.name)
+    elif style == "moe_tp_experts":
+        m.register_forward_pre_hook(_experts_input(ctx), with_kwargs=True)
+        m.register_forward_hook(lambda _m, _args, out: tree_map(
+            lambda x: ReduceFromTP.apply(x, ctx.group) if isinstance(x, torch.Tensor) and x.is_floating_point()
+            else x, out))
+    elif style in _COLUMN:
         assert isinstance(m, nn.Linear)
         vocab = None
         if cut.select is not None:  # GQA: whole, the gradient summed over tp
@@ -389,6 +438,21 @@ def _become(m: nn.Module, parallel: type, name: str) -> None:
         _COMBINED[(own, parallel)] = combined
     m.__class__ = combined
     vars(m)["_memsave_tp_name"] = name
+
+
+def _experts_input(ctx: TPContext) -> Callable[..., Any]:
+    """[Note: expert tensor parallelism] A mixture-of-experts layer's experts module (HF's ``MixtralExperts``,
+    ``OlmoeExperts``, ...: fused tensors ``gate_up_proj`` (experts, 2 x intermediate, hidden) and ``down_proj``
+    (experts, hidden, intermediate)) is cut as an MLP is, every expert at once: each rank holds its share of every
+    expert's intermediate features (the gate and up halves each cut), so its output is a partial sum, all-reduced
+    over tp. Its floating-point inputs (the tokens and the router's weights, whole on every rank) enter the region
+    as a column-parallel layer's input does: their gradients, partial on each rank, are all-reduced in backward."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        return tree_map(lambda x: CopyToTP.apply(x, ctx.group) if isinstance(x, torch.Tensor)
+                        and x.is_floating_point() else x, (args, kwargs))
+
+    return hook
 
 
 def _install_hooks(model: nn.Module, ctx: TPContext, cuts: list[_Cut], units: Sequence[nn.Module] | None) -> None:

@@ -18,6 +18,7 @@ module, and no module may be matched twice. The styles:
 | ``sequence_gather`` | attention, MLP | none | under SP: its input all-gathered whole (its linears regather it) |
 | ``replicated_with_grad_allreduce`` | any | whole; the gradient summed over ``tp`` | none |
 | ``replicated`` | any | whole; the gradient as each rank computed it (the same whole input on every rank) | none |
+| ``moe_tp_experts`` | experts | its fused tensors, named ``colwise`` / ``packed_colwise`` / ``rowwise`` | output all-reduce |
 
 A parameter the plan does not name stays whole on every rank, its gradient as computed: right where its module
 reads the same whole input on every ``tp`` rank. Under sequence parallelism a module between the blocks reads
@@ -49,8 +50,9 @@ __all__ = ["STYLES", "default_plan", "gpt_plan", "match_plan"]
 
 STYLES = ("colwise", "packed_colwise", "colwise_gather_output", "loss_parallel", "rowwise", "rowwise_split_input",
           "vocab_embedding", "sequence_parallel", "sequence_input", "sequence_gather", "replicated_with_grad_allreduce",
-          "replicated")
-_EXPERT_STYLES = ("moe_tp_experts", "ep_router", "grouped_gemm", "local_colwise", "local_rowwise", "local_packed_rowwise")
+          "replicated", "moe_tp_experts")
+_EXPERT_STYLES = ("ep_router", "grouped_gemm", "local_colwise", "local_rowwise", "local_packed_rowwise")  # (expert
+# parallelism: each rank whole experts of its own)
 _ALIASES = {"embedding": "vocab_embedding", "embedding_rowwise": "vocab_embedding", "colwise_rep": "colwise_gather_output"}
 
 
@@ -86,13 +88,15 @@ def _hf_plan(model: nn.Module, base_plan: Mapping[str, str]) -> dict[str, str]:
     experts = [k for k in base_plan if any(k == o or k.startswith(o + ".") for o in owners)]
     if experts:
         raise NotImplementedError(
-            f"tensor parallelism: {type(model).__name__}'s base_model_tp_plan cuts its mixture-of-experts experts "
-            f"({', '.join(repr(prefix + k) for k in experts)}: fused expert tensors), which memsave's tensor "
-            "parallelism does not do (it cuts nn.Linear and nn.Embedding modules). Pass tp_plan= without the "
-            "experts' entries (the attention's, the embedding 'vocab_embedding', the head 'loss_parallel'): the "
-            "router and the experts then stay whole on every tp rank; under sequence parallelism name them "
-            "'sequence_parallel' (they read each rank's slice of the sequence)")
-    plan = {prefix + k: v for k, v in base_plan.items()}
+            f"tensor parallelism: {type(model).__name__}'s base_model_tp_plan places its mixture-of-experts experts "
+            f"by expert parallelism ({', '.join(repr(prefix + k) for k in experts)}: each rank whole experts of its "
+            "own), which memsave does not do; it cuts every expert over tp ('moe_tp_experts' on the experts "
+            "module, their fused tensors 'packed_colwise' / 'rowwise'). Pass tp_plan= with those styles")
+    # HF's plan covers its config's variants (Qwen2-MoE's dense-MLP entries, for layers a config may make dense):
+    # an entry that names nothing in this model cuts nothing here (a user's plan that does is refused, a typo)
+    present = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
+    plan = {prefix + k: v for k, v in base_plan.items()
+            if any(_compile(prefix + k).fullmatch(n) for n in present)}
     get_in = getattr(model, "get_input_embeddings", None)
     embed = get_in() if callable(get_in) else None
     if isinstance(embed, nn.Embedding) and embed in names:
@@ -192,12 +196,19 @@ def match_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[str, tuple[str
     if not isinstance(plan, Mapping) or not plan:
         raise ValueError(f"tp_plan={plan!r}: expected a non-empty dict of module-name pattern -> style")
     names = [n for n, _ in model.named_modules() if n]
+    params = [n for n, _ in model.named_parameters()]  # a fused expert tensor ([Note: expert tensor parallelism])
     out: dict[str, tuple[str, int]] = {}
     by: dict[str, str] = {}
     for pattern, style in plan.items():
         parsed = parse_style(pattern, style)
         regex = _compile(pattern)
         hits = [n for n in names if regex.fullmatch(n)]
+        if not hits:
+            hits = [n for n in params if regex.fullmatch(n)]
+            if hits and parsed[0] not in ("colwise", "packed_colwise", "rowwise"):
+                raise ValueError(f"tp plan entry {pattern!r} names parameters ({hits[0]!r}, ...) with style "
+                                 f"{style!r}; a parameter takes 'colwise', 'packed_colwise' or 'rowwise' (a fused "
+                                 "expert tensor, inside a module whose style is 'moe_tp_experts')")
         if not hits:
             sample = ", ".join(names[:8])
             raise ValueError(f"tp plan pattern {pattern!r} matches no module of the {type(model).__name__}; its "
