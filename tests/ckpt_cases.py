@@ -30,7 +30,7 @@ class Layout:
     profile: str
     tp: int = 1
     opt: str = "adamw"
-    model: str = "gpt"  # "gpt", "llama" (tied), "llama-untied", "seq" (an nn.Sequential)
+    model: str = "gpt"  # "gpt", "llama" (tied), "llama-untied", "mixtral", "seq" (an nn.Sequential)
 
     def __str__(self) -> str:
         return f"{self.profile}/tp{self.tp}/{self.opt}/{self.model}"
@@ -54,6 +54,18 @@ def llama(seed: int, tie: bool) -> nn.Module:
     return LlamaForCausalLM(cfg)
 
 
+def mixtral(seed: int) -> nn.Module:
+    """An unchanged Hugging Face MixtralForCausalLM (4 experts, top-2): under tp its fused expert tensors are cut
+    along their intermediate features ((experts, 2 x 48 / tp, 32) and (experts, 32, 48 / tp))."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=64, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    return MixtralForCausalLM(cfg)
+
+
 class _Seq(nn.Sequential):
     """An nn.Sequential language model whose forward takes ``labels=`` like the others."""
 
@@ -73,11 +85,13 @@ def build(layout: Layout, seed: int, dropout: float) -> nn.Module:
         return gpt(seed, dropout)
     if layout.model.startswith("llama"):
         return llama(seed, tie=layout.model == "llama")
+    if layout.model == "mixtral":
+        return mixtral(seed)
     return seq(seed)
 
 
 def loss_of(model: nn.Module, layout: Layout, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if layout.model.startswith("llama"):
+    if layout.model.startswith("llama") or layout.model == "mixtral":
         return model(input_ids=x, labels=x).loss  # type: ignore[no-any-return]
     return model(x, labels=y).loss  # type: ignore[no-any-return]
 

@@ -56,6 +56,8 @@ RESHARD_2 = {
     "llama untied tp2 -> zero2": (Layout("ddp", tp=2, model="llama-untied"), Layout("zero2", model="llama-untied"),
                                   0.0),
     "sequential zero3 -> zero1": (Layout("zero3", model="seq"), Layout("zero1", model="seq"), 0.0),
+    "mixtral experts cut over tp2 -> zero3": (Layout("ddp", tp=2, model="mixtral"), Layout("zero3", model="mixtral"),
+                                              0.0),
 }
 # saved by the 1-rank group, loaded by the 2-rank one; saved by the 2-rank group, loaded by 1 and 4 ranks
 CROSS = {
