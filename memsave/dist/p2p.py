@@ -242,13 +242,20 @@ def arrive(what: str, group: ProcessGroup | None, timeout_s: float = 600.0) -> N
     key = f"{name}/{_arrivals[name]}"
     store = dist.distributed_c10d._get_default_store()
     store.add(key, 1)
+    _poll(lambda: store.add(key, 0) >= len(ranks), timeout_s,
+          f"memsave: {what}: not every pipeline rank of {ranks} arrived within {timeout_s:.0f} s")
+
+
+def _poll(done: Callable[[], bool], timeout_s: float, late: str) -> None:
+    """Wait until ``done()``; a peer that failed first ([Note: failure while waiting]) raises its error, and
+    ``late`` is the ``TimeoutError`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while store.add(key, 0) < len(ranks):
+    while not done():
         failed = _peer_failure()
         if failed is not None:
             raise PeerFailed(f"memsave: pipeline stopped: {failed}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"memsave: {what}: not every pipeline rank of {ranks} arrived within {timeout_s:.0f} s")
+            raise TimeoutError(late)
         time.sleep(0.005)
 
 
@@ -262,14 +269,7 @@ def wait_published(key: str, what: str, timeout_s: float = 600.0) -> bytes:
     """The value another rank :func:`publish`-ed under ``key``, once it is there; a peer that failed first
     ([Note: failure while waiting]) ends this rank with its error instead of a wait for ``timeout_s``."""
     store = dist.distributed_c10d._get_default_store()
-    deadline = time.monotonic() + timeout_s
-    while not store.check([key]):
-        failed = _peer_failure()
-        if failed is not None:
-            raise PeerFailed(f"memsave: pipeline stopped: {failed}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"memsave: {what}: not published within {timeout_s:.0f} s")
-        time.sleep(0.005)
+    _poll(lambda: store.check([key]), timeout_s, f"memsave: {what}: not published within {timeout_s:.0f} s")
     return store.get(key)
 
 

@@ -42,7 +42,7 @@ from memsave.tp.mappings import (
     GatherSeq,
     ReduceFromTP,
     ReduceScatterSeq,
-    SplitLast,
+    ScatterSeq,
     all_gather_dim,
 )
 from memsave.tp.random import RegionRandom
@@ -196,8 +196,8 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = self.tp
         ctx.random.leave()
-        if self.split_input:
-            x = SplitLast.apply(x, ctx.group)
+        if self.split_input:  # this rank's columns; the gradient gathered whole again (as a sequence's slice is)
+            x = ScatterSeq.apply(x, -1, ctx.group)
         y = F.linear(x, self.weight)
         if ctx.sequence:
             y = ReduceScatterSeq.apply(y, ctx.seq_dim, ctx.group)

@@ -29,7 +29,7 @@ import torch
 from memsave import dist as mdist
 from memsave.dist import ProcessGroup
 
-__all__ = ["CopyToTP", "GatherLast", "GatherSeq", "ReduceFromTP", "ReduceScatterSeq", "ScatterSeq", "SplitLast",
+__all__ = ["CopyToTP", "GatherLast", "GatherSeq", "ReduceFromTP", "ReduceScatterSeq", "ScatterSeq",
            "all_gather_dim", "reduce_scatter_dim", "split_dim"]
 
 
@@ -159,16 +159,3 @@ class GatherLast(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return split_dim(grad, -1, ctx.group), None
 
-
-class SplitLast(torch.autograd.Function):
-    """A whole (replicated) input -> this rank's columns (a row-parallel layer fed a whole tensor); its gradient
-    gathered whole again (Megatron's scatter to the model-parallel region)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return split_dim(x, -1, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return all_gather_dim(grad, -1, ctx.group), None
