@@ -158,4 +158,3 @@ class GatherLast(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return split_dim(grad, -1, ctx.group), None
-
