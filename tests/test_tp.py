@@ -69,6 +69,7 @@ TP2_TRAIN = {
     "olmoe-whole-experts-ddp-sp": ("olmoe", "ddp", True),
     "apertus-trainable-activation-zero1": ("apertus", "zero1", False),
     "mixtral-experts-cut-zero3": ("mixtral", "zero3", False),
+    "llama4-experts-in-out-zero1": ("llama4", "zero1", False),
 }
 DP2TP2_TRAIN = {
     "gpt-ddp-sp": ("gpt", "ddp", True),
@@ -109,7 +110,7 @@ def _model(key: str) -> tuple[Callable[[], nn.Module], tc.LossFn, int]:
         vocab = 251 if key.startswith("gpt251") else 250
         tie = "untied" not in key
         return (lambda: tc.gpt(vocab, tie)), tc.gpt_loss, vocab
-    if key in ("gemma", "phi3", "olmoe", "apertus", "mixtral"):
+    if key in ("gemma", "phi3", "olmoe", "apertus", "mixtral", "llama4"):
         return getattr(tc, key), tc.llama_loss, 250
     if key == "mixtral-noaux":
         return (lambda: tc.mixtral(aux=False)), tc.llama_loss, 250
@@ -939,6 +940,17 @@ def test_hf_plans_with_experts_and_gathered_projections() -> None:
     with pytest.raises(NotImplementedError, match=r"places its mixture-of-experts experts by expert parallelism "
                                                   r"\('model\.layers\.\*\.mlp\.gate': each rank whole experts"):
         default_plan(MixtralForCausalLM(ep))
+    # Llama 4 stores each expert (in, out): 'packed_rowwise' / 'colwise' cut the same intermediate features; its
+    # base_model is the model itself, and its plan applies under "model." (taken as no prefix, every entry named
+    # nothing: the plan cut only the embedding and the head, with no error)
+    from tests.tp_cases import llama4
+
+    with torch.device("meta"):
+        l4 = llama4()
+    assert match_plan(l4, default_plan(l4))["model.layers.0.self_attn.q_proj"][0] == "colwise"
+    cut_shapes(l4, 2)
+    experts = l4.model.layers[0].feed_forward.experts
+    assert experts.gate_up_proj.shape == (4, 64, 96) and experts.down_proj.shape == (4, 48, 64)
     plan = {k: v for k, v in default_plan(MixtralForCausalLM(cfg)).items() if not k.endswith("mlp.experts")}
     with pytest.raises(ValueError, match=r"parameter 'model\.layers\.0\.mlp\.experts\.gate_up_proj' has style "
                                          r"'packed_colwise', but its module is not 'moe_tp_experts'"):

@@ -100,6 +100,20 @@ def mixtral(aux: bool = True) -> nn.Module:
     return MixtralForCausalLM(cfg)
 
 
+def llama4() -> nn.Module:
+    """An unchanged Hugging Face Llama4ForCausalLM (text): its experts store each matrix (in, out), so HF's plan
+    names gate_up_proj 'packed_rowwise' and down_proj 'colwise'; its base model is the model itself (the plan
+    applies under ``model``)."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    cfg = Llama4TextConfig(vocab_size=250, hidden_size=64, intermediate_size=96, intermediate_size_mlp=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           num_local_experts=4, num_experts_per_tok=1, max_position_embeddings=64,
+                           attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return Llama4ForCausalLM(cfg)
+
+
 def olmoe() -> nn.Module:
     """An unchanged Hugging Face OlmoeForCausalLM (4 experts, top-1; q_norm / k_norm on the gathered query and
     key). memsave does not cut experts: :func:`olmoe_plan` leaves them whole."""

@@ -64,7 +64,7 @@ def plan_param_bytes(model: nn.Module, tp: int, plan: Mapping[str, str] | None =
     params = dict(model.named_parameters())
     for name, (style, _) in match_plan(model, plan if plan is not None else gpt_plan()).items():
         if name not in modules:  # a fused expert tensor: (experts, out, in), cut along out or in
-            split[id(params[name])] = params[name].dim() - (1 if style == "rowwise" else 2)
+            split[id(params[name])] = params[name].dim() - (1 if style in ("rowwise", "packed_rowwise") else 2)
             continue
         m = modules[name]
         if style in _COLUMN:  # output rows (a packed block's rows divide by blocks x tp: the same count)

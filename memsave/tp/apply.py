@@ -85,9 +85,11 @@ def _cuts(model: nn.Module, matched: Mapping[str, tuple[str, int]]) -> list[_Cut
 
 
 def _expert_dim(p: torch.Tensor, style: str) -> int:
-    """The dim a fused expert tensor is cut along: ``(experts, out, in)`` as ``nn.Linear`` stores each: out for
-    ``colwise`` / ``packed_colwise``, in for ``rowwise``."""
-    return p.dim() - 1 if style == "rowwise" else p.dim() - 2
+    """The dim a fused expert tensor is cut along, as HF's plans name it: the second to last for ``colwise`` /
+    ``packed_colwise``, the last for ``rowwise`` / ``packed_rowwise``. Mixtral stores each expert ``(out, in)`` as
+    ``nn.Linear`` does (gate_up ``packed_colwise``, down ``rowwise``), Llama 4 ``(in, out)`` (gate_up
+    ``packed_rowwise``, down ``colwise``): both cut the intermediate features."""
+    return p.dim() - 1 if style in ("rowwise", "packed_rowwise") else p.dim() - 2
 
 
 def apply_tp(model: nn.Module, mesh: Mesh, plan: Mapping[str, str] | None = None, *, sequence: bool = False,

@@ -18,7 +18,7 @@ module, and no module may be matched twice. The styles:
 | ``sequence_gather`` | attention, MLP | none | under SP: its input all-gathered whole (its linears regather it) |
 | ``replicated_with_grad_allreduce`` | any | whole; the gradient summed over ``tp`` | none |
 | ``replicated`` | any | whole; the gradient as each rank computed it (the same whole input on every rank) | none |
-| ``moe_tp_experts`` | experts | its fused tensors, named ``colwise`` / ``packed_colwise`` / ``rowwise`` | output all-reduce |
+| ``moe_tp_experts`` | experts | its fused tensors, named ``colwise`` / ``packed_colwise`` (dim -2) or ``rowwise`` / ``packed_rowwise`` (dim -1) | output all-reduce |
 
 A parameter the plan does not name stays whole on every rank, its gradient as computed: right where its module
 reads the same whole input on every ``tp`` rank. Under sequence parallelism a module between the blocks reads
@@ -50,7 +50,7 @@ __all__ = ["STYLES", "default_plan", "gpt_plan", "match_plan"]
 
 STYLES = ("colwise", "packed_colwise", "colwise_gather_output", "loss_parallel", "rowwise", "rowwise_split_input",
           "vocab_embedding", "sequence_parallel", "sequence_input", "sequence_gather", "replicated_with_grad_allreduce",
-          "replicated", "moe_tp_experts")
+          "replicated", "moe_tp_experts", "packed_rowwise")
 _EXPERT_STYLES = ("ep_router", "grouped_gemm", "local_colwise", "local_rowwise", "local_packed_rowwise")  # (expert
 # parallelism: each rank whole experts of its own)
 _ALIASES = {"embedding": "vocab_embedding", "embedding_rowwise": "vocab_embedding", "colwise_rep": "colwise_gather_output"}
@@ -78,12 +78,27 @@ def _is_norm(module: nn.Module) -> bool:
         module, nn.LayerNorm | nn.RMSNorm | nn.GroupNorm)
 
 
+def _plan_prefix(model: nn.Module, names: Mapping[nn.Module, str], base_plan: Mapping[str, str],
+                 present: list[str]) -> str:
+    """Where the base model's plan applies: under ``model.base_model``, or (a model whose ``base_model`` is itself:
+    Llama 4's text model, ``base_model_prefix`` "language_model" with its layers under ``model``) under the first
+    module whose names the plan's patterns match. ``ValueError`` where none does: with the entries that name nothing
+    dropped (below), such a plan cut nothing but the embedding and the head, with no error."""
+    base = names.get(getattr(model, "base_model", model), "")
+    candidates = [base] + [n for n in names.values() if n != base]
+    for cand in candidates:
+        prefix = cand + "." if cand else ""
+        if any(_compile(prefix + k).fullmatch(n) for k in base_plan for n in present):
+            return prefix
+    raise ValueError(f"tensor parallelism: {type(model).__name__}'s base_model_tp_plan ({', '.join(list(base_plan)[:3])}"
+                     ", ...) names no module of the model under any prefix; pass tp_plan= with its module names")
+
+
 def _hf_plan(model: nn.Module, base_plan: Mapping[str, str]) -> dict[str, str]:
     """A Hugging Face model's ``base_model_tp_plan`` (relative to its base model), completed ([module docstring])."""
     names = {m: n for n, m in model.named_modules()}
-    base = getattr(model, "base_model", model)
-    prefix = names.get(base, "")
-    prefix = prefix + "." if prefix else ""
+    present = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
+    prefix = _plan_prefix(model, names, base_plan, present)
     owners = [k for k, v in base_plan.items() if str(v).partition(":")[0] in _EXPERT_STYLES]
     experts = [k for k in base_plan if any(k == o or k.startswith(o + ".") for o in owners)]
     if experts:
@@ -94,7 +109,6 @@ def _hf_plan(model: nn.Module, base_plan: Mapping[str, str]) -> dict[str, str]:
             "module, their fused tensors 'packed_colwise' / 'rowwise'). Pass tp_plan= with those styles")
     # HF's plan covers its config's variants (Qwen2-MoE's dense-MLP entries, for layers a config may make dense):
     # an entry that names nothing in this model cuts nothing here (a user's plan that does is refused, a typo)
-    present = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
     plan = {prefix + k: v for k, v in base_plan.items()
             if any(_compile(prefix + k).fullmatch(n) for n in present)}
     get_in = getattr(model, "get_input_embeddings", None)
@@ -171,7 +185,7 @@ def parse_style(pattern: str, style: str) -> tuple[str, int]:
         raise ValueError(f"tp plan entry {pattern!r}: style {style!r} is not a string; allowed are {', '.join(STYLES)}")
     name, _, blocks = style.partition(":")
     name = _ALIASES.get(name, name)
-    if name == "packed_colwise":
+    if name in ("packed_colwise", "packed_rowwise"):  # (packed_rowwise: a fused expert tensor stored (in, out))
         if blocks and not (blocks.isdigit() and int(blocks) >= 1):
             raise ValueError(f"tp plan entry {pattern!r}: style {style!r}; the packed block count after ':' must be "
                              "a positive integer (packed_colwise:3 for a fused qkv)")
@@ -203,12 +217,16 @@ def match_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[str, tuple[str
         parsed = parse_style(pattern, style)
         regex = _compile(pattern)
         hits = [n for n in names if regex.fullmatch(n)]
+        if hits and parsed[0] == "packed_rowwise":
+            raise ValueError(f"tp plan entry {pattern!r}: style 'packed_rowwise' is for a fused expert tensor (a "
+                             f"parameter), not a module ({hits[0]!r})")
         if not hits:
             hits = [n for n in params if regex.fullmatch(n)]
-            if hits and parsed[0] not in ("colwise", "packed_colwise", "rowwise"):
+            if hits and parsed[0] not in ("colwise", "packed_colwise", "rowwise", "packed_rowwise"):
                 raise ValueError(f"tp plan entry {pattern!r} names parameters ({hits[0]!r}, ...) with style "
-                                 f"{style!r}; a parameter takes 'colwise', 'packed_colwise' or 'rowwise' (a fused "
-                                 "expert tensor, inside a module whose style is 'moe_tp_experts')")
+                                 f"{style!r}; a parameter takes 'colwise', 'packed_colwise', 'rowwise' or "
+                                 "'packed_rowwise' (a fused expert tensor, inside a module whose style is "
+                                 "'moe_tp_experts')")
         if not hits:
             sample = ", ".join(names[:8])
             raise ValueError(f"tp plan pattern {pattern!r} matches no module of the {type(model).__name__}; its "
