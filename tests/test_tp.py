@@ -951,6 +951,17 @@ def test_hf_plans_with_experts_and_gathered_projections() -> None:
     cut_shapes(l4, 2)
     experts = l4.model.layers[0].feed_forward.experts
     assert experts.gate_up_proj.shape == (4, 64, 96) and experts.down_proj.shape == (4, 48, 64)
+    # Qwen2-MoE's plan names dense-MLP modules for layers a config may make dense: with every layer sparse they
+    # name nothing here and are dropped (a user's plan that names nothing is still refused: a typo)
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    with torch.device("meta"):
+        qmoe = Qwen2MoeForCausalLM(Qwen2MoeConfig(**small, num_key_value_heads=2, num_experts=4,
+                                                   moe_intermediate_size=24, shared_expert_intermediate_size=32))
+    plan = default_plan(qmoe)
+    assert "model.layers.*.mlp.gate_proj" not in plan and plan["model.layers.*.mlp.experts"] == "moe_tp_experts"
+    with pytest.raises(ValueError, match=r"tp plan pattern 'model\.layers\.\*\.mlp\.gate_proj' matches no module"):
+        match_plan(qmoe, {**plan, "model.layers.*.mlp.gate_proj": "colwise"})
     plan = {k: v for k, v in default_plan(MixtralForCausalLM(cfg)).items() if not k.endswith("mlp.experts")}
     with pytest.raises(ValueError, match=r"parameter 'model\.layers\.0\.mlp\.experts\.gate_up_proj' has style "
                                          r"'packed_colwise', but its module is not 'moe_tp_experts'"):
