@@ -109,13 +109,16 @@ class _Tagging(TorchFunctionMode):
         kwargs = kwargs or {}
         probe = self.probe
         if probe.depth == 0:
-            side = _side_of(args, kwargs)
-            if side is not None:
-                raise NotImplementedError(_side_message(side, probe.stage_of_atom[side], func))
+            tags: set[CallKey] = set()
+            for t in tree_flatten((args, kwargs))[0]:
+                if isinstance(t, torch.Tensor):
+                    side = getattr(t, _SIDE, None)
+                    if side is not None:
+                        raise NotImplementedError(_side_message(side, probe.stage_of_atom[side], func))
+                    tags.update(getattr(t, _TAG, ()))
             out = func(*args, **kwargs)
-            tags = _tags_of(args, kwargs)
             if tags:
-                _tag(out, tags)
+                _tag(out, frozenset(tags))
             return out
         out = func(*args, **kwargs)
         if probe.remote is not None:  # (a meta tensor only: an op may hand back a real one it was given)
@@ -124,15 +127,6 @@ class _Tagging(TorchFunctionMode):
                     with contextlib.suppress(AttributeError, RuntimeError):
                         setattr(t, _SIDE, probe.remote)
         return out
-
-
-def _side_of(args: Any, kwargs: Any) -> str | None:
-    for t in tree_flatten((args, kwargs))[0]:
-        if isinstance(t, torch.Tensor):
-            side = getattr(t, _SIDE, None)
-            if side is not None:
-                return side
-    return None
 
 
 def _side_message(atom: str, stage: int, func: Any) -> str:
@@ -224,13 +218,13 @@ class Probe:
         try:
             if self.local(name):
                 out = forward(*args, **kwargs)
-                if self.share is not None:
-                    self.share.put(key, _structure(out))
             else:
                 out = self._remote(name, key, forward, args, kwargs)
         finally:
             self.depth -= 1
         self.structure[key] = _structure(out)
+        if self.share is not None and self.local(name):
+            self.share.put(key, self.structure[key])
         self.order.append(key)
         _tag(out, frozenset([key]))
         return out
