@@ -47,6 +47,7 @@ from memsave.estimator import estimate
 from memsave.memory import MemoryTracker
 from memsave.models import GPT, TokenBatches
 from memsave.tp import gpt_plan, match_plan
+from memsave.tp.apply import expert_dim
 
 __all__ = ["CONFIGS", "adapted_activation_bytes", "paper_activation_bytes", "plan_param_bytes", "run_command",
            "run_tp_bench"]
@@ -63,8 +64,8 @@ def plan_param_bytes(model: nn.Module, tp: int, plan: Mapping[str, str] | None =
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
     for name, (style, _) in match_plan(model, plan if plan is not None else gpt_plan()).items():
-        if name not in modules:  # a fused expert tensor: (experts, out, in), cut along out or in
-            split[id(params[name])] = params[name].dim() - (1 if style in ("rowwise", "packed_rowwise") else 2)
+        if name not in modules:  # a fused expert tensor
+            split[id(params[name])] = expert_dim(params[name], style)
             continue
         m = modules[name]
         if style in _COLUMN:  # output rows (a packed block's rows divide by blocks x tp: the same count)

@@ -38,7 +38,7 @@ from memsave.tp.mappings import CopyToTP, ReduceFromTP, ScatterSeq
 from memsave.tp.plan import default_plan, match_plan
 from memsave.tp.random import RegionRandom, sync_default_rng
 
-__all__ = ["TPParam", "apply_tp", "cut_shapes", "cut_tp", "full_state_dicts", "tp_param"]
+__all__ = ["TPParam", "apply_tp", "cut_shapes", "cut_tp", "expert_dim", "full_state_dicts", "tp_param"]
 
 _HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
 _WIDTH_ATTRS = ("hidden_size", "embed_dim", "all_head_size")
@@ -84,7 +84,7 @@ def _cuts(model: nn.Module, matched: Mapping[str, tuple[str, int]]) -> list[_Cut
     return out
 
 
-def _expert_dim(p: torch.Tensor, style: str) -> int:
+def expert_dim(p: torch.Tensor, style: str) -> int:
     """The dim a fused expert tensor is cut along, as HF's plans name it: the second to last for ``colwise`` /
     ``packed_colwise``, the last for ``rowwise`` / ``packed_rowwise``. Mixtral stores each expert ``(out, in)`` as
     ``nn.Linear`` does (gate_up ``packed_colwise``, down ``rowwise``), Llama 4 ``(in, out)`` (gate_up
@@ -131,7 +131,7 @@ def _check(model: nn.Module, cuts: list[_Cut], t: int, r: int, sequence: bool) -
             if not isinstance(p, nn.Parameter) or p.dim() < 2:
                 raise ValueError(f"tp plan: parameter {cut.name!r} is not a matrix of each expert (shape "
                                  f"{tuple(getattr(p, 'shape', ()))}); a fused expert tensor is (experts, out, in)")
-            dim = _expert_dim(p, style)
+            dim = expert_dim(p, style)
             if p.shape[dim] % (cut.blocks * t):
                 raise ValueError(f"tensor parallelism: parameter {cut.name!r} has size {p.shape[dim]} along dim {dim}, "
                                  f"not divisible by {cut.blocks} x tp={t}")
@@ -270,7 +270,7 @@ def cut_shapes(model: nn.Module, tp: int, plan: Mapping[str, str] | None = None)
         if cut.style in _COLUMN and cut.select is None:
             dims = {"weight": 0, "bias": 0}
         if cut.param is not None:
-            dims = {cut.param: _expert_dim(getattr(m, cut.param), cut.style)}
+            dims = {cut.param: expert_dim(getattr(m, cut.param), cut.style)}
         elif cut.style == "moe_tp_experts":
             dims = {}
         for pn, dim in dims.items():
@@ -327,7 +327,7 @@ def _cut(cut: _Cut, ctx: TPContext, done: dict[int, TPParam]) -> None:
     partial = Placement(partial_grad=("tp",))
     if cut.param is not None:  # [Note: expert tensor parallelism]
         p = getattr(m, cut.param)
-        dim = _expert_dim(p, style)
+        dim = expert_dim(p, style)
         _set(p, _slice(p.data, dim, t, r, cut.blocks), TPParam(Placement(tp=Shard(dim)), dim, cut.blocks, ()), done,
              cut.name)
     elif style == "moe_tp_experts":

@@ -46,7 +46,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
-__all__ = ["STYLES", "default_plan", "gpt_plan", "match_plan"]
+__all__ = ["STYLES", "default_plan", "gathers_whole", "gpt_plan", "match_plan"]
 
 STYLES = ("colwise", "packed_colwise", "colwise_gather_output", "loss_parallel", "rowwise", "rowwise_split_input",
           "vocab_embedding", "sequence_parallel", "sequence_input", "sequence_gather", "replicated_with_grad_allreduce",
@@ -78,6 +78,11 @@ def _is_norm(module: nn.Module) -> bool:
         module, nn.LayerNorm | nn.RMSNorm | nn.GroupNorm)
 
 
+def _names_any(pattern: str, names: list[str]) -> bool:
+    regex = _compile(pattern)
+    return any(regex.fullmatch(n) for n in names)
+
+
 def _plan_prefix(model: nn.Module, names: Mapping[nn.Module, str], base_plan: Mapping[str, str],
                  present: list[str]) -> str:
     """Where the base model's plan applies: under ``model.base_model``, or (a model whose ``base_model`` is itself:
@@ -88,7 +93,7 @@ def _plan_prefix(model: nn.Module, names: Mapping[nn.Module, str], base_plan: Ma
     candidates = [base] + [n for n in names.values() if n != base]
     for cand in candidates:
         prefix = cand + "." if cand else ""
-        if any(_compile(prefix + k).fullmatch(n) for k in base_plan for n in present):
+        if any(_names_any(prefix + k, present) for k in base_plan):
             return prefix
     raise ValueError(f"tensor parallelism: {type(model).__name__}'s base_model_tp_plan ({', '.join(list(base_plan)[:3])}"
                      ", ...) names no module of the model under any prefix; pass tp_plan= with its module names")
@@ -109,8 +114,7 @@ def _hf_plan(model: nn.Module, base_plan: Mapping[str, str]) -> dict[str, str]:
             "module, their fused tensors 'packed_colwise' / 'rowwise'). Pass tp_plan= with those styles")
     # HF's plan covers its config's variants (Qwen2-MoE's dense-MLP entries, for layers a config may make dense):
     # an entry that names nothing in this model cuts nothing here (a user's plan that does is refused, a typo)
-    plan = {prefix + k: v for k, v in base_plan.items()
-            if any(_compile(prefix + k).fullmatch(n) for n in present)}
+    plan = {prefix + k: v for k, v in base_plan.items() if _names_any(prefix + k, present)}
     get_in = getattr(model, "get_input_embeddings", None)
     embed = get_in() if callable(get_in) else None
     if isinstance(embed, nn.Embedding) and embed in names:
@@ -177,6 +181,14 @@ def default_plan(model: nn.Module) -> dict[str, str]:
         f"tensor parallelism: memsave has no plan for a {type(model).__name__} (its own GPT and Hugging Face models "
         "whose config has base_model_tp_plan have one); pass tp_plan={module-name pattern: style} to "
         f"memsave.wrap / memsave.parallelize, with styles from {', '.join(STYLES)}")
+
+
+def gathers_whole(model: nn.Module, plan: Mapping[str, str] | None = None) -> bool:
+    """Whether ``plan`` (default: :func:`default_plan`) gathers a column-parallel output whole (Phi-3's, OLMoE's):
+    under sequence parallelism a unit then keeps its attention's or MLP's activations whole on every rank, not 1/tp
+    of them (the estimators' 1/tp rule was 13% under the tracker on Phi-3)."""
+    plan = plan if plan is not None else default_plan(model)
+    return any(parse_style(k, v)[0] == "colwise_gather_output" for k, v in plan.items())
 
 
 def parse_style(pattern: str, style: str) -> tuple[str, int]:
