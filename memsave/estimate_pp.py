@@ -161,7 +161,12 @@ def estimate_stages(model: nn.Module, prof: Profile, *, world_size: int, batch: 
         unit_names = [whole_names[id(u)] for u in _units(whole, None)[1]]
     whole_modules = dict(whole.named_modules())
     acts = None
-    sequence = par.tp > 1 and par.sequence and prof.recompute.policy == "none"
+    gathered = False
+    if par.tp > 1 and par.sequence:
+        from memsave.tp import gathers_whole  # layer 3
+
+        gathered = gathers_whole(whole, tp_plan)  # each unit as without SP, an upper bound (as memsave.estimate)
+    sequence = par.tp > 1 and par.sequence and prof.recompute.policy == "none" and not gathered
     if batch is not None:
         acts = stage_activations(whole, split, [whole_modules[u] for u in unit_names], prof, batch, device)
         if sequence:  # each unit keeps 1/tp of what it keeps uncut (as memsave.estimate without pp)
@@ -189,7 +194,11 @@ def estimate_stages(model: nn.Module, prof: Profile, *, world_size: int, batch: 
                                                 over=f" of dp in each of {pp} pipeline ranks"
                                                 + (f", each cut over tp = {par.tp} (per-rank shapes of tp rank 0)"
                                                    if par.tp > 1 else ""))
-        if par.tp > 1 and par.sequence:
+        if gathered:
+            notes.append("sequence parallelism with projections that gather their outputs whole (colwise_gather_"
+                         "output: the attention or MLP then runs whole on every rank): each unit as without it, an "
+                         "upper bound")
+        elif par.tp > 1 and par.sequence:
             notes.append(f"sequence parallelism: each unit keeps 1/{par.tp} of what it keeps without tensor "
                          "parallelism" if sequence else "sequence parallelism under recomputation: activations as "
                          "without it, an upper bound")

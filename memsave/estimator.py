@@ -203,16 +203,6 @@ def _model_states(groups: list[list[nn.Parameter]], order: list[nn.Parameter], p
             "unit_reduce": unit_reduce, "unit_state": unit_state, "unit_elems": unit_elems}
 
 
-def _gathers_whole(model: nn.Module, tp_plan: Mapping[str, str] | None) -> bool:
-    """Whether the tp plan gathers a column-parallel output whole (Phi-3's, OLMoE's): a unit then keeps its
-    attention's or MLP's activations whole on every rank, not 1/tp of them (:func:`sequence_parallel` was 13% under
-    the tracker on Phi-3)."""
-    from memsave.tp.plan import default_plan, parse_style  # layer 3
-
-    plan = tp_plan if tp_plan is not None else default_plan(model)
-    return any(parse_style(k, v)[0] == "colwise_gather_output" for k, v in plan.items())
-
-
 def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_size: int = 1, batch: Any = None,
              units: Sequence[nn.Module] | None = None, device: str | None = None,
              micro_batches: int = 1, tp_plan: Mapping[str, str] | None = None, schedule: Any = None) -> Estimate:
@@ -288,7 +278,9 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
         sp = tp if tp > 1 and prof.parallel.sequence else 1
         acts, per_unit, outputs, note, logits, first, late = activations(meta, modules, prof, batch, device_type, sp)
         notes.append(note)
-        gathered = sp > 1 and _gathers_whole(meta, tp_plan)
+        from memsave.tp import gathers_whole  # layer 3
+
+        gathered = sp > 1 and gathers_whole(meta, tp_plan)
         if gathered:
             notes.append("sequence parallelism with projections that gather their outputs whole (colwise_gather_output:"
                          " the attention or MLP then runs whole on every rank): each unit as without it, an upper "

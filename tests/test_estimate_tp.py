@@ -137,3 +137,22 @@ def test_gathered_projections_are_estimated() -> None:
         est = estimate(meta, prof, world_size=2, batch={"input_ids": ids, "labels": ids}, device="cpu")
         err = est.peak_total / m["peak"] - 1
         assert (abs(err) <= 0.01) if not m["sequence"] else (0 <= err <= 0.15), (m, err)
+
+
+def test_gathered_projections_are_estimated_per_pipeline_stage() -> None:
+    """With pp too, a plan that gathers column outputs whole keeps each unit as without sequence parallelism (an
+    upper bound, as at pp = 1): the 1/tp rule counted Phi-3's units 13% under at pp = 1."""
+    from tests.tp_cases import phi3
+
+    with torch.device("meta"):
+        meta = phi3()
+    ids = torch.zeros(2, 64, dtype=torch.long, device="meta")
+    per = {}
+    for sequence in (False, True):
+        prof = memsave.Profile.from_dict({"parallel": {"tp": 2, "pp": 2, "sequence": sequence}}, name="sp")
+        est = estimate(meta, prof, world_size=4, batch={"input_ids": ids, "labels": ids}, device="cpu",
+                       micro_batches=2)
+        per[sequence] = [s.bytes.get("activations", 0) for s in est.stages]
+        if sequence:
+            assert any("gather their outputs whole" in n for s in est.stages for n in s.notes), est.stages[0].notes
+    assert per[True] == per[False] and all(per[True]), per

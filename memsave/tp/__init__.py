@@ -12,7 +12,7 @@ from memsave.tp.layers import (
 )
 from memsave.tp.loss import ShardedLogits, VocabShard, vocab_parallel_cross_entropy
 from memsave.tp.mappings import CopyToTP, GatherLast, GatherSeq, ReduceFromTP, ReduceScatterSeq, ScatterSeq
-from memsave.tp.plan import STYLES, default_plan, gpt_plan, match_plan
+from memsave.tp.plan import STYLES, default_plan, gathers_whole, gpt_plan, match_plan
 
 __all__ = [
     "STYLES",
@@ -35,6 +35,7 @@ __all__ = [
     "default_plan",
     "full_state_dicts",
     "gather_tp",
+    "gathers_whole",
     "gpt_plan",
     "match_plan",
     "tp_param",
