@@ -962,6 +962,20 @@ def test_hf_plans_with_experts_and_gathered_projections() -> None:
     assert "model.layers.*.mlp.gate_proj" not in plan and plan["model.layers.*.mlp.experts"] == "moe_tp_experts"
     with pytest.raises(ValueError, match=r"tp plan pattern 'model\.layers\.\*\.mlp\.gate_proj' matches no module"):
         match_plan(qmoe, {**plan, "model.layers.*.mlp.gate_proj": "colwise"})
+    # a fused expert tensor takes the four cutting styles only, 'packed_rowwise' a parameter only, and its cut dim
+    # divides by blocks x tp
+    with torch.device("meta"):
+        bad = MixtralForCausalLM(cfg)
+    with pytest.raises(ValueError, match=r"names parameters \('model\.layers\.0\.mlp\.experts\.down_proj'.*"
+                                         r"'vocab_embedding'; a parameter takes 'colwise'"):
+        match_plan(bad, {"model.layers.*.mlp.experts.down_proj": "vocab_embedding"})
+    with pytest.raises(ValueError, match=r"'packed_rowwise' is for a fused expert tensor \(a parameter\), not a "
+                                         r"module \('model\.layers\.0\.mlp\.gate'\)"):
+        match_plan(bad, {"model.layers.*.mlp.gate": "packed_rowwise"})
+    with pytest.raises(ValueError, match=r"parameter 'model\.layers\.0\.mlp\.experts\.gate_up_proj' has size 96 "
+                                         r"along dim 1, not divisible by 2 x tp=5"):
+        cut_shapes(bad, 5, {"model.layers.*.mlp.experts": "moe_tp_experts",
+                            "model.layers.*.mlp.experts.gate_up_proj": "packed_colwise"})
     plan = {k: v for k, v in default_plan(MixtralForCausalLM(cfg)).items() if not k.endswith("mlp.experts")}
     with pytest.raises(ValueError, match=r"parameter 'model\.layers\.0\.mlp\.experts\.gate_up_proj' has style "
                                          r"'packed_colwise', but its module is not 'moe_tp_experts'"):
