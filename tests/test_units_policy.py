@@ -151,6 +151,38 @@ def test_policy_module_list_then_sequential_children() -> None:
     _check_disjoint(coarse, units)
 
 
+def test_policy_takes_every_tower_and_the_layers_inside_nested_lists() -> None:
+    """[Note: every tower's blocks] An encoder's layers beside a decoder's (BART), a text tower beside a vision
+    tower (CLIP): the blocks of both lists are units. Before, only the largest list's were, so ZeRO-3 kept the
+    other tower whole on every rank in the root unit (45% of this BART's parameters). A list of lists
+    (Funnel's encoder) gives its layers: a ModuleList's forward never runs, so as a unit its hooks never did and
+    ZeRO-3 refused the model. A small list beside the layers (two norms) stays in the root."""
+    from memsave.models.units import unit_parameters
+    from tests.toy import hf_bart, hf_clip, hf_funnel
+
+    def root_share(model: nn.Module, units: list[nn.Module]) -> float:
+        groups = unit_parameters(model, units)
+        return sum(p.numel() for _, p in groups[0]) / sum(p.numel() for p in model.parameters())
+
+    bart = hf_bart()
+    choice = choose_units(bart)
+    assert choice.names == ("model.encoder.layers.0", "model.encoder.layers.1", "model.decoder.layers.0",
+                            "model.decoder.layers.1")
+    assert "blocks of the nn.ModuleLists 'model.encoder.layers', 'model.decoder.layers'" in choice.describe()
+    assert root_share(bart, list(choice.modules)) < 0.15 < 0.4 < root_share(bart, list(bart.model.decoder.layers))
+    clip = hf_clip()
+    names = choose_units(clip).names
+    assert names == tuple(f"{t}_model.encoder.layers.{i}" for t in ("text", "vision") for i in (0, 1))
+    assert root_share(clip, list(choose_units(clip).modules)) < 0.2
+    funnel = hf_funnel()
+    assert choose_units(funnel).names == ("funnel.encoder.blocks.0.0", "funnel.encoder.blocks.1.0",
+                                          "funnel.decoder.layers.0", "funnel.decoder.layers.1")
+    toy = ToyLM()
+    toy.norms = nn.ModuleList([nn.LayerNorm(16) for _ in range(2)])  # (d = 16)
+    assert default_units(toy) == list(toy.blocks)
+    _check_disjoint(bart, list(choice.modules))
+
+
 def test_policy_size_based_without_sequential_or_module_list() -> None:
     model = Flat()
     choice = choose_units(model)

@@ -93,6 +93,39 @@ def hf_llama(tied: bool = False, n_layer: int = 2) -> nn.Module:
     return LlamaForCausalLM(config)
 
 
+def hf_bart() -> nn.Module:
+    """A Hugging Face BART from a small config: an encoder's layer list beside a decoder's, one embedding table tied
+    to both and to the head."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = BartConfig(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48, max_position_embeddings=32,
+                        dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2)
+    return BartForConditionalGeneration(config)
+
+
+def hf_clip() -> nn.Module:
+    """A Hugging Face CLIP from a small config: two towers, the text one registered first and run second."""
+    from transformers import CLIPConfig, CLIPModel
+
+    torch.manual_seed(0)
+    tower = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
+    config = CLIPConfig(text_config=dict(vocab_size=64, max_position_embeddings=16, **tower),
+                        vision_config=dict(image_size=16, patch_size=4, **tower), projection_dim=16)
+    return CLIPModel(config)
+
+
+def hf_funnel() -> nn.Module:
+    """A Hugging Face Funnel Transformer from a small config: its encoder's layers sit in a list of lists."""
+    from transformers import FunnelConfig, FunnelForMaskedLM
+
+    torch.manual_seed(0)
+    config = FunnelConfig(vocab_size=64, block_sizes=[1, 1], d_model=32, n_head=4, d_head=8, d_inner=48,
+                          hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    return FunnelForMaskedLM(config)
+
+
 class LoRALinear(nn.Module):
     """PEFT's LoRA in miniature: a frozen base linear plus a trainable low-rank update ``B @ A``."""
 

@@ -4,7 +4,11 @@ importing each other).
 
 [Note: the default units] :func:`choose_units` picks, in this order:
 
-1. the blocks of the model's largest ``nn.ModuleList`` (by parameter count): a transformer's layers;
+1. the blocks of the model's largest ``nn.ModuleList`` (by parameter count): a transformer's layers; and those of
+   every other ``nn.ModuleList`` outside it that holds at least half of one of its blocks' parameters (the
+   encoder's layers beside the decoder's, a vision tower's beside the language model's: [Note: every tower's
+   blocks]); an element that is itself an ``nn.ModuleList`` or ``nn.ModuleDict`` (never called) gives its elements
+   instead;
 2. else the children with parameters of an ``nn.Sequential`` that holds more than half of the model's parameters,
    unless one of those children holds more than two units' worth (``2 * unit_num_params``, below) and has
    children of its own to split it by (step 3 then splits it finer); among several such, the one whose largest
@@ -71,7 +75,7 @@ class UnitChoice:
     names: their qualified names in the model.
     rule: "nn.ModuleList", "nn.Sequential", "size" or "none" (no submodule with parameters).
     owner: the qualified name of the ``nn.ModuleList`` / ``nn.Sequential`` whose children they are ("" for the
-        root); for "size", the threshold as text.
+        root; the names joined by ", " where several lists give blocks); for "size", the threshold as text.
     """
 
     modules: tuple[nn.Module, ...]
@@ -81,7 +85,9 @@ class UnitChoice:
 
     def describe(self) -> str:
         """One line: how many units, by which rule, and their names."""
-        how = {"nn.ModuleList": f"blocks of the largest nn.ModuleList, '{self.owner}'",
+        lists = ", ".join(f"'{n}'" for n in self.owner.split(", "))
+        how = {"nn.ModuleList": (f"blocks of the nn.ModuleLists {lists}" if ", " in self.owner
+                                 else f"blocks of the largest nn.ModuleList, {lists}"),
                "nn.Sequential": (f"children of the nn.Sequential '{self.owner}'" if self.owner
                                  else "children of the model, an nn.Sequential"),
                "size": f"size-based, {self.owner}",
@@ -108,7 +114,23 @@ def choose_units(model: nn.Module, *, policy: UnitPolicy | None = None) -> UnitC
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
     if lists:
         biggest = max(lists, key=size)
-        return _choice(list(biggest), names, "nn.ModuleList", names[id(biggest)])
+        blocks = _called_blocks(biggest)
+        owners = [biggest]
+        inside = {id(d) for d in biggest.modules()}
+        # [Note: every tower's blocks] the other layer lists (an encoder's beside its decoder's, a vision tower's
+        # beside the language model's) worth at least half a block of the largest: their blocks are units too
+        half_block = size(biggest) / max(1, len(blocks)) / 2
+        for other in lists:  # (pre-order: an outer list before the lists inside it)
+            if id(other) in inside or any(names[id(o)].startswith(names[id(other)] + ".") for o in owners):
+                continue  # inside a chosen list, or holding one
+            if size(other) >= half_block > 0:
+                owners.append(other)
+                inside.update(id(d) for d in other.modules())
+                blocks += _called_blocks(other)
+        order = {id(m): i for i, m in enumerate(model.modules())}
+        blocks.sort(key=lambda m: order[id(m)])
+        owner = ", ".join(names[id(o)] for o in sorted(owners, key=lambda m: order[id(m)]))
+        return _choice(blocks, names, "nn.ModuleList", owner)
     total = size(model)
     limit = policy.unit_num_params or max(1, math.ceil(total / policy.target_units))
 
@@ -127,6 +149,19 @@ def choose_units(model: nn.Module, *, policy: UnitPolicy | None = None) -> UnitC
     units = _split_by_size(model, limit, size)
     rule = "size" if units else "none"
     return _choice(units, names, rule, f"at most {limit:,} parameters a unit where divisible")
+
+
+def _called_blocks(container: nn.Module) -> list[nn.Module]:
+    """The elements of an ``nn.ModuleList``, with each element that is itself an ``nn.ModuleList`` or
+    ``nn.ModuleDict`` replaced by its own elements (recursively): a container's forward is never called, so hooks on
+    it never run (Funnel's ``encoder.blocks`` is a list of lists of layers). A unit is a module whose forward runs."""
+    found: list[nn.Module] = []
+    for child in container.children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            found.extend(_called_blocks(child))
+        else:
+            found.append(child)
+    return found
 
 
 def _choice(modules: list[nn.Module], names: dict[int, str], rule: str, owner: str) -> UnitChoice:
