@@ -183,7 +183,7 @@ def _fused_attention_on_meta(device_type: str) -> Iterator[None]:
 
 
 def activations(meta: nn.Module, modules: list[nn.Module], prof: Profile, batch: Any, device_type: str,
-                sequence_tp: int = 1) -> tuple[int, list[int], int, str, int, int, int]:
+                sequence_tp: int = 1) -> tuple[int, list[int], int, str, int, int, int, tuple[int, ...]]:
     """Saved bytes of one forward of the meta model under the recompute policy: total, per unit, the bytes of the
     forward's outputs that backward does not keep (the logits beside the log-softmax cross-entropy saves), a
     note, the elements of the largest floating output (the logits), and the bytes saved outside every unit before
@@ -192,17 +192,30 @@ def activations(meta: nn.Module, modules: list[nn.Module], prof: Profile, batch:
     every unit used only after the last one (:func:`_late_params`). ``sequence_tp``: under full
     recomputation with sequence parallelism over that many ranks, a unit keeps 1/tp of the hidden states it is
     called with (its positional inputs: sequence-sharded), the rest of what it keeps as is (a Llama layer's
-    rotary tables and mask, which no rank shards)."""
-    total, per_unit, output_bytes, note, logits, first, late = reuse(
+    rotary tables and mask, which no rank shards). Last, the indices of ``modules`` in the order the forward first
+    called them ([Note: the units' call order] in memsave/zero/engine.py)."""
+    total, per_unit, output_bytes, note, logits, first, late, order = reuse(
         "activations", meta, modules, prof, batch, device_type, sequence_tp,
         lambda: _activations(meta, modules, prof, batch, device_type, sequence_tp))
-    return total, list(per_unit), output_bytes, note, logits, first, late
+    return total, list(per_unit), output_bytes, note, logits, first, late, order
 
 
 def _activations(meta: nn.Module, modules: list[nn.Module], prof: Profile, batch: Any, device_type: str,
-                 sequence_tp: int) -> tuple[int, list[int], int, str, int, int, int]:
-    with _late_params(meta, modules) as late:
-        saved, output_bytes, scale, note, logits = measure_activations(meta, modules, prof, batch, device_type)
+                 sequence_tp: int) -> tuple[int, list[int], int, str, int, int, int, tuple[int, ...]]:
+    order: list[int] = []
+    index_of = {id(m): i for i, m in enumerate(modules)}
+
+    def called(module: nn.Module, args: Any) -> None:
+        if index_of[id(module)] not in order:
+            order.append(index_of[id(module)])
+
+    hooks = [m.register_forward_pre_hook(called) for m in modules]
+    try:
+        with _late_params(meta, modules) as late:
+            saved, output_bytes, scale, note, logits = measure_activations(meta, modules, prof, batch, device_type)
+    finally:
+        for h in hooks:
+            h.remove()
     per_unit, total = list(saved.units), saved.total
     in_units = {k for keys in saved._unit_keys for k in keys}
     at = saved._outside_at or {}
@@ -213,24 +226,26 @@ def _activations(meta: nn.Module, modules: list[nn.Module], prof: Profile, batch
             others = sharded - -(-sharded // sequence_tp)  # the other ranks' share of the hidden states
             per_unit[i] -= others
             total -= others
-    return int(total * scale), per_unit, output_bytes, note, logits, first, late[0]
+    return int(total * scale), per_unit, output_bytes, note, logits, first, late[0], tuple(order)
 
 
 @contextlib.contextmanager
 def _late_params(meta: nn.Module, modules: list[nn.Module]) -> Iterator[list[int]]:
-    """The elements of the trainable parameters outside every unit that the forward uses only after the last
-    unit ran (a final norm, an untied head): their gradients come first in backward and stay in ``.grad`` until
-    the root's reduce at its end ([Note: the estimated peak] in memsave/estimator.py). Read from the modules
-    holding them, in the last forward run inside the block; a tied head's weight, used by the embedding before
-    the units too, is not one (autograd sums both uses before its ``.grad`` exists)."""
+    """The elements of the trainable parameters outside every unit that the forward first uses once a unit ran
+    (a final norm, an untied head; a second tower's embeddings, CLIP's text tower running after its vision
+    tower): their gradients come in backward before the first unit's, and stay in ``.grad`` until the root's
+    reduce at its end ([Note: the estimated peak] in memsave/estimator.py), counted from the start of backward
+    (for a second tower's embeddings, from the middle: an upper bound). Read from the modules holding them, in the
+    last forward run inside the block; a tied head's weight, used by the embedding before the units too, is not
+    one (autograd sums both uses before its ``.grad`` exists)."""
     in_units = {id(p) for m in modules for p in m.parameters()}
 
     def outside(module: nn.Module) -> list[nn.Parameter]:
         return [p for p in module.parameters(recurse=False) if id(p) not in in_units and p.requires_grad]
 
     owners = [m for m in meta.modules() if outside(m)]
-    before: set[int] = set()  # used before the last unit that finished so far
-    after: dict[int, int] = {}  # used since: id -> elements
+    before: set[int] = set()  # used before any unit finished
+    after: dict[int, int] = {}  # first used once one had: id -> elements
     done = [0]
 
     def start(*_: Any) -> None:
@@ -240,8 +255,6 @@ def _late_params(meta: nn.Module, modules: list[nn.Module]) -> Iterator[list[int
 
     def unit_done(*_: Any) -> None:
         done[0] += 1
-        before.update(after)  # used before a unit that turned out not to be the last
-        after.clear()
 
     def used(module: nn.Module, *_: Any) -> None:
         for p in outside(module):
@@ -315,6 +328,6 @@ def sequence_parallel(whole: nn.Module, unit_names: list[str], prof: Profile, ba
     Under recomputation a unit also keeps inputs no rank shards (a Llama layer's rotary tables and mask: 1/tp of
     them was 11% under), so :func:`memsave.estimate` keeps the figure without sequence parallelism there."""
     by_name = dict(whole.named_modules())
-    _, full, _, _, _, _, _ = activations(whole, [by_name[n] for n in unit_names], prof, batch, device_type)
+    _, full, _, _, _, _, _, _ = activations(whole, [by_name[n] for n in unit_names], prof, batch, device_type)
     shares = [-(-f // tp) for f in full]
     return acts - sum(per_unit) + sum(shares), shares

@@ -267,16 +267,11 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
         meta_units = [by_name[names[id(u)]] for u in units]
     groups, modules, said = _units(meta, meta_units)
     notes: list[str] = []
-    held, states, model_state = held_states(meta, groups, prof, world_size // tp, device_type, notes,
-                                            over=f" of dp, each cut over tp = {tp} (per-rank shapes of tp rank 0)"
-                                            if tp > 1 else "")
-    notes.insert(1, said)
-    if tp_note:
-        notes.append(tp_note)
     acts, per_unit, outputs, logits, first, late = 0, [0] * len(modules), 0, 0, 0, 0
     if batch is not None:
         sp = tp if tp > 1 and prof.parallel.sequence else 1
-        acts, per_unit, outputs, note, logits, first, late = activations(meta, modules, prof, batch, device_type, sp)
+        acts, per_unit, outputs, note, logits, first, late, order = activations(meta, modules, prof, batch,
+                                                                                device_type, sp)
         notes.append(note)
         from memsave.tp import gathers_whole  # layer 3
 
@@ -293,6 +288,20 @@ def estimate(model: nn.Module, profile: str | Path | Profile = "ddp", *, world_s
         elif sp > 1:
             notes.append("sequence parallelism under recomputation: each unit's hidden-state input 1/tp (full "
                          "recomputation), the rest as without it, an upper bound")
+        if sorted(order) == list(range(len(modules))) and list(order) != sorted(order):
+            # the engine gathers and reduces in the order the forward calls the units ([Note: the units' call
+            # order] in memsave/zero/engine.py): CLIP's vision tower before its text tower
+            modules, per_unit = [modules[i] for i in order], [per_unit[i] for i in order]
+            groups = [[p for _, p in group] for group in unit_parameters(meta, modules)]
+            said += "; in the order the forward calls them"
+    activation_notes, notes = notes, []
+    held, states, model_state = held_states(meta, groups, prof, world_size // tp, device_type, notes,
+                                            over=f" of dp, each cut over tp = {tp} (per-rank shapes of tp rank 0)"
+                                            if tp > 1 else "")
+    notes.insert(1, said)
+    if tp_note:
+        notes.append(tp_note)
+    notes += activation_notes
     points: dict[str, int] = {}
     best = peak_bytes(held, states, prof, per_unit, acts + outputs, micro_batches, notes, points=points, kept=first,
                       late_grads=late * states["param_bytes"])

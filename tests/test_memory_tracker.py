@@ -483,3 +483,38 @@ def test_estimate_host_offload_on_cuda_moves_state_masters_and_parameters() -> N
             effective_offload(memsave.load_profile("zero3-bf16", bad), torch.device("cuda"))
     with pytest.raises(ValueError, match=r"needs zero\.stage = 3"):  # the profile itself is refused
         memsave.load_profile("zero2", ("offload.optimizer=cpu", "offload.params=cpu"))
+
+
+def _clip_estimate_vs_measured() -> list[tuple[str, int, int]]:
+    from tests.toy import hf_clip
+
+    mesh = memsave.init()
+    g = torch.Generator().manual_seed(mesh.dp_rank)
+    batch = {"input_ids": torch.randint(3, 64, (8, 8), generator=g), "pixel_values": torch.randn(8, 3, 16, 16, generator=g),
+             "return_loss": True}
+    out = []
+    for name in ("zero3", "zero3-recompute", "zero2"):
+        with torch.device("meta"):
+            meta = hf_clip()
+        est = estimate(meta, name, world_size=mesh.dp_size, batch=batch, device="cpu")
+        model, opt = memsave.wrap(m := hf_clip(), torch.optim.AdamW(m.parameters(), lr=1e-3), name, mesh=mesh)
+        tracker = MemoryTracker(model, opt)
+        for _ in range(3):
+            opt.backward(model(**batch).loss)
+            opt.step()
+            opt.zero_grad()
+        out.append((name, est.peak_total, tracker.peak["total"]))
+        tracker.close()
+    return out
+
+
+def test_estimate_of_two_towers_run_in_another_order_than_registered() -> None:
+    """A Hugging Face CLIP on 2 ranks: the vision tower runs before the text tower, registered first. The engine
+    gathers and reduces in the order the forward calls the units ([Note: the units' call order]), and the text
+    tower's embeddings, first used after the vision tower's units, have their full gradients from the middle of
+    backward. The estimate followed registration order and counted those gradients at backward's end: here 6.3%
+    under the tracker with full recomputation (13% at zero3 with d 256, 6 + 6 layers); now within 2%."""
+    for rank_rows in run_ranks(_clip_estimate_vs_measured, 2, timeout=300):
+        for profile, est, peak in rank_rows:
+            print(profile, est, peak, f"{est / peak - 1:+.2%}")
+            assert est == pytest.approx(peak, rel=0.02), (profile, est, peak)

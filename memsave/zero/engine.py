@@ -70,7 +70,8 @@ class ZeroEngine:
         self._trainable_slot = {u.params[i]: (u, j) for u in self.units for j, i in enumerate(u.trainable)}
         self._used = torch.zeros(len(self._trainable), dtype=torch.int32, device=mesh.device)
         self._used_index = {p: k for k, p in enumerate(self._trainable)}
-        self._backward_order = list(reversed(self.units))  # root last
+        self._backward_order = list(reversed(self.units))  # root last ([Note: the units' call order])
+        self._called: list[Unit] | None = []  # the units in the order of their first call; None once settled
         self._ready: set[int] = set()
         self._next_reduce = 0
         self._inflight: list[Unit] = []  # launched reduce-scatters not yet waited on, oldest first
@@ -138,7 +139,43 @@ class ZeroEngine:
         self._hooks.append(self.model.register_load_state_dict_post_hook(self._post_load_state_dict))
         check = torch.compiler.disable(self._check_trainable)  # [Note: hooks outside compiled code]
         self._hooks.append(self.model.register_forward_pre_hook(check, prepend=True))  # runs first
+        record = torch.compiler.disable(weak_method(self._record_call))
+        self._unit_by_module = {id(u.module): u for u in self.units[1:]}
+        self._order_hooks = [u.module.register_forward_pre_hook(record) for u in self.units[1:]]
+        self._hooks += self._order_hooks
         self._hooks.extend(self._outer.register(self.model))
+
+    # [Note: the units' call order] Units are gathered (stage 3) and their gradients reduced (stages 1-3) in a
+    # static order, the same on every rank ([Note: collective order] in schedule.py): forward order for gathers,
+    # its reverse for backward gathers and reduce-scatters. Registration order is that order for a layer list, not
+    # always for a model: CLIP registers its text tower before its vision tower and runs the vision tower first.
+    # There a unit called out of order was gathered twice (once as skipped), the backward prefetch gathered the
+    # wrong tower, and the text tower's reduce-scatters waited for the vision tower's. So the units' first calls in
+    # the training forwards before the first synchronizing backward are recorded; at the end of that backward
+    # (every rank is there) the ranks exchange them, and where all saw the same order, with every unit in it,
+    # the next steps use it (DeepSpeed ZeRO-3 traces its first step likewise; FSDP1 records its execution order).
+    # The first step keeps registration order.
+    def _record_call(self, module: nn.Module, args: Any) -> None:
+        if self._called is None or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            return  # settled, an evaluation, or a recomputation inside backward
+        unit = self._unit_by_module.get(id(module))
+        if unit is not None and unit not in self._called:
+            self._called.append(unit)
+
+    def _settle_order(self) -> None:
+        """[Note: the units' call order] Collective over dp, at the end of the first synchronizing backward."""
+        assert self._called is not None
+        mine = [u.index for u in self._called]
+        self._called = None
+        for h in self._order_hooks:
+            h.remove()
+        everyone = mdist.all_gather_object(mine, self.agreement.group)
+        if any(o != mine for o in everyone) or sorted(mine) != list(range(1, len(self.units))) or mine == sorted(mine):
+            return  # seen differently, incomplete (a unit some forward skipped), or registration order already
+        in_order = [self.units[0], *(self.units[i] for i in mine)]
+        self._backward_order = [*reversed(in_order[1:]), self.units[0]]
+        if self.schedule is not None:
+            self.schedule.adopt_order(in_order)
 
     def _make_before_accumulate(self, p: nn.Parameter) -> Callable[[torch.Tensor], None]:
         unit, j = self._trainable_slot[p]
@@ -307,6 +344,9 @@ class ZeroEngine:
         else:
             for u in self.units:
                 u.pending = len(u.trainable)
+        if (self._called is not None and self.require_grad_sync
+                and (self.schedule is None or self.schedule.settled())):
+            self._settle_order()
 
     # -- optimizer side ------------------------------------------------------------------------------------
     def gather_params_after_step(self) -> None:

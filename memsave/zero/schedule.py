@@ -111,12 +111,16 @@ class Stage3Schedule:
         self.prefetch = engine.config.prefetch
         self.reshard_after_forward = engine.config.reshard_after_forward
         self.state = TrainingState.IDLE
-        self.forward = _Pass(self.units)
-        self.backward = _Pass(list(reversed(self.units[1:])))  # the root is gathered for the whole step
+        # the units in the order a forward calls them, the root first: registration order until the first step
+        # tells otherwise ([Note: the units' call order] in engine.py); position: a unit's index -> its place there
+        self.in_order: list[Unit] = list(self.units)
+        self.position: dict[int, int] = {u.index: i for i, u in enumerate(self.units)}
+        self.forward = _Pass(self.in_order)
+        self.backward = _Pass(list(reversed(self.in_order[1:])))  # the root is gathered for the whole step
         self.nested: list[tuple[_Pass, _Pass, set[int]]] = []  # passes saved around a no_grad forward mid-step
         self.keep_gathered = False  # a create_graph backward ran: free nothing until a backward without it ends
         self.creating_graph = False  # the backward running now creates a graph (create_graph=True)
-        self.gather_order: list[Unit] = self.units  # the order the next gathers come in (for disk reads ahead)
+        self.gather_order: list[Unit] = self.in_order  # the order the next gathers come in (for disk reads ahead)
         self.keep_root = False  # a pipeline step: the root unit stays gathered across its micro-batches
         # a pipeline with virtual stages: a unit of this rank's other stage that the forward of this stage calls
         # only to pass the received activation through (memsave/pp/runtime.py); its hooks do nothing then
@@ -144,11 +148,24 @@ class Stage3Schedule:
         return hooks
 
     # -- forward -------------------------------------------------------------------------------------------
-    def _issue_forward_through(self, k: int) -> None:
-        """Issue gathers, in forward order, for every unit up to index ``k`` ([Note: collective order])."""
+    def settled(self) -> bool:
+        """Between steps: no pass in progress, nothing kept for a later backward."""
+        return self.state is TrainingState.IDLE and not self.nested
+
+    def adopt_order(self, in_order: list[Unit]) -> None:
+        """Gather in ``in_order`` (the root first) from the next forward on; between steps, on every rank alike."""
+        assert self.settled()
+        self.in_order = in_order
+        self.position = {u.index: i for i, u in enumerate(in_order)}
+        self.forward = _Pass(in_order)
+        self.backward = _Pass(list(reversed(in_order[1:])))
+        self.gather_order = in_order
+
+    def _issue_forward_through(self, p: int) -> None:
+        """Issue gathers, in forward order, for every unit up to position ``p`` ([Note: collective order])."""
         fwd = self.forward
-        while fwd.issued <= min(k, len(self.units) - 1):
-            self.units[fwd.issued].unshard_async()
+        while fwd.issued <= min(p, len(fwd.order) - 1):
+            fwd.order[fwd.issued].unshard_async()
             fwd.issued += 1
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
@@ -161,8 +178,8 @@ class Stage3Schedule:
             kept = {u.index for u in self.units if u.state is UnitState.UNSHARDED}
             self.nested.append((self.forward, self.backward, kept))
         self._enter(TrainingState.FORWARD)
-        self.forward = _Pass(self.units)
-        self.gather_order = self.units
+        self.forward = _Pass(self.in_order)
+        self.gather_order = self.in_order
         with record_function("memsave::zero3::pre_forward"):
             self._issue_forward_through(self.prefetch)
             self.units[0].unshard_wait()
@@ -172,16 +189,16 @@ class Stage3Schedule:
         def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
             if self.passes_through is not None and self.passes_through(unit):
                 return None
-            k = unit.index
+            p = self.position[unit.index]
             replay = _replayed(unit)
             mdist.doing(self.engine.agreement.step, "forward", unit.name)
             with record_function("memsave::zero3::pre_forward"):
-                self._issue_forward_through(k + self.prefetch)
-                for j in range(1, k):  # gathered in order but skipped by this forward
-                    if j not in self.forward.ran:
-                        self._settle_skipped(self.units[j])
+                self._issue_forward_through(p + self.prefetch)
+                for before in self.forward.order[1:p]:  # gathered in order but skipped by this forward
+                    if before.index not in self.forward.ran:
+                        self._settle_skipped(before)
                 unit.unshard_wait()
-                self.forward.ran.add(k)
+                self.forward.ran.add(unit.index)
             if torch.is_grad_enabled() and not replay:
                 return self._watch_inputs(unit, args, kwargs)
             return None
@@ -220,7 +237,8 @@ class Stage3Schedule:
 
     def _keep_for_backward(self, unit: Unit) -> bool:
         """The last unit of forward is the first of backward: freeing it would only buy one more gather."""
-        return torch.is_grad_enabled() and (not self.reshard_after_forward or unit.index == len(self.units) - 1)
+        return torch.is_grad_enabled() and (not self.reshard_after_forward
+                                            or self.position[unit.index] == len(self.units) - 1)
 
     def _make_post_forward(self, unit: Unit) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -250,9 +268,9 @@ class Stage3Schedule:
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         # Units no rank-local forward reached are still gathered, in order, and freed ([Note: collective order]).
         self._issue_forward_through(len(self.units) - 1)
-        for j in range(1, len(self.units)):
-            if j not in self.forward.ran:
-                self._settle_skipped(self.units[j])
+        for u in self.forward.order[1:]:
+            if u.index not in self.forward.ran:
+                self._settle_skipped(u)
         if self.nested:  # back to the training forward's state ([Note: collective order] holds: same on all ranks)
             self.forward, self.backward, kept = self.nested.pop()
             for u in self.units:
@@ -265,10 +283,10 @@ class Stage3Schedule:
             for u in self.units:
                 u.reshard()
             self._enter(TrainingState.IDLE)
-            self.gather_order = self.units
+            self.gather_order = self.in_order
             return
         self._enter(TrainingState.AWAIT_BACKWARD)
-        self.backward = _Pass(list(reversed(self.units[1:])))
+        self.backward = _Pass(list(reversed(self.in_order[1:])))
         self.gather_order = self.backward.order
         for t in output_tensors(output):
             if t.requires_grad:
@@ -300,10 +318,10 @@ class Stage3Schedule:
                 root.unshard_wait()  # freed again at the end of the next backward, or after a no_grad forward
 
     # -- backward ------------------------------------------------------------------------------------------
-    def _issue_backward_through(self, k: int) -> None:
-        """Issue gathers, in backward order, for every non-root unit down to index ``k``."""
+    def _issue_backward_through(self, p: int) -> None:
+        """Issue gathers, in backward order, for every non-root unit down to forward position ``p``."""
         bwd = self.backward
-        while bwd.issued < len(bwd.order) and bwd.order[bwd.issued].index >= max(k, 1):
+        while bwd.issued < len(bwd.order) and self.position[bwd.order[bwd.issued].index] >= max(p, 1):
             bwd.order[bwd.issued].unshard_async()
             bwd.issued += 1
 
@@ -319,10 +337,11 @@ class Stage3Schedule:
             self.engine.queue_sync()
             with record_function("memsave::zero3::pre_backward"):
                 self.backward.ran.add(k)
-                self._issue_backward_through(k - self.prefetch)
-                for j in range(k + 1, len(self.units)):  # gathered in order, but not in this backward's graph
-                    if j not in self.backward.ran:
-                        self.units[j].reshard()
+                p = self.position[k]
+                self._issue_backward_through(p - self.prefetch)
+                for after in self.in_order[p + 1:]:  # gathered in order, but not in this backward's graph
+                    if after.index not in self.backward.ran:
+                        after.reshard()
                 unit.unshard_wait()
         return hook
 
@@ -347,7 +366,7 @@ class Stage3Schedule:
         self._enter(TrainingState.IDLE)
         # a next backward without a forward in between (a pipeline runs several forwards, then their backwards)
         # gathers again what this one frees
-        self.backward = _Pass(list(reversed(self.units[1:])))
+        self.backward = _Pass(list(reversed(self.in_order[1:])))
         for u in self.units:
             u.open_calls = u.blind_calls = 0
             if not (u.is_root and self.keep_root):
