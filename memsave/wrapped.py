@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import inspect
 import types
 import weakref
 from collections.abc import Callable, Iterator
@@ -152,6 +153,27 @@ def _save_pretrained(self: nn.Module, save_directory: Any, *args: Any, **kwargs:
     return save(self, save_directory, *args, **kwargs)
 
 
+def _generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Hugging Face's ``generate`` (put on the wrapped class only where the user's class has one), with
+    ``synced_gpus=True`` where each forward communicates over dp (ZeRO-3 at dp > 1: the flag
+    ``_is_fsdp_managed_module`` that :func:`memsave.parallelize` sets) and the call does not say otherwise.
+    transformers turns it on by itself there (as for FSDP and DeepSpeed ZeRO-3), unless a model's own ``generate``
+    defaults it to False: Whisper's, SeamlessM4T's, CSM's. Then a rank whose prompts ended first left the loop
+    while its peers gathered for their next token, and both waited out the 600 s collective timeout."""
+    if self.__dict__.get("_is_fsdp_managed_module") and "synced_gpus" not in kwargs:
+        kwargs["synced_gpus"] = True
+    generate: Callable[..., Any] = user_class(self).generate  # type: ignore[attr-defined]
+    return generate(self, *args, **kwargs)
+
+
+def _takes_synced_gpus(cls: type) -> bool:
+    """Whether ``cls.generate`` is Hugging Face's kind (a ``synced_gpus`` parameter), not a user's own."""
+    try:
+        return "synced_gpus" in inspect.signature(cls.generate).parameters  # type: ignore[attr-defined]
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
 def swap_class(module: nn.Module, engine: Any) -> nn.Module:
     """Make ``module`` an instance of a subclass of ``(Class, MemsaveModule)`` in place and attach ``engine``.
 
@@ -167,7 +189,8 @@ def swap_class(module: nn.Module, engine: Any) -> nn.Module:
             "__module__": cls.__module__, "__qualname__": cls.__qualname__, "zero_grad": MemsaveModule.zero_grad,
             "unshard": MemsaveModule.unshard, "reshard": MemsaveModule.reshard, "_apply": MemsaveModule._apply,
             "__deepcopy__": MemsaveModule.__deepcopy__,
-            **({"save_pretrained": _save_pretrained} if hasattr(cls, "save_pretrained") else {})})
+            **({"save_pretrained": _save_pretrained} if hasattr(cls, "save_pretrained") else {}),
+            **({"generate": _generate} if _takes_synced_gpus(cls) else {})})
     module.__class__ = _CLASS_CACHE[cls]
     module.memsave_engine = engine
     _WRAPPED_MODELS.add(module)

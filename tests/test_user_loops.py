@@ -22,7 +22,7 @@ from torch import nn
 import memsave
 from tests.compare import assert_close_norm
 from tests.harness import run_ranks
-from tests.toy import ToyLM, add_lora, hf_llama, toy_batch
+from tests.toy import ToyLM, add_lora, hf_llama, hf_whisper, toy_batch
 
 STEPS = 3
 ROWS = 2  # per rank
@@ -462,10 +462,29 @@ def _generate_stops_apart(mesh: Any) -> None:
     assert torch.equal(out, want), (mesh.dp_rank, out.tolist(), want.tolist())
 
 
+def _whisper_generates_apart(mesh: Any) -> None:
+    """Whisper's own generate defaults synced_gpus to False (SeamlessM4T's, CSM's too), so transformers does not
+    turn it on under ZeRO-3 as for other models: rank 0, done after one token, left the loop while rank 1 gathered
+    for its next; both waited out the 600 s collective timeout (gloo: "Timed out waiting 600000ms"). The wrapped
+    class's generate passes synced_gpus=True there, unless the call says otherwise."""
+    features = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(3))
+    mine = slice(2 * mesh.dp_rank, 2 * mesh.dp_rank + 2)
+    new = 1 if mesh.dp_rank == 0 else 4
+    with torch.no_grad():
+        want = hf_whisper().eval().generate(input_features=features[mine], max_new_tokens=new, do_sample=False)
+    model = hf_whisper()
+    model, _ = memsave.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), "zero3", mesh=mesh)
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(input_features=features[mine], max_new_tokens=new, do_sample=False)
+    assert torch.equal(out, want), (mesh.dp_rank, out.tolist(), want.tolist())
+
+
 def _error_cases(world: int) -> str:
     mesh = memsave.init()
     rank = mesh.dp_rank
     _generate_stops_apart(mesh)
+    _whisper_generates_apart(mesh)
     # [Note: what a step derives from its gradients]: a step the user skipped leaves no clip norm, unscaled master
     # gradients or overflow check behind (the NaN step was applied; model.zero_grad() replayed the old gradients)
     for profile in ("ddp-bf16", "zero2-bf16"):

@@ -116,6 +116,19 @@ def hf_clip() -> nn.Module:
     return CLIPModel(config)
 
 
+def hf_whisper() -> nn.Module:
+    """A Hugging Face Whisper from a small config: an encoder-decoder whose own ``generate`` defaults
+    ``synced_gpus`` to False."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = WhisperConfig(vocab_size=64, num_mel_bins=8, d_model=32, encoder_layers=1, decoder_layers=1,
+                           encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48,
+                           max_source_positions=8, max_target_positions=16, decoder_start_token_id=1, pad_token_id=0,
+                           bos_token_id=1, eos_token_id=2, dropout=0.0)
+    return WhisperForConditionalGeneration(config)
+
+
 def hf_funnel() -> nn.Module:
     """A Hugging Face Funnel Transformer from a small config: its encoder's layers sit in a list of lists."""
     from transformers import FunnelConfig, FunnelForMaskedLM
