@@ -547,6 +547,39 @@ def test_zero3_recompute_preset_and_hf_gpt2_under_zero3(wrapped: list[dict]) -> 
             assert run["gathers"] == ref["gathers"] and run["resharded"]
 
 
+class _ChangesAMatmulOutput(nn.Module):
+    """Funnel Transformer's ``positional_attn *= cls_mask``: an op that selective recomputation saves (a matmul,
+    here through einsum's view of it) changed in place afterwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = torch.einsum("bi,ij->bj", x, self.w)
+        scores *= (torch.arange(8) % 2).float()  # in place on the cached output
+        return torch.tanh(scores) @ self.w
+
+
+def test_selective_recomputes_a_saved_output_the_forward_changed() -> None:
+    """[Note: cached outputs the forward changed] torch raised in backward ("Tensor cached during selective
+    activation checkpoint has been mutated"); the op is recomputed from its replayed inputs instead: gradients
+    bitwise equal to no recomputation."""
+    torch.manual_seed(0)
+    net = nn.Sequential(_ChangesAMatmulOutput(), _ChangesAMatmulOutput())
+    x = torch.randn(4, 8)
+
+    def run(m: nn.Module) -> tuple:
+        loss = m(x).square().mean()
+        loss.backward()
+        return [loss.detach()], {n: p.grad for n, p in m.named_parameters()}
+
+    ref = run(copy.deepcopy(net))
+    m = copy.deepcopy(net)
+    recompute.apply(list(m), "selective", model=m)
+    _assert_bitwise(run(m), ref, "an in-place change of a saved matmul output")
+
+
 def test_torch_2_11_selective_cache_lists_are_counted_and_read_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch 2.11 keeps selective recomputation's cache as one list per op and hands the policy no output
     (memsave/recompute/checkpoint.py, [Note: selective cache seen on every torch]): each entry is reported to a

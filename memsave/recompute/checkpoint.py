@@ -112,7 +112,25 @@ class _KeptListEntries(_ListEntries):
     keep = True
 
 
-class _RewindingCachedMode(getattr(torch_checkpoint, "_CachedTorchDispatchMode", object)):  # type: ignore[misc]
+class _RecomputingMutatedMode(getattr(torch_checkpoint, "_CachedTorchDispatchMode", object)):  # type: ignore[misc]
+    """[Note: cached outputs the forward changed] Selective recomputation caches the outputs of the ops it saves
+    (matmuls) and hands them to the recomputation. A model that changes one in place afterwards (Funnel's
+    ``positional_attn *= cls_mask`` on an einsum's output) left the cache stale; torch then raised in backward
+    ("Tensor cached during selective activation checkpoint has been mutated"). The recomputation replays the
+    forward's ops, so such an op is recomputed from its replayed inputs instead (what the policy does for every op
+    it does not save): the same value, and its in-place change is replayed after it. torch marks the entry read
+    before it checks it (2.12 on) or pops it (2.11), so the cache stays in step either way."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        except RuntimeError as exc:
+            if "has been mutated" not in str(exc):
+                raise
+            return func(*args, **(kwargs or {}))
+
+
+class _RewindingCachedMode(_RecomputingMutatedMode):
     """torch 2.11's recompute mode, reading each op's kept entries from the first at every recompute (a
     recompute may stop early, torch's ``_StopRecomputationError``, so reads cannot run on round and round)."""
 
@@ -142,6 +160,8 @@ def selective_contexts(policy: Any, *, split: bool = False) -> tuple[Any, Any]:
     if storage is not None:
         for mode in contexts:
             mode.storage = storage
+    if type(contexts[1]) is getattr(torch_checkpoint, "_CachedTorchDispatchMode", None):
+        contexts[1].__class__ = _RecomputingMutatedMode  # [Note: cached outputs the forward changed]
     return contexts
 
 
