@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -292,16 +293,13 @@ def test_estimate_holds_an_untied_heads_gradient_through_backward() -> None:
             assert est == pytest.approx(peak, rel=0.005) and est_grads == grads, (profile, tied, est, peak)
 
 
-def _vit(meta: bool = False) -> torch.nn.Module:
+def _vit() -> torch.nn.Module:
     from transformers import ViTConfig, ViTForImageClassification
 
     cfg = ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=64, num_hidden_layers=2,
                     num_attention_heads=4, intermediate_size=128, hidden_dropout_prob=0.0,
                     attention_probs_dropout_prob=0.0, num_labels=5)
     torch.manual_seed(0)
-    if meta:
-        with torch.device("meta"):
-            return ViTForImageClassification(cfg)
     return ViTForImageClassification(cfg)
 
 
@@ -309,17 +307,27 @@ def _vit_estimate_vs_measured() -> list[tuple[str, int, int]]:
     mesh = memsave.init()
     g = torch.Generator().manual_seed(mesh.dp_rank)
     batch = {"pixel_values": torch.randn(16, 3, 16, 16, generator=g), "labels": torch.randint(0, 5, (16,), generator=g)}
+    cases = (("zero3", ()), ("zero3-recompute", ()), ("zero2", ('recompute.policy="full"',)))
+    return _estimates_and_peaks(mesh, _vit, batch, cases, steps=2)
+
+
+def _estimates_and_peaks(mesh: memsave.Mesh, build: Callable[[], torch.nn.Module], batch: dict,
+                         cases: tuple[tuple[str, tuple[str, ...]], ...], steps: int) -> list[tuple[str, int, int]]:
+    """(profile, estimated peak, the tracker's peak over ``steps`` steps) per case; ``build()`` runs on the meta
+    device for the estimate."""
     out = []
-    for name, overrides in (("zero3", ()), ("zero3-recompute", ()), ("zero2", ('recompute.policy="full"',))):
+    for name, overrides in cases:
         profile = memsave.load_profile(name, list(overrides))
-        est = estimate(_vit(meta=True), profile, world_size=mesh.dp_size, batch=batch, device="cpu")
-        model, opt = memsave.wrap(m := _vit(), torch.optim.AdamW(m.parameters(), lr=1e-3), profile, mesh=mesh)
+        with torch.device("meta"):
+            meta = build()
+        est = estimate(meta, profile, world_size=mesh.dp_size, batch=batch, device="cpu")
+        model, opt = memsave.wrap(m := build(), torch.optim.AdamW(m.parameters(), lr=1e-3), profile, mesh=mesh)
         tracker = MemoryTracker(model, opt)
-        for _ in range(2):
+        for _ in range(steps):
             opt.backward(model(**batch).loss)
             opt.step()
             opt.zero_grad()
-        out.append((f"{name} {' '.join(overrides)}", est.peak_total, tracker.peak["total"]))
+        out.append((f"{name} {' '.join(overrides)}".strip(), est.peak_total, tracker.peak["total"]))
         tracker.close()
     return out
 
@@ -492,20 +500,7 @@ def _clip_estimate_vs_measured() -> list[tuple[str, int, int]]:
     g = torch.Generator().manual_seed(mesh.dp_rank)
     batch = {"input_ids": torch.randint(3, 64, (8, 8), generator=g), "pixel_values": torch.randn(8, 3, 16, 16, generator=g),
              "return_loss": True}
-    out = []
-    for name in ("zero3", "zero3-recompute", "zero2"):
-        with torch.device("meta"):
-            meta = hf_clip()
-        est = estimate(meta, name, world_size=mesh.dp_size, batch=batch, device="cpu")
-        model, opt = memsave.wrap(m := hf_clip(), torch.optim.AdamW(m.parameters(), lr=1e-3), name, mesh=mesh)
-        tracker = MemoryTracker(model, opt)
-        for _ in range(3):
-            opt.backward(model(**batch).loss)
-            opt.step()
-            opt.zero_grad()
-        out.append((name, est.peak_total, tracker.peak["total"]))
-        tracker.close()
-    return out
+    return _estimates_and_peaks(mesh, hf_clip, batch, (("zero3", ()), ("zero3-recompute", ()), ("zero2", ())), steps=3)
 
 
 def test_estimate_of_two_towers_run_in_another_order_than_registered() -> None:
