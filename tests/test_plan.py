@@ -391,7 +391,8 @@ def test_cli_plan_write_explain(tmp_path: Path, capsys: pytest.CaptureFixture[st
 def test_cli_plan_any_hf_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A config.json of a type the closed forms do not read (Gemma; before: refused, "give it as MODULE:FUNCTION")
     is built by transformers on the meta device and planned as a MODULE:FUNCTION model is: each candidate's memory
-    from memsave.estimate on it, said in one line. A type transformers does not know is refused naming it."""
+    from memsave.estimate on it, said in one line. A type transformers does not know is refused naming it, and so
+    is an encoder-decoder config."""
     from transformers import GemmaConfig
 
     cfg = GemmaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -409,7 +410,15 @@ def test_cli_plan_any_hf_config_json(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert ranked and {r["memory_source"] for r in ranked} == {"memsave.estimate"}
     path.write_text(json.dumps({"model_type": "no-such-model", "hidden_size": 32}))
     assert main(args) == 2
-    assert "model_type = 'no-such-model': transformers cannot build a causal LM from it" in capsys.readouterr().err
+    assert "model_type = 'no-such-model': transformers cannot read it" in capsys.readouterr().err
+    # an encoder-decoder: transformers' causal-LM class for BART is its decoder alone (bart-large: 254M of 406M
+    # parameters), which the plan priced with no word
+    from transformers import BartConfig
+
+    BartConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+               decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48).to_json_file(path)
+    assert main(args) == 2
+    assert "model_type = 'bart' describes an encoder and a decoder" in capsys.readouterr().err
 
 
 def test_wrap_auto_profile() -> None:

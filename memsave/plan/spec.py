@@ -182,6 +182,18 @@ def meta_model_from_hf_config(config: dict[str, Any], seq_len: int) -> tuple[nn.
     _refuse_experts(config)
     try:
         hf = AutoConfig.for_model(kind, **{k: v for k, v in config.items() if k != "model_type"})
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"config.json model_type = {kind!r}: transformers cannot read it "
+                         f"({type(exc).__name__}: {str(exc)[:200]}); give the model as MODULE:FUNCTION") from None
+    if getattr(hf, "is_encoder_decoder", False):
+        # AutoModelForCausalLM builds the decoder alone from such a config (BART's: BartForCausalLM, 254M of
+        # bart-large's 406M parameters), and the plan would price a model with no encoder, silently
+        named = ", ".join(config.get("architectures") or []) or "an encoder-decoder model"
+        raise ValueError(f"config.json model_type = {kind!r} describes an encoder and a decoder ({named}); memsave "
+                         "plan builds causal language models from a config.json, and from this one transformers "
+                         "builds at most the decoder; give the model as MODULE:FUNCTION returning (model, batch), "
+                         "where its forward runs on the meta device")
+    try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf)
     except (ValueError, KeyError, TypeError) as exc:
