@@ -70,6 +70,7 @@ TP2_TRAIN = {
     "apertus-trainable-activation-zero1": ("apertus", "zero1", False),
     "mixtral-experts-cut-zero3": ("mixtral", "zero3", False),
     "llama4-experts-in-out-zero1": ("llama4", "zero1", False),
+    "deepseek-v3-router-beside-a-cut-mlp-zero2": ("deepseek_v3", "zero2", False),
 }
 DP2TP2_TRAIN = {
     "gpt-ddp-sp": ("gpt", "ddp", True),
@@ -110,7 +111,7 @@ def _model(key: str) -> tuple[Callable[[], nn.Module], tc.LossFn, int]:
         vocab = 251 if key.startswith("gpt251") else 250
         tie = "untied" not in key
         return (lambda: tc.gpt(vocab, tie)), tc.gpt_loss, vocab
-    if key in ("gemma", "phi3", "olmoe", "apertus", "mixtral", "llama4"):
+    if key in ("gemma", "phi3", "olmoe", "apertus", "mixtral", "llama4", "deepseek_v3"):
         return getattr(tc, key), tc.llama_loss, 250
     if key == "mixtral-noaux":
         return (lambda: tc.mixtral(aux=False)), tc.llama_loss, 250
@@ -918,7 +919,8 @@ def test_hf_plans_with_experts_and_gathered_projections() -> None:
     them. OLMoE's plan (Phi-3's too) gathers its projections' outputs whole ('colwise_gather_output') and cuts
     o_proj's input again ('rowwise_split_input'); its norms inside the attention read the whole features there, so
     they are completed 'replicated', not 'sequence_parallel' (summed over tp under sequence parallelism: their
-    gradients were doubled at tp = 2)."""
+    gradients were doubled at tp = 2). A module beside the projections takes its style from where the forward
+    calls it ([Note: modules beside the projections])."""
     from transformers import MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM
 
     from memsave.tp import cut_shapes
@@ -992,4 +994,16 @@ def test_hf_plans_with_experts_and_gathered_projections() -> None:
 
     apertus = ApertusForCausalLM(ApertusConfig(**small, num_key_value_heads=2))
     assert match_plan(apertus, default_plan(apertus))["model.layers.1.mlp.act_fn"][0] == (
+        "replicated_with_grad_allreduce")
+    # DeepSeek-V3's router runs on its MLP's input, before the shared expert's colwise projections: whole features,
+    # its gradient whole already ('replicated'; as this rank's features it was summed again: doubled, no error).
+    # Qwen 3's q_norm runs after q_proj: this rank's heads
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tests.tp_cases import deepseek_v3
+
+    ds = deepseek_v3()
+    assert match_plan(ds, default_plan(ds))["model.layers.1.mlp.gate"][0] == "replicated"
+    qwen3 = Qwen3ForCausalLM(Qwen3Config(**small, num_key_value_heads=2, head_dim=8))
+    assert match_plan(qwen3, default_plan(qwen3))["model.layers.0.self_attn.q_norm"][0] == (
         "replicated_with_grad_allreduce")

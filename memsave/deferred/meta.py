@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["meta_copy"]
+__all__ = ["meta_call_order", "meta_copy"]
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -21,3 +21,28 @@ def meta_copy(model: nn.Module) -> nn.Module:
     for b in model.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
     return copy.deepcopy(model, memo)
+
+
+def meta_call_order(model: nn.Module, names: list[str], *, partial: bool = False) -> list[str] | None:
+    """The modules ``names`` in the order a forward first calls them, from one run of a meta copy of a Hugging Face
+    model on its own ``dummy_inputs`` (no data; nothing of the model changes); None for any other model, or where
+    that run fails (a forward that reads values, inputs this model does not take, a mixture of experts' grouped
+    matmul, which the meta device takes in bf16 only), unless ``partial``: then the calls before the failure. A
+    name the run did not call is left out."""
+    try:
+        dummy = model.dummy_inputs if callable(getattr(model, "get_input_embeddings", None)) else None
+    except Exception:  # (a model class whose dummy inputs do not apply to it)
+        return None
+    if not isinstance(dummy, dict) or not all(isinstance(v, torch.Tensor) for v in dummy.values()):
+        return None
+    copied = meta_copy(model)
+    order: list[str] = []
+    for name in names:
+        copied.get_submodule(name).register_forward_pre_hook(
+            lambda *_, name=name: None if name in order else order.append(name))
+    try:
+        with torch.no_grad():
+            copied(**{k: v.to("meta") for k, v in dummy.items()})
+    except Exception:
+        return order if partial else None
+    return order

@@ -130,28 +130,12 @@ def _atoms(model: nn.Module, owner: str) -> tuple[list[str], list[str]]:
 
 
 def _call_order(model: nn.Module, atoms: Sequence[str]) -> list[str] | None:
-    """The atoms in the order a forward first calls them, from one run of a meta copy of a Hugging Face model on its
-    own ``dummy_inputs`` (no data, nothing of the model changed); None for any other model, or where that run
-    fails (a forward that reads values): then the registration order stands ([Note: atoms])."""
-    try:
-        dummy = model.dummy_inputs if callable(getattr(model, "get_input_embeddings", None)) else None
-    except Exception:  # (a model class whose dummy inputs do not apply to it)
-        return None
-    if not isinstance(dummy, dict) or not all(isinstance(v, torch.Tensor) for v in dummy.values()):
-        return None
-    from memsave.deferred.meta import meta_copy  # layer 1
+    """The atoms in the order a forward first calls them (:func:`memsave.deferred.meta.meta_call_order`: a meta copy
+    of a Hugging Face model run on its own ``dummy_inputs``); None for any other model, or where that run fails:
+    then the registration order stands ([Note: atoms])."""
+    from memsave.deferred.meta import meta_call_order  # layer 1
 
-    copy = meta_copy(model)
-    order: list[str] = []
-    for name in atoms:
-        copy.get_submodule(name).register_forward_pre_hook(
-            lambda *_, name=name: None if name in order else order.append(name))
-    try:
-        with torch.no_grad():
-            copy(**{k: v.to("meta") for k, v in dummy.items()})
-    except Exception:  # (values read on meta, inputs this model does not take): the registration order
-        return None
-    return order
+    return meta_call_order(model, list(atoms))
 
 
 def _by_call_order(atoms: list[str], blocks: list[str], order: Sequence[str] | None) -> list[str]:

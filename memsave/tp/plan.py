@@ -136,33 +136,75 @@ def _hf_plan(model: nn.Module, base_plan: Mapping[str, str]) -> dict[str, str]:
         plan[f"{name}.0"] = "sequence_input"
     named = [_compile(k) for k in plan]  # (Gemma 3 names its q_norm / k_norm: replicated_with_grad_allreduce)
     gathered = {k: _compile(k) for k, v in plan.items() if v == "sequence_gather"}
+    inner_styles: dict[str, tuple[str, str]] = {}  # module -> (style, the attention / MLP it is in)
     for n, m in model.named_modules():
         if any(r.fullmatch(n) for r in named) or not any(True for _ in m.parameters(recurse=False)):
             continue
         inner = _inner_style(n, plan, gathered)
         if inner is not None:  # a norm, an activation with parameters (Apertus's xIELU) inside an attention / MLP
-            plan[n] = inner
+            inner_styles[n] = inner
         elif _is_norm(m):
             plan[n] = "sequence_parallel"
+    plan.update(_by_call_order(model, plan, inner_styles))
     return plan
 
 
-def _inner_style(name: str, plan: Mapping[str, str], gathered: Mapping[str, re.Pattern[str]]) -> str | None:
+_OPENS = ("colwise", "packed_colwise", "colwise_gather_output")  # this rank's features or heads from here on
+_CLOSES = ("rowwise", "packed_rowwise", "rowwise_split_input")  # whole again after
+
+
+def _by_call_order(model: nn.Module, plan: Mapping[str, str], inner: Mapping[str, tuple[str, str]]) -> dict[str, str]:
+    """[Note: modules beside the projections] The styles of :func:`_inner_style`, checked against the order the
+    forward calls the modules of each attention / MLP: one it calls between a column-parallel projection and the
+    row-parallel one after it reads this rank's heads or features (``replicated_with_grad_allreduce``); one it calls
+    before any (on the module's own input, whole) or after the row-parallel one reads whole features: ``replicated``.
+    DeepSeek-V3's router sits in an MLP whose dense variant the plan cuts; as 'this rank's features' its gradient,
+    already whole (the experts' inputs are summed in backward), was summed over tp again: twice the router's
+    gradient, no error. The order comes from a meta run of a Hugging Face model on its dummy inputs, up to where that
+    run fails (DeepSeek-V3's experts: a grouped matmul the meta device takes in bf16 only, after its router ran);
+    a module it did not reach, or any module of another model, keeps its structural style."""
+    styles = {n: style for n, (style, _) in inner.items()}
+    todo = {n: owner for n, (style, owner) in inner.items() if style == "replicated_with_grad_allreduce"}
+    if not todo:
+        return styles
+    from memsave.deferred.meta import meta_call_order  # layer 1
+
+    owners = set(todo.values())
+    inside = [n for n, _ in model.named_modules() if any(n.startswith(o + ".") for o in owners)]
+    compiled = [(_compile(k), parse_style(k, v)[0]) for k, v in plan.items()]
+    kind = {n: s for n in inside for r, s in compiled if r.fullmatch(n) and s in _OPENS + _CLOSES}
+    order = meta_call_order(model, inside, partial=True)  # (a module the run did not reach keeps its style)
+    if order is None:
+        return styles
+    for owner in owners:
+        local = False
+        for n in (n for n in order if n.startswith(owner + ".")):
+            if kind.get(n) in _OPENS:
+                local = True
+            elif kind.get(n) in _CLOSES:
+                local = False
+            elif todo.get(n) == owner and not local:
+                styles[n] = "replicated"
+    return styles
+
+
+def _inner_style(name: str, plan: Mapping[str, str],
+                 gathered: Mapping[str, re.Pattern[str]]) -> tuple[str, str] | None:
     """A module with parameters the HF plan does not name, inside an attention or MLP whose projections it cuts:
     the whole features when the projections gather their outputs (OLMoE's ``q_norm`` / ``k_norm``: ``replicated``),
     else this rank's heads or features (Qwen 3's ``q_norm``, Apertus's trainable activation between ``up_proj``
     and ``down_proj``: ``replicated_with_grad_allreduce``). None outside those. Left whole with their gradients
     as computed, Apertus's activation trained on this rank's share of its gradient (2e-4 off after 3 steps, no
-    error); marked ``sequence_parallel`` (as every norm was), OLMoE's norms had theirs doubled under SP."""
+    error); marked ``sequence_parallel`` (as every norm was), OLMoE's norms had theirs doubled under SP. Returns the
+    style and the attention / MLP module it is in; :func:`_by_call_order` checks it against the forward."""
     parts = name.split(".")
     for i in range(len(parts) - 1, 0, -1):
         owner = ".".join(parts[:i])
         hit = next((k for k, r in gathered.items() if r.fullmatch(owner)), None)
         if hit is not None:
-            inner = [v for k, v in plan.items() if k.startswith(hit + ".") and parse_style(k, v)[0] in (
-                "colwise", "packed_colwise", "colwise_gather_output")]
-            return "replicated" if inner and all(v == "colwise_gather_output" for v in inner) else (
-                "replicated_with_grad_allreduce")
+            inner = [v for k, v in plan.items() if k.startswith(hit + ".") and parse_style(k, v)[0] in _OPENS]
+            return ("replicated" if inner and all(v == "colwise_gather_output" for v in inner) else (
+                "replicated_with_grad_allreduce"), owner)
     return None
 
 
