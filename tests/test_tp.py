@@ -71,6 +71,8 @@ TP2_TRAIN = {
     "mixtral-experts-cut-zero3": ("mixtral", "zero3", False),
     "llama4-experts-in-out-zero1": ("llama4", "zero1", False),
     "deepseek-v3-router-beside-a-cut-mlp-zero2": ("deepseek_v3", "zero2", False),
+    "minimax-linear-attention-uncut-ddp": ("minimax", "ddp", False),
+    "exaone-moe-shared-expert-uncut-zero1": ("exaone_moe", "zero1", False),
 }
 DP2TP2_TRAIN = {
     "gpt-ddp-sp": ("gpt", "ddp", True),
@@ -111,7 +113,7 @@ def _model(key: str) -> tuple[Callable[[], nn.Module], tc.LossFn, int]:
         vocab = 251 if key.startswith("gpt251") else 250
         tie = "untied" not in key
         return (lambda: tc.gpt(vocab, tie)), tc.gpt_loss, vocab
-    if key in ("gemma", "phi3", "olmoe", "apertus", "mixtral", "llama4", "deepseek_v3"):
+    if key in ("gemma", "phi3", "olmoe", "apertus", "mixtral", "llama4", "deepseek_v3", "minimax", "exaone_moe"):
         return getattr(tc, key), tc.llama_loss, 250
     if key == "mixtral-noaux":
         return (lambda: tc.mixtral(aux=False)), tc.llama_loss, 250
@@ -174,8 +176,10 @@ def _train_case(mesh: memsave.Mesh, key: str, prof_name: str, sequence: bool,
                        clear=clear)
     assert comm.calls["tp_logits_gather"] == 0, comm.snapshot()
     assert widths == [(ShardedLogits.__name__, -(-vocab // tp))] * (tc.STEPS + 1), widths  # (+ the eval forward)
-    # under SP the norms' gradients are partial (each rank its tokens'); so are KV heads kept whole (nkv % tp != 0)
-    assert bool(partial) == (sequence or key == "apertus" or (key.startswith("llama") and int(key[-1]) % tp != 0)), partial
+    # under SP the norms' gradients are partial (each rank its tokens'); so are KV heads kept whole (nkv % tp != 0),
+    # and norms on this rank's heads (Apertus's, EXAONE-MoE's q_norm / k_norm; its plan names them)
+    assert bool(partial) == (sequence or key in ("apertus", "exaone_moe")
+                             or (key.startswith("llama") and int(key[-1]) % tp != 0)), partial
     assert checked[0] == len(partial) * tc.STEPS
     if partial and prof_name in ("ddp", "zero2"):  # not cleared: the summed gradients would be summed again
         x, y = tc.batches(vocab)[0]
@@ -1004,6 +1008,14 @@ def test_hf_plans_with_experts_and_gathered_projections() -> None:
 
     ds = deepseek_v3()
     assert match_plan(ds, default_plan(ds))["model.layers.1.mlp.gate"][0] == "replicated"
+    # an attention / MLP with no column-parallel projection of its own: MiniMax's linear-attention layer, EXAONE-MoE's
+    # sparse layer (the plan cuts the dense layers' MLPs; its shared expert stays whole): whole features (their
+    # gradients were doubled)
+    from tests.tp_cases import exaone_moe, minimax
+
+    mm, ex = minimax(), exaone_moe()
+    assert match_plan(mm, default_plan(mm))["model.layers.1.self_attn.qkv_proj"][0] == "replicated"
+    assert match_plan(ex, default_plan(ex))["model.layers.1.mlp.shared_experts.up_proj"][0] == "replicated"
     qwen3 = Qwen3ForCausalLM(Qwen3Config(**small, num_key_value_heads=2, head_dim=8))
     assert match_plan(qwen3, default_plan(qwen3))["model.layers.0.self_attn.q_norm"][0] == (
         "replicated_with_grad_allreduce")

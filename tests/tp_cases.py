@@ -130,6 +130,31 @@ def deepseek_v3() -> nn.Module:
     return DeepseekV3ForCausalLM(cfg)
 
 
+def minimax() -> nn.Module:
+    """An unchanged Hugging Face MiniMaxForCausalLM: layer 0 softmax attention (cut by HF's plan), layer 1 linear
+    (lightning) attention, whose projections the plan does not name; four experts, top-2."""
+    from transformers import MiniMaxConfig, MiniMaxForCausalLM
+
+    cfg = MiniMaxConfig(vocab_size=250, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                        num_experts_per_tok=2, max_position_embeddings=64, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return MiniMaxForCausalLM(cfg)
+
+
+def exaone_moe() -> nn.Module:
+    """An unchanged Hugging Face ExaoneMoeForCausalLM: layer 0 a dense MLP (cut by HF's plan), layer 1 four routed
+    experts, top-2, and a shared expert the plan does not name."""
+    from transformers import ExaoneMoeConfig, ExaoneMoeForCausalLM
+
+    cfg = ExaoneMoeConfig(vocab_size=250, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+                          attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return ExaoneMoeForCausalLM(cfg)
+
+
 def olmoe() -> nn.Module:
     """An unchanged Hugging Face OlmoeForCausalLM (4 experts, top-1; q_norm / k_norm on the gathered query and
     key). memsave does not cut experts: :func:`olmoe_plan` leaves them whole."""

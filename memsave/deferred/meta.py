@@ -26,9 +26,9 @@ def meta_copy(model: nn.Module) -> nn.Module:
 def meta_call_order(model: nn.Module, names: list[str], *, partial: bool = False) -> list[str] | None:
     """The modules ``names`` in the order a forward first calls them, from one run of a meta copy of a Hugging Face
     model on its own ``dummy_inputs`` (no data; nothing of the model changes); None for any other model, or where
-    that run fails (a forward that reads values, inputs this model does not take, a mixture of experts' grouped
-    matmul, which the meta device takes in bf16 only), unless ``partial``: then the calls before the failure. A
-    name the run did not call is left out."""
+    that run fails (a forward that reads values, inputs this model does not take), unless ``partial``: then the
+    calls before the failure. A run that fails in the model's dtype is tried once more in bf16 (the meta device
+    runs a mixture of experts' grouped matmul in bf16 only). A name the run did not call is left out."""
     try:
         dummy = model.dummy_inputs if callable(getattr(model, "get_input_embeddings", None)) else None
     except Exception:  # (a model class whose dummy inputs do not apply to it)
@@ -40,9 +40,16 @@ def meta_call_order(model: nn.Module, names: list[str], *, partial: bool = False
     for name in names:
         copied.get_submodule(name).register_forward_pre_hook(
             lambda *_, name=name: None if name in order else order.append(name))
-    try:
-        with torch.no_grad():
-            copied(**{k: v.to("meta") for k, v in dummy.items()})
-    except Exception:
-        return order if partial else None
-    return order
+    inputs = {k: v.to("meta") for k, v in dummy.items()}
+    for attempt in range(2):
+        try:
+            with torch.no_grad():
+                copied(**inputs)
+            return order
+        except Exception:
+            floating = {p.dtype for p in copied.parameters() if p.is_floating_point()}
+            if attempt or floating <= {torch.bfloat16}:
+                break
+            order.clear()  # once more in bf16: the meta device runs a grouped matmul (experts) in bf16 only
+            copied.to(torch.bfloat16)
+    return order if partial else None

@@ -154,31 +154,38 @@ _CLOSES = ("rowwise", "packed_rowwise", "rowwise_split_input")  # whole again af
 
 
 def _by_call_order(model: nn.Module, plan: Mapping[str, str], inner: Mapping[str, tuple[str, str]]) -> dict[str, str]:
-    """[Note: modules beside the projections] The styles of :func:`_inner_style`, checked against the order the
-    forward calls the modules of each attention / MLP: one it calls between a column-parallel projection and the
-    row-parallel one after it reads this rank's heads or features (``replicated_with_grad_allreduce``); one it calls
-    before any (on the module's own input, whole) or after the row-parallel one reads whole features: ``replicated``.
-    DeepSeek-V3's router sits in an MLP whose dense variant the plan cuts; as 'this rank's features' its gradient,
-    already whole (the experts' inputs are summed in backward), was summed over tp again: twice the router's
-    gradient, no error. The order comes from a meta run of a Hugging Face model on its dummy inputs, up to where that
-    run fails (DeepSeek-V3's experts: a grouped matmul the meta device takes in bf16 only, after its router ran);
-    a module it did not reach, or any module of another model, keeps its structural style."""
+    """[Note: modules beside the projections] The styles of :func:`_inner_style`, checked against this attention /
+    MLP and the order the forward calls its modules. A module the forward calls between a column-parallel
+    projection and the row-parallel one after it reads this rank's heads or features
+    (``replicated_with_grad_allreduce``). One in an attention / MLP that has no column-parallel projection of its
+    own (MiniMax's linear-attention layers beside its cut softmax-attention ones; EXAONE-MoE's shared expert in a
+    sparse layer, where the plan's entries cut the dense layers' MLPs), or one called before any (on the module's
+    own input, whole: DeepSeek-V3's router) or after the row-parallel one, reads whole features: ``replicated``.
+    Taken for this rank's features, their gradients, whole already, were summed over tp again: doubled, with the
+    loss equal and no error. The order comes from a meta run of a Hugging Face model on its dummy inputs (in bf16
+    where the model's own dtype fails there: a mixture of experts' grouped matmul takes bf16 only on the meta
+    device), up to where that run fails; a module it did not reach, or any module of another model, keeps its
+    structural style."""
     styles = {n: style for n, (style, _) in inner.items()}
     todo = {n: owner for n, (style, owner) in inner.items() if style == "replicated_with_grad_allreduce"}
     if not todo:
         return styles
-    from memsave.deferred.meta import meta_call_order  # layer 1
-
     owners = set(todo.values())
     inside = [n for n, _ in model.named_modules() if any(n.startswith(o + ".") for o in owners)]
     compiled = [(_compile(k), parse_style(k, v)[0]) for k, v in plan.items()]
     kind = {n: s for n in inside for r, s in compiled if r.fullmatch(n) and s in _OPENS + _CLOSES}
-    order = meta_call_order(model, inside, partial=True)  # (a module the run did not reach keeps its style)
-    if order is None:
+    opening = {o for o in owners if any(n.startswith(o + ".") and kind[n] in _OPENS for n in kind)}
+    for n, owner in todo.items():
+        if owner not in opening:  # nothing in it is cut by columns: its features are whole
+            styles[n] = "replicated"
+    if not opening:
         return styles
-    for owner in owners:
+    from memsave.deferred.meta import meta_call_order  # layer 1
+
+    order = meta_call_order(model, [n for n in inside if any(n.startswith(o + ".") for o in opening)], partial=True)
+    for owner in opening:
         local = False
-        for n in (n for n in order if n.startswith(owner + ".")):
+        for n in (n for n in order or () if n.startswith(owner + ".")):
             if kind.get(n) in _OPENS:
                 local = True
             elif kind.get(n) in _CLOSES:
