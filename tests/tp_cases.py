@@ -114,45 +114,41 @@ def llama4() -> nn.Module:
     return Llama4ForCausalLM(cfg)
 
 
+def _hf_model(config: str, model: str, **sizes: Any) -> nn.Module:
+    """transformers' ``model`` class built from its ``config`` class with ``sizes`` (sdpa attention), seeded."""
+    import transformers
+
+    cfg = getattr(transformers, config)(**sizes, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return getattr(transformers, model)(cfg)
+
+
 def deepseek_v3() -> nn.Module:
     """An unchanged Hugging Face DeepseekV3ForCausalLM (multi-head latent attention; layer 0 dense, layer 1 four
     routed experts, top-2, and a shared expert): HF's plan names the dense MLP's projections
     ('layers.*.mlp.gate_proj'), so layer 1's MLP, router included, is an MLP the plan cuts ([Note: modules beside
     the projections] in memsave/tp/plan.py)."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    cfg = DeepseekV3Config(vocab_size=250, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-                           num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
-                           q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                           max_position_embeddings=64, n_shared_experts=1, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    return DeepseekV3ForCausalLM(cfg)
+    return _hf_model("DeepseekV3Config", "DeepseekV3ForCausalLM", vocab_size=250, hidden_size=64, intermediate_size=96,
+                     moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                     n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                     kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                     max_position_embeddings=64, n_shared_experts=1)
 
 
 def minimax() -> nn.Module:
     """An unchanged Hugging Face MiniMaxForCausalLM: layer 0 softmax attention (cut by HF's plan), layer 1 linear
     (lightning) attention, whose projections the plan does not name; four experts, top-2."""
-    from transformers import MiniMaxConfig, MiniMaxForCausalLM
-
-    cfg = MiniMaxConfig(vocab_size=250, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-                        num_experts_per_tok=2, max_position_embeddings=64, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    return MiniMaxForCausalLM(cfg)
+    return _hf_model("MiniMaxConfig", "MiniMaxForCausalLM", vocab_size=250, hidden_size=64, intermediate_size=96,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
 
 
 def exaone_moe() -> nn.Module:
     """An unchanged Hugging Face ExaoneMoeForCausalLM: layer 0 a dense MLP (cut by HF's plan), layer 1 four routed
     experts, top-2, and a shared expert the plan does not name."""
-    from transformers import ExaoneMoeConfig, ExaoneMoeForCausalLM
-
-    cfg = ExaoneMoeConfig(vocab_size=250, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                          num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-                          attn_implementation="sdpa")
-    torch.manual_seed(0)
-    return ExaoneMoeForCausalLM(cfg)
+    return _hf_model("ExaoneMoeConfig", "ExaoneMoeForCausalLM", vocab_size=250, hidden_size=64, intermediate_size=96,
+                     moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=16, num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
 
 
 def olmoe() -> nn.Module:
