@@ -1016,6 +1016,12 @@ def test_hf_plans_with_experts_and_gathered_projections() -> None:
     mm, ex = minimax(), exaone_moe()
     assert match_plan(mm, default_plan(mm))["model.layers.1.self_attn.qkv_proj"][0] == "replicated"
     assert match_plan(ex, default_plan(ex))["model.layers.1.mlp.shared_experts.up_proj"][0] == "replicated"
+    # Inkling 2's plan cuts its fused gate_up_proj 'colwise', its experts split it with chunk(2): packed (a rank held
+    # every gate row, the other every up row); GPT-OSS's interleaved rows keep HF's style
+    from tests.tp_cases import inkling2
+
+    ink = inkling2()
+    assert default_plan(ink)["model.layers.*.mlp.experts.gate_up_proj"] == "packed_colwise"
     qwen3 = Qwen3ForCausalLM(Qwen3Config(**small, num_key_value_heads=2, head_dim=8))
     assert match_plan(qwen3, default_plan(qwen3))["model.layers.0.self_attn.q_norm"][0] == (
         "replicated_with_grad_allreduce")

@@ -114,11 +114,11 @@ def llama4() -> nn.Module:
     return Llama4ForCausalLM(cfg)
 
 
-def _hf_model(config: str, model: str, **sizes: Any) -> nn.Module:
-    """transformers' ``model`` class built from its ``config`` class with ``sizes`` (sdpa attention), seeded."""
+def _hf_model(config: str, model: str, attn: str = "sdpa", **sizes: Any) -> nn.Module:
+    """transformers' ``model`` class built from its ``config`` class with ``sizes`` and ``attn`` attention, seeded."""
     import transformers
 
-    cfg = getattr(transformers, config)(**sizes, attn_implementation="sdpa")
+    cfg = getattr(transformers, config)(**sizes, attn_implementation=attn)
     torch.manual_seed(0)
     return getattr(transformers, model)(cfg)
 
@@ -149,6 +149,16 @@ def exaone_moe() -> nn.Module:
     return _hf_model("ExaoneMoeConfig", "ExaoneMoeForCausalLM", vocab_size=250, hidden_size=64, intermediate_size=96,
                      moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                      head_dim=16, num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+
+
+def inkling2() -> nn.Module:
+    """An unchanged Hugging Face Inkling2ForCausalLM (for its plan: its config keeps a vocabulary of 200k): its
+    experts split the fused gate_up_proj with chunk(2), where HF's plan names it 'colwise' (taken as
+    'packed_colwise', said once)."""
+    return _hf_model("Inkling2TextConfig", "Inkling2ForCausalLM", "eager", vocab_size=250, hidden_size=64, intermediate_size=96,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     max_position_embeddings=64, n_routed_experts=4, num_local_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=32)
 
 
 def olmoe() -> nn.Module:
