@@ -498,6 +498,41 @@ def _router_logits_refused(mesh: memsave.Mesh) -> dict[str, float]:
     return {"figures": 0.0, "params": 0.0}
 
 
+class _ReachesIn(torch.nn.Module):
+    """A forward that calls a part of each block directly, outside the block's own forward (as PaliGemma's calls
+    its language model's embedding through get_input_embeddings())."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(8, 16)
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(2))
+        self.out = torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.out(h + self.layers[0][0](h) + self.layers[1][0](h))
+
+
+def _reaches_into_another_stage(mesh: memsave.Mesh) -> dict[str, float]:
+    """[Note: a part of another stage's module] Each rank meets a part of the other stage's block called from the
+    model's own code: refused on both, naming it (the probe raised the meta device's own error on one rank, its
+    peer stopped by it)."""
+    model, _ = memsave.wrap(m := _ReachesIn(), torch.optim.SGD(m.parameters(), lr=pc.LR), pc.profile(pp=2), mesh=mesh)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    other = "layers.1" if mesh.axis_rank("pp") == 0 else "layers.0"
+    try:
+        model.pipeline_step(list(x.chunk(2)), targets=list(torch.zeros(4, 1).chunk(2)),
+                            loss_fn=pc.mse)
+    except NotImplementedError as exc:
+        assert f"calls '{other}.0', a part of '{other}'" in str(exc) and "outside that module's own forward" in str(exc), exc
+    else:
+        raise AssertionError("a part of another stage's block called from the model's code was not refused")
+    return {"figures": 0.0, "params": 0.0}
+
+
 CASES: dict[str, Callable[[memsave.Mesh], dict[str, float]]] = {
     "tied-two-calls-a-step-ddp": lambda mesh: _accumulate(mesh, "ddp", calls=2, clear=True),
     "tied-two-calls-a-step-zero3": lambda mesh: _accumulate(mesh, "zero3", calls=2, clear=True),
@@ -524,6 +559,7 @@ CASES: dict[str, Callable[[memsave.Mesh], dict[str, float]]] = {
     "hf-mixtral-off-meta-zero3-1f1b": lambda mesh: _off_meta(mesh, "mixtral", "zero3", "1f1b"),
     "masked-moe-off-meta-ddp-zero-bubble": lambda mesh: _off_meta(mesh, "moe", "ddp", "zero-bubble"),
     "hf-mixtral-router-logits-refused": _router_logits_refused,
+    "a-part-of-another-stages-block-refused": _reaches_into_another_stage,
     # last: the failed step's messages stay in flight in this process group, for any later pipeline too
     "no-step-after-one-that-raised": _step_that_raised,
 }

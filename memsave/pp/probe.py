@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import pickle
 import warnings
 from collections.abc import Callable
@@ -258,6 +259,7 @@ class Probe:
         with torch.no_grad():
             kept = [(m, n, b, b.clone()) for m in (model.modules() if model is not None else ())
                     for n, b in m._buffers.items() if b is not None and not b.is_meta]
+        hooks = self._watch_foreign_calls(model) if model is not None else []
         try:
             devices = [self.device] if self.device.type == "cuda" else []  # the probe draws no random numbers
             with torch.no_grad(), torch.random.fork_rng(devices=devices), _Tagging(self):
@@ -265,11 +267,40 @@ class Probe:
                 self.deps[OUTPUT] = _tags_of(out)
         finally:
             self.active = False
+            for h in hooks:
+                h.remove()
             with torch.no_grad():
                 for m, n, b, copy in kept:  # in place too: a forward may write through .data
                     m._buffers[n] = b
                     b.copy_(copy)
         return self._layout(n_stages)
+
+    def _watch_foreign_calls(self, model: torch.nn.Module) -> list[Any]:
+        """[Note: a part of another stage's module] Hooks on the submodules of the atoms this rank does not hold: the
+        model's own code that calls one of them directly, not through its atom's forward (PaliGemma's forward embeds
+        the ids with ``get_input_embeddings()``, a part of its language model, when the split is over the vision
+        tower's layers), would run it on this rank's meta copy; the probe raised the meta device's own error there
+        ("Tensor.item() cannot be called on meta tensors", on one rank, the others stopped by it). It now says which
+        module and why."""
+        hooks = []
+        for atom, stage in self.stage_of_atom.items():
+            if self.local(atom):
+                continue
+            root = model.get_submodule(atom)
+            for name, sub in root.named_modules():
+                if sub is not root:
+                    hooks.append(sub.register_forward_pre_hook(functools.partial(
+                        self._foreign_call, atom, f"{atom}.{name}", stage)))
+        return hooks
+
+    def _foreign_call(self, atom: str, name: str, stage: int, *_: Any) -> None:
+        if self.remote != atom:
+            raise NotImplementedError(
+                f"pipeline split: the forward calls {name!r}, a part of {atom!r} (stage {stage}), outside that "
+                f"module's own forward (the model's code reaches into it, as a Hugging Face model's forward may call "
+                f"get_input_embeddings()); the other stages hold no values of {atom!r}, so this split cannot run. "
+                "Split over the layer list whose modules the forward calls only through their own forward ([parallel] "
+                "split, or the config's base_model_pp_plan), or train this model without pp")
 
     def _layout(self, n_stages: int) -> Layout:
         stage_of = {k: self.stage_of_atom[k[0]] for k in self.order}
